@@ -1,0 +1,101 @@
+"""bmc: LLM token generation on a KV cache Balanced between Memory and Compute.
+
+    import bmc
+    model = bmc.load()                      # the embedded SmolLM2-135M-Instruct
+    for c in bmc.generate(model, ["The capital of France is"], max_new_tokens=20):
+        print(c.text)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .engine import GenerationConfig, GenerationStats, TokenEvent, encode_prompts, generate_tokens
+from .errors import BmcError, InvalidRequestError, ModelLoadError, UnsupportedModelError
+from .models import Model, load_model
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+Prompts = Sequence[str] | Sequence[Sequence[int]]
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)  # generated ids only (EOS included when it ended the row)
+    text: str | None = None  # None when the model has no tokenizer
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+
+
+class Completions(list):
+    """The completions of a generate() call, ordered by (prompt_index, sample_index), with the run's stats."""
+
+    stats: GenerationStats
+
+
+class TokenStream:
+    """Iterate to get TokenEvents as they are produced; `stats` is complete once the iteration ends."""
+
+    def __init__(self, model: Model, prompt_ids: list[list[int]], gen: GenerationConfig) -> None:
+        self.stats = GenerationStats()
+        self._events = generate_tokens(model, prompt_ids, gen, self.stats)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self._events
+
+
+def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Model:
+    """Load an HF model directory or a llama GGUF file; no path loads the embedded default model."""
+    return load_model(path, dtype=dtype, device=device)
+
+
+def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
+            num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
+            ignore_eos: bool, attention: str) -> GenerationConfig:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        num_samples=num_samples, stop=stops, ignore_eos=ignore_eos, kv=kv, r=r, T=T, attention=attention)
+
+
+def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, num_samples: int = 1,
+           stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+           ignore_eos: bool = False, chat: bool = False, attention: str = "dense") -> TokenStream:
+    """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
+    gen = _config(max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop, kv, r, T, ignore_eos, attention)
+    if stop and model.tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+    return TokenStream(model, encode_prompts(model, prompts, chat), gen)
+
+
+def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, num_samples: int = 1,
+             stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+             ignore_eos: bool = False, chat: bool = False, attention: str = "dense") -> Completions:
+    """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`."""
+    s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+               seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
+               attention=attention)
+    by_row: dict[tuple[int, int], Completion] = {}
+    for ev in s:
+        c = by_row.setdefault((ev.prompt_index, ev.sample_index), Completion(ev.prompt_index, ev.sample_index))
+        c.token_ids.append(ev.token_id)
+        if ev.text is not None:
+            c.text = (c.text or "") + ev.text
+        c.finish_reason = ev.finish_reason
+    out = Completions(by_row[k] for k in sorted(by_row))
+    if model.tokenizer is not None:
+        for c in out:
+            c.text = c.text or ""
+    out.stats = s.stats
+    return out
+
+
+__all__ = ["load", "generate", "stream", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",
+           "GenerationStats", "BmcError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError"]

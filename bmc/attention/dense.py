@@ -1,0 +1,27 @@
+"""Dense attention over the cache's full capacity with an additive bias, GQA/MQA without repeated KV heads.
+
+The G query heads that share a KV head are folded into the query-row axis ([B, H_kv, G*t, d]), so every KV
+head is read once by one matrix product instead of being copied G times (what repeat_kv does in HF)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def group_bias(bias: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, t, S] -> [B, 1, G*t, S] matching the folded query rows (row g*t + i is query i of head g).
+    A single-query bias broadcasts as it is. Call once per forward, not per layer."""
+    if groups == 1 or bias.shape[2] == 1:
+        return bias
+    return bias.repeat(1, 1, groups, 1)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, t, d]; k, v [B, H_kv, S, d]; bias from group_bias(). Returns [B, H, t, d]."""
+    B, H, t, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(B, kv_heads, (H // kv_heads) * t, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+    return out.reshape(B, H, t, d)

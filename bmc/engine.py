@@ -1,0 +1,239 @@
+"""The generation loop: prefill, then one decode step per token, yielding tokens as they come.
+
+A decode step reads straight through: the cache makes room (a chunk boundary allocates and copies, once every r
+tokens) -> the model computes q, k, v for the new token and writes k, v in place -> attention over the cache's
+capacity with its bias -> logits -> sampler -> stop checks. Finished rows leave the batch (cache.reorder)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .analytic import choose_T
+from .attention import ATTENTION_BACKENDS
+from .errors import InvalidRequestError
+from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
+from .models import Model
+from .sampling import Sampler, SamplingParams
+from .textstream import TextStream
+
+log = logging.getLogger("bmc")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    kv: str = "bmc"
+    r: int | None = None
+    T: int | None = None
+    attention: str = "dense"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        if self.num_samples < 1:
+            raise InvalidRequestError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.kv not in KV_STRATEGIES:
+            raise InvalidRequestError(f"unknown kv strategy {self.kv!r}; choose from {', '.join(KV_STRATEGIES)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(f"unknown attention {self.attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+        if self.r is not None and self.r < 1:
+            raise InvalidRequestError(f"r must be >= 1, got {self.r}")
+        if self.T is not None and self.T < 1:
+            raise InvalidRequestError(f"T must be >= 1, got {self.T}")
+        if self.r is not None and self.T is not None:
+            raise InvalidRequestError("give r or T, not both")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one row. `text` is the new printable text (may be empty while a multi-byte
+    character or a possible stop string is pending); `finish_reason` is set on the row's last event."""
+
+    prompt_index: int
+    sample_index: int
+    token_id: int
+    text: str | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    batch_size: int = 0
+    prompt_tokens: int = 0  # real (unpadded) prompt tokens over all distinct prompts
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # tokens produced by decode steps (the first token of each row comes from prefill)
+    decode_bytes: int = 0  # weights + KV capacity read by the decode steps
+    kv_strategy: str = ""
+    r: int | None = None
+    T: int | None = None
+    T_source: str = ""
+    max_length: int = 0
+    kv_allocations: int = 0
+    peak_kv_bytes: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_gb_per_s(self) -> float:
+        return self.decode_bytes / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+                 decode_gb_per_s=self.decode_gb_per_s)
+        return d
+
+
+def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int, left_pad: Sequence[int],
+               stats: GenerationStats) -> KVCache:
+    cfg = model.config
+    kw = dict(num_layers=cfg.num_layers, batch_size=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              max_length=max_length, dtype=model.dtype, device=model.device, left_pad=left_pad)
+    stats.kv_strategy = gen.kv
+    if gen.kv != "bmc":
+        return KV_STRATEGIES[gen.kv](**kw)
+    if gen.r is not None:
+        r, stats.T_source = gen.r, "r given"
+    elif gen.T is not None:
+        r, stats.T_source = r_from_T(max_length, gen.T), "T given"
+    else:
+        T, stats.T_source = choose_T(max_length, model=cfg, batch=batch, dtype=model.dtype, device=model.device)
+        r = r_from_T(max_length, T)
+    stats.r, stats.T = r, math.ceil(max_length / r)
+    return BMCCache(r=r, **kw)
+
+
+def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise InvalidRequestError("prompts must be a non-empty list of strings or of token-id lists")
+    tok = model.tokenizer
+    out: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tok is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompts as token-id lists")
+            if not p:
+                raise InvalidRequestError(f"prompt {i} is empty")
+            if chat:
+                p = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            ids = tok.encode(p)
+        else:
+            ids = [int(t) for t in p]
+            if not ids:
+                raise InvalidRequestError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def eos_ids(model: Model) -> set[int]:
+    ids = set(model.config.eos_token_ids)
+    if model.tokenizer is not None:
+        ids.update(model.tokenizer.eos_token_ids)
+    return ids
+
+
+@torch.inference_mode()
+def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
+                    stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """The core loop. Rows are (prompt, sample) pairs; each prompt is prefilled once and forked to its samples."""
+    stats = stats if stats is not None else GenerationStats()
+    dev, net = model.device, model.net
+    P = max(len(p) for p in prompt_ids)
+    max_length = P + gen.max_new_tokens
+    if max_length > model.max_context:
+        longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        raise InvalidRequestError(
+            f"prompt {longest} has {P} tokens; with max_new_tokens={gen.max_new_tokens} that is {max_length} "
+            f"positions, beyond the model's context of {model.max_context}")
+    attention = ATTENTION_BACKENDS[gen.attention]
+    sampler = Sampler(gen.sampling, dev)
+    stop_ids = set() if gen.ignore_eos else eos_ids(model)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    n_prompts, n = len(prompt_ids), gen.num_samples
+    left_pad = [P - len(p) for p in prompt_ids]
+    cache = make_cache(model, gen, n_prompts, max_length, left_pad, stats)
+    stats.batch_size, stats.max_length = n_prompts * n, max_length
+    stats.prompt_tokens = sum(len(p) for p in prompt_ids)
+    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
+    pads = torch.tensor(left_pad, dtype=torch.long, device=dev)
+    positions = (torch.arange(P, device=dev)[None, :] - pads[:, None]).clamp(min=0)
+
+    t0 = time.perf_counter()
+    cache.reserve(P)
+    logits = net(tokens, positions, cache, attention, cache.attention_bias(P))
+    cache.commit(P)
+    if n > 1:  # fork each prompt's prefilled KV to its samples
+        fork = torch.arange(n_prompts, device=dev).repeat_interleave(n)
+        cache.reorder(fork)
+        logits = logits.index_select(0, fork)
+    next_tok = sampler(logits[:, -1])
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    stats.prefill_seconds = time.perf_counter() - t0
+
+    rows = [(pi, si) for pi in range(n_prompts) for si in range(n)]
+    texts = [TextStream(model.tokenizer, gen.stop) if model.tokenizer is not None else None for _ in rows]
+    counts = [0] * len(rows)
+    active = list(range(len(rows)))  # row ids still generating, in batch order
+    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
+    weight_bytes = model.weight_bytes
+    t_decode = time.perf_counter()
+    while True:
+        ids = next_tok.tolist()
+        keep: list[int] = []
+        for b, row in enumerate(active):
+            tid = ids[b]
+            counts[row] += 1
+            stats.generated_tokens += 1
+            finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
+            text = None
+            if texts[row] is not None:
+                text, hit_stop = texts[row].push(tid, final=finish is not None)
+                if hit_stop:
+                    finish = "stop"
+            yield TokenEvent(rows[row][0], rows[row][1], tid, text, finish)
+            if finish is None:
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            idx = torch.tensor(keep, dtype=torch.long, device=dev)
+            cache.reorder(idx)
+            next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
+            active = [active[b] for b in keep]
+        cache.reserve(1)
+        logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
+        cache.commit(1)
+        pos += 1
+        next_tok = sampler(logits[:, -1])
+        stats.decode_steps += 1
+        stats.decode_tokens += len(active)
+        stats.decode_bytes += weight_bytes + cache.nbytes
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    stats.decode_seconds = time.perf_counter() - t_decode
+    stats.kv_allocations, stats.peak_kv_bytes = cache.allocations, max(cache.peak_bytes, cache.nbytes)

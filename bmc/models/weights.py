@@ -1,0 +1,30 @@
+"""Checked access to a checkpoint's tensors: every weight is validated against the shape the config implies."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ..errors import ModelLoadError
+
+
+class WeightSource:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device, origin: str):
+        self.tensors, self.dtype, self.device, self.origin = tensors, dtype, device, origin
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.origin}: missing tensor {name!r}")
+        t = self.tensors[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{self.origin}: tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(shape)}"
+            )
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def cat(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Fuse several matrices (q/k/v, gate/up) into one along the output axis: one GEMM instead of several."""
+        return torch.cat([self.get(n, s) for n, s in zip(names, shapes)], dim=0).contiguous()
