@@ -1,0 +1,308 @@
+"""Read a llama-architecture GGUF file as an HF-style config dict, a float32 HF-named state dict and a Tokenizer.
+
+Tensors are dequantized with the `gguf` package; the tokenizer is rebuilt from the vocabulary in the file's
+metadata with the `tokenizers` library, the same way transformers' GGUF converter does it, so both tokenize alike.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import BmcError, ModelLoadError, UnsupportedModelError
+from ..tokenizer import Tokenizer
+
+# GGUF tensor names (llama.cpp) -> HF llama names.
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
+
+# Split regexes of transformers' GGUF converter (integrations/gguf/gguf_tokenizer_mapping.py), keyed by
+# `tokenizer.ggml.pre`; any other value gets GPT-2's own byte-level regex, as there.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+    """(HF LlamaConfig-style dict, float32 state dict with HF names and [out, in] shapes, tokenizer or None)."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+        tensors = {t.name: t for t in reader.tensors}
+    except Exception as e:  # the reader fails with assorted errors on a truncated or non-GGUF file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (bmc reads 'llama' only)")
+    config = _config(path, meta, tensors)
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        try:
+            # A plain ndarray view: numpy's memmap subclass makes gguf's row-by-row dequantize several times slower.
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"{path}: tensor {name} has type {t.tensor_type.name}, which gguf cannot dequantize") from None
+        # GGUF lists dims innermost first; HF's [out, in] is that reversed.
+        return w.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    n_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    expected: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        expected["output.weight"] = (vocab, hidden)
+    layer_shapes = {
+        "attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+        "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
+        "attn_norm": (hidden,), "ffn_norm": (hidden,)}
+    for i in range(n_layers):
+        expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
+
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    # Anything else (biases, MoE experts of a Mixtral-as-llama file, ...) would be silently dropped: refuse.
+    extra = [n for n in tensors if n not in expected and n != _ROPE_FREQS]
+    if extra:
+        raise UnsupportedModelError(
+            f"{path}: tensors bmc's llama does not implement: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name, shape in expected.items():
+            w = read(name)
+            if w.shape != shape:
+                raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")
+            m = _LAYER_RE.fullmatch(name)
+            if m and m.group(2) in ("attn_q", "attn_k"):
+                w = _unpermute_rows(w, heads if m.group(2) == "attn_q" else kv_heads)
+            hf_name = _TOP_NAMES[name] if m is None else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+            # Dequantized arrays are fresh; F32 ones are read-only views of the file's memmap and get copied.
+            state[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    except (ValueError, IndexError) as e:  # tensor data runs past the end of a truncated file
+        raise ModelLoadError(f"{path}: cannot read tensor data ({type(e).__name__}: {e})") from None
+
+    freqs = read(_ROPE_FREQS) if _ROPE_FREQS in tensors else None
+    config["rope_scaling"] = _rope_scaling(path, meta, freqs, config["rope_theta"], head_dim)
+    try:
+        tokenizer = _tokenizer(path, meta)
+    except BmcError:
+        raise
+    except Exception as e:  # `tokenizers` rejects inconsistent vocabularies/merges with a bare Exception
+        raise ModelLoadError(f"{path}: cannot build the tokenizer from its metadata ({e})") from None
+    return config, state, tokenizer
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter permute of Q/K rows: it reorders each head's rows from HF's rotate-half layout
+    (first half, second half) into interleaved pairs (x0, x_half, x1, x_half+1, ...) for GGML's rope. Inverse of
+    its `w.reshape(n_head, 2, d, ...).swapaxes(1, 2)`; transformers undoes it the same way."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    def get(key: str, default: Any = ModelLoadError) -> Any:
+        value = meta.get(f"llama.{key}", default)
+        if value is ModelLoadError:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; llama needs them all equal
+        if len(set(kv_heads)) != 1:
+            raise UnsupportedModelError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))} not supported")
+        kv_heads = kv_heads[0]
+    embd = tensors.get("token_embd.weight")
+    vocab = meta.get("llama.vocab_size") or (int(embd.shape[-1]) if embd is not None else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: no llama.vocab_size and no token_embd.weight tensor")
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(get("rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": None,  # filled in by _rope_scaling once the tensors are read
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _rope_scaling(path: str, meta: dict[str, Any], freqs: np.ndarray | None, theta: float,
+                  head_dim: int) -> dict[str, Any] | None:
+    kind = meta.get("llama.rope.scaling.type")
+    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))  # older files: scale_linear
+    orig = meta.get("llama.rope.scaling.original_context_length")
+    if freqs is None and kind != "llama3":
+        if kind in (None, "none", "linear") and (factor is None or factor == 1.0):
+            return None
+        if kind in (None, "linear"):
+            return {"rope_type": "linear", "factor": float(factor)}
+        raise UnsupportedModelError(f"{path}: rope scaling type {kind!r} is not supported (linear, llama3)")
+
+    # llama3: llama.cpp's converter writes no metadata for it, only `rope_freqs` = per-frequency divisors
+    # 1 (high freq) .. factor (low freq), smoothly interpolated between. Rebuild HF's parameters from those.
+    low, high = meta.get("llama.rope.scaling.low_freq_factor"), meta.get("llama.rope.scaling.high_freq_factor")
+    orig = int(orig or 8192)  # llama.cpp computes rope_freqs with 8192 unless the HF config says otherwise
+    if freqs is not None:
+        freqs = freqs.astype(np.float64).reshape(-1)
+        if freqs.shape[0] != head_dim // 2:
+            raise ModelLoadError(f"{path}: {_ROPE_FREQS} has {freqs.shape[0]} entries, expected {head_dim // 2}")
+        if np.allclose(freqs, 1.0):
+            return None
+        factor = float(factor or freqs.max())
+        # In the smooth band 1/f = (1 - s)/factor + s with s = (orig/wavelength - low) / (high - low): linear in
+        # orig/wavelength, so a line fit through the band gives low and high.
+        u = orig * theta ** (-np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)
+        band = (freqs > 1 + 1e-4) & (freqs < factor * (1 - 1e-4))
+        if (low is None or high is None) and band.sum() >= 2:
+            s = (1 / freqs[band] - 1 / factor) / (1 - 1 / factor)
+            slope, intercept = np.polyfit(s, u[band], 1)
+            low, high = round(float(intercept), 4), round(float(intercept + slope), 4)
+    return {"rope_type": "llama3", "factor": float(factor or 8.0), "low_freq_factor": float(low or 1.0),
+            "high_freq_factor": float(high or 4.0), "original_max_position_embeddings": orig}
+
+
+def _tokenizer(path: str, meta: dict[str, Any]) -> Tokenizer | None:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+    if kind is None or not tokens:
+        return None
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]] if "tokenizer.ggml.merges" in meta else None
+
+    if kind == "gpt2":
+        # Byte-level BPE. A token not already spelled in GPT-2's byte alphabet (e.g. a raw special token with a
+        # space) is re-spelled into it, and a control token that isn't is a llama.cpp mislabel: not made special.
+        alphabet = _bytes_to_unicode()
+        spelled = set(alphabet.values())
+        vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+        backend = Backend(models.BPE(vocab, merges or [], dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+        specialable = lambda t: set(t) <= spelled  # noqa: E731
+    elif kind == "llama":
+        # Sentencepiece vocabulary as BPE with byte fallback; merges from the file or derived from the scores.
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if merges is None:
+            merges = _merges_from_scores(vocab, dict(zip(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))))
+        backend = Backend(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True, dropout=None))
+        # transformers ignores tokenizer.ggml.add_space_prefix (always prepends); we honour a False, as llama.cpp does.
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                         split=False)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+        specialable = lambda t: True  # noqa: E731
+    else:
+        raise UnsupportedModelError(f"{path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
+
+    def token(key: str) -> tuple[int | None, str | None]:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return (int(i), tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else (None, None)
+
+    (bos_id, bos), (eos_id, eos), (pad_id, _), (unk_id, _) = token("bos"), token("eos"), token("padding"), token("unknown")
+    # Control tokens (and the named special ones) must stay whole and be skippable on decode; user-defined ones
+    # (e.g. <think>) stay whole but are ordinary text.
+    special_ids = {i for i, t in enumerate(types) if t == _CONTROL and specialable(tokens[i])}
+    special_ids |= {i for i in (bos_id, eos_id, pad_id, unk_id) if i is not None and specialable(tokens[i])}
+    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special_ids)])
+    backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
+
+    # BOS/EOS go in through the post-processor, as transformers does it (so add_bos below stays False).
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos_id is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+    pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+    specials = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos and eos != bos else [])
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+    eos_ids = list(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                                 if k in meta))
+    return Tokenizer(backend=backend, bos_token_id=bos_id, eos_token_ids=eos_ids, pad_token_id=pad_id, add_bos=False,
+                     chat_template=meta.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (byte-level BPE spells every token with it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary: every split of a token into two tokens, best score first
+    (transformers' `generate_merges`, same order, so ties break the same way)."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
