@@ -1,0 +1,145 @@
+"""Micro-benchmarks behind bmc-calibrate, on the runtime's own operations and KV-shaped tensors:
+
+- alpha*BW and C0: KVCache._reallocate (allocate + copy + zero the new rows) at several cache sizes, fitted as
+  time = C0 + bytes / alpha*BW;
+- beta*C: dense_attention of one query row (decode) and of t rows (verify) over several capacities, fitted as
+  time = overhead + n * seconds_per_row, beta*C = FLOPs per row / seconds_per_row (the fixed per-call overhead
+  is paid every step whatever T is, so it does not move T_opt)."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import torch
+
+from ..attention import dense_attention
+from ..kv import BMCCache
+from .model import Constants
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Grid:
+    configs: tuple[tuple[int, int, int, int], ...]  # (batch, query heads, kv heads, head dim)
+    copy_rows: tuple[int, ...]
+    attn_rows: tuple[int, ...]
+    verify_t: int
+    layers: int
+    repeats: int
+    max_bytes: int = 256 * 2**20  # skip points whose KV tensors exceed this (time and memory on small machines)
+
+
+QUICK = Grid(configs=((1, 9, 3, 64), (8, 9, 3, 64)), copy_rows=(256, 1024, 4096), attn_rows=(256, 1024, 4096),
+             verify_t=16, layers=4, repeats=3)
+FULL = Grid(configs=((1, 9, 3, 64), (8, 9, 3, 64), (8, 32, 32, 128), (32, 9, 3, 64)),
+            copy_rows=(128, 512, 2048, 8192), attn_rows=(256, 1024, 4096, 8192), verify_t=16, layers=2, repeats=3)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = intercept + slope * x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def measure_copy(cfg: tuple[int, int, int, int], grid: Grid, device: torch.device, dtype: torch.dtype) -> dict:
+    """Chunk-boundary cost: the cache at capacity n grows by one chunk (n/8 rows)."""
+    B, _, kvh, d = cfg
+    points = []
+    for n in grid.copy_rows:
+        if 2 * grid.layers * B * kvh * n * d * torch.finfo(dtype).bits // 8 > grid.max_bytes:
+            continue
+        cache = BMCCache(r=max(1, n // 8), num_layers=grid.layers, batch_size=B, num_kv_heads=kvh, head_dim=d,
+                         max_length=10 * n, dtype=dtype, device=device)
+        cache._reallocate(n)
+        cache.kv.normal_()
+        full_kv, full_bias = cache.kv, cache.bias
+
+        def grow() -> None:
+            cache._reallocate(n + cache.r)
+            cache.kv, cache.bias = full_kv, full_bias  # back to capacity n for the next repeat
+
+        seconds = _time(grow, device, grid.repeats)
+        points.append({"rows": n, "bytes": full_kv.numel() * full_kv.element_size(), "seconds": seconds})
+        del cache, full_kv, full_bias
+    c0, s_per_byte = fit_line([p["bytes"] for p in points], [p["seconds"] for p in points])
+    return {"config": cfg, "points": points, "alloc_s": max(0.0, c0),
+            "copy_bw_bytes_per_s": 1 / s_per_byte if s_per_byte > 0 else float("inf")}
+
+
+def measure_attention(cfg: tuple[int, int, int, int], t: int, grid: Grid, device: torch.device,
+                      dtype: torch.dtype) -> dict:
+    """Attention of t query rows over capacities n (padding rows masked by the bias, as the runtime runs it)."""
+    B, h, kvh, d = cfg
+    points = []
+    for n in grid.attn_rows:
+        if 2 * B * kvh * n * d * torch.finfo(dtype).bits // 8 > grid.max_bytes:
+            continue
+        q = torch.randn(B, h, t, d, dtype=dtype, device=device)
+        k, v = (torch.randn(B, kvh, n, d, dtype=dtype, device=device) for _ in range(2))
+        bias = torch.zeros(B, 1, t * (h // kvh) if t > 1 else 1, n, dtype=dtype, device=device)
+        bias[..., n - n // 8 :] = torch.finfo(dtype).min
+        seconds = _time(lambda: dense_attention(q, k, v, bias, d**-0.5), device, grid.repeats)
+        points.append({"rows": n, "seconds": seconds})
+    overhead, s_per_row = fit_line([p["rows"] for p in points], [p["seconds"] for p in points])
+    flops_per_row = 4 * B * h * d * t
+    return {"config": cfg, "t": t, "points": points, "overhead_s": overhead,
+            "flops_per_s": flops_per_row / s_per_row if s_per_row > 0 else float("inf")}
+
+
+def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
+              progress: Progress = lambda s: None) -> dict[str, Any]:
+    """Run every measurement; return the profile dict (identity, constants, raw measurements)."""
+    from .. import __version__
+    from .profile import PROFILE_VERSION, identity
+
+    grid = QUICK if quick else FULL
+    copies, decodes, verifies = [], [], []
+    total, done = 3 * len(grid.configs), 0
+    with torch.inference_mode():
+        for cfg in grid.configs:
+            for kind, fn, out in (("copy", lambda c=cfg: measure_copy(c, grid, device, dtype), copies),
+                                  ("decode attention", lambda c=cfg: measure_attention(c, 1, grid, device, dtype),
+                                   decodes),
+                                  (f"verify attention (t={grid.verify_t})",
+                                   lambda c=cfg: measure_attention(c, grid.verify_t, grid, device, dtype), verifies)):
+                done += 1
+                progress(f"[{done}/{total}] {kind} B={cfg[0]} H={cfg[1]} H_kv={cfg[2]} d={cfg[3]}")
+                out.append(fn())
+    consts = Constants(
+        copy_bw=statistics.median(c["copy_bw_bytes_per_s"] for c in copies),
+        alloc_s=statistics.median(c["alloc_s"] for c in copies),
+        attn_flops=statistics.median(a["flops_per_s"] for a in decodes),
+        verify_flops=statistics.median(a["flops_per_s"] for a in verifies),
+    )
+    return {
+        "version": PROFILE_VERSION, **identity(device, dtype), "threads": torch.get_num_threads(),
+        "bmc": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
+        "constants": {"copy_bw_bytes_per_s": consts.copy_bw, "alloc_s": consts.alloc_s,
+                      "attn_flops_per_s": consts.attn_flops, "verify_flops_per_s": consts.verify_flops,
+                      "verify_rows": grid.verify_t},
+        "measurements": {"copy": copies, "decode_attention": decodes, "verify_attention": verifies},
+    }

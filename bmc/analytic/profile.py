@@ -1,0 +1,115 @@
+"""Calibration profiles: where they live, what makes one valid here, and choose_T() that uses them."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .model import DEFAULT_C_PRIME, Constants, Shape, best_T, round_pow2, t_opt_simple
+
+log = logging.getLogger("bmc")
+PROFILE_VERSION = 1
+_said: set[str] = set()  # messages already given once in this process
+
+
+class ProfileWarning(UserWarning):
+    """A calibration profile exists but cannot be used here (corrupt, or measured on another machine/torch)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def identity(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What a profile must match to be used: the device, its model, torch's version and the KV dtype."""
+    return {"device": device.type, "device_name": device_name(device), "torch": torch.__version__,
+            "dtype": dtype_name(dtype)}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("BMC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "bmc")
+    return Path(base)
+
+
+def default_profile_path(device: torch.device, dtype: torch.dtype) -> Path:
+    return cache_dir() / f"profile-{device.type}-{dtype_name(dtype)}.json"
+
+
+def save_profile(profile: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=2))
+    tmp.replace(path)  # atomic: a reader never sees half a profile
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        warnings.warn(msg, ProfileWarning, stacklevel=3)
+
+
+def load_profile(path: Path, device: torch.device, dtype: torch.dtype) -> Constants | None:
+    """The profile's constants if it is well-formed and was measured here; otherwise warn once and return None."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        k = data["constants"]
+        consts = Constants(copy_bw=float(k["copy_bw_bytes_per_s"]), alloc_s=float(k["alloc_s"]),
+                           attn_flops=float(k["attn_flops_per_s"]),
+                           verify_flops=float(k["verify_flops_per_s"]) if k.get("verify_flops_per_s") else None)
+        if not (consts.copy_bw > 0 and consts.attn_flops > 0 and consts.alloc_s >= 0):
+            raise ValueError("constants must be positive")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _warn_once(f"bmc: ignoring calibration profile {path}: unreadable ({e}); run bmc-calibrate again")
+        return None
+    want = identity(device, dtype)
+    foreign = {key: (data.get(key), val) for key, val in want.items() if data.get(key) != val}
+    if foreign:
+        what = ", ".join(f"{key} {got!r} != {val!r}" for key, (got, val) in foreign.items())
+        _warn_once(f"bmc: ignoring calibration profile {path}: measured elsewhere ({what}); run bmc-calibrate here")
+        return None
+    return consts
+
+
+def choose_T(n: int, *, model: Any, batch: int, dtype: torch.dtype, device: torch.device,
+             k: int = 1, m: float = 1.0) -> tuple[int, str]:
+    """Allocations T for a run of maximum length n: from this machine's profile ($BMC_PROFILE or the cache dir),
+    else from the paper's C' = 0.1. Returns (T, where it came from)."""
+    path = Path(os.environ["BMC_PROFILE"]) if os.environ.get("BMC_PROFILE") else default_profile_path(device, dtype)
+    consts = load_profile(path, device, dtype) if path.exists() else None
+    if consts is None:
+        msg = (f"bmc: no calibration profile at {path}; T from the paper's C'={DEFAULT_C_PRIME} "
+               f"(run bmc-calibrate to measure this machine)")
+        if msg not in _said:
+            _said.add(msg)
+            log.info(msg)
+        return max(1, min(n, round_pow2(t_opt_simple(n, DEFAULT_C_PRIME * k / m)))), f"default C'={DEFAULT_C_PRIME}"
+    shape = Shape(batch=batch, layers=model.num_layers, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                  head_dim=model.head_dim, dtype_bytes=torch.finfo(dtype).bits // 8)
+    T = best_T(n, shape, consts, k, m)
+    msg = f"bmc: T={T} for N={n}, batch {batch} from profile {path}"
+    if msg not in _said:
+        _said.add(msg)
+        log.info(msg)
+    return T, f"profile {path}"

@@ -1,0 +1,149 @@
+"""The cost model (seed paper Eq. 5-9), calibration profiles, and the runtime choosing T from them."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import bmc
+from bmc.analytic import (Constants, ProfileWarning, Shape, best_T, c_prime, load_profile, predicted_time,
+                          round_pow2, t_opt, t_opt_simple)
+from bmc.analytic import profile as profile_mod
+
+SHAPE = Shape(batch=8, layers=30, heads=9, kv_heads=3, head_dim=64, dtype_bytes=4)
+CONSTS = Constants(copy_bw=10e9, alloc_s=0.0, attn_flops=20e9, verify_flops=80e9)
+
+
+def test_known_values():
+    # row_bytes = 2*8*30*3*64*4 = 368640; row_flops = 4*8*30*9*64 = 552960
+    assert SHAPE.row_bytes == 368640 and SHAPE.row_flops == 552960
+    a, f = SHAPE.row_bytes / 10e9, SHAPE.row_flops / 20e9
+    n, T = 1024, 16
+    expected = a * n * (T + 1) / 2 + f * n * n * (1 + 1 / T) / 2
+    assert predicted_time(T, n, SHAPE, CONSTS) == pytest.approx(expected)
+    assert c_prime(SHAPE, CONSTS) == pytest.approx(f / a)
+    assert t_opt(n, SHAPE, CONSTS) == pytest.approx(math.sqrt(c_prime(SHAPE, CONSTS) * n))
+
+
+@pytest.mark.parametrize("alloc_s", [0.0, 1e-3, 5e-2])
+def test_minimum_is_where_the_derivative_vanishes(alloc_s):
+    c = Constants(copy_bw=10e9, alloc_s=alloc_s, attn_flops=20e9)
+    n = 4096
+    t_star = t_opt(n, SHAPE, c)
+    grid = [t_star * (1 + e / 1000) for e in range(-300, 301)]
+    times = [predicted_time(T, n, SHAPE, c) for T in grid]
+    assert grid[times.index(min(times))] == pytest.approx(t_star, rel=2e-3)
+    h = 1e-4 * t_star
+    deriv = (predicted_time(t_star + h, n, SHAPE, c) - predicted_time(t_star - h, n, SHAPE, c)) / (2 * h)
+    assert abs(deriv) < 1e-6 * predicted_time(t_star, n, SHAPE, c) / t_star
+    if alloc_s > 0:  # a real allocation cost means fewer allocations than Eq. 7 says
+        assert t_star < t_opt(n, SHAPE, Constants(copy_bw=10e9, alloc_s=0.0, attn_flops=20e9))
+
+
+def test_T_doubles_when_N_quadruples():
+    for n in (128, 512, 2048):
+        assert t_opt(4 * n, SHAPE, CONSTS) == pytest.approx(2 * t_opt(n, SHAPE, CONSTS))
+        assert best_T(4 * n, SHAPE, CONSTS) == 2 * best_T(n, SHAPE, CONSTS)
+
+
+def test_paper_example_c_prime_point_one():
+    # C' = 0.1, N = 512 -> T = sqrt(51.2) = 7.2 -> 8 (the paper's Fig. 7 optimum)
+    assert round_pow2(t_opt_simple(512, 0.1)) == 8 and round_pow2(t_opt_simple(2048, 0.1)) == 16
+    assert round_pow2(0.3) == 1 and round_pow2(5.6) == 4 and round_pow2(5.7) == 8
+
+
+def test_gqa_and_dtype_scale_the_copy_term():
+    mha = Shape(batch=8, layers=30, heads=9, kv_heads=9, head_dim=64)
+    mqa = Shape(batch=8, layers=30, heads=9, kv_heads=1, head_dim=64)
+    bf16 = Shape(batch=8, layers=30, heads=9, kv_heads=3, head_dim=64, dtype_bytes=2)
+    base = c_prime(mha, CONSTS)
+    assert c_prime(SHAPE, CONSTS) == pytest.approx(3 * base)  # G = 3
+    assert c_prime(mqa, CONSTS) == pytest.approx(9 * base)  # G = 9
+    assert c_prime(bf16, CONSTS) == pytest.approx(2 * c_prime(SHAPE, CONSTS))  # Q = 2
+    # batch cancels: the optimum does not depend on B, only on the machine and the head grouping
+    assert c_prime(Shape(batch=1, layers=2, heads=9, kv_heads=3, head_dim=64), CONSTS) == pytest.approx(3 * base)
+
+
+def test_speculative_variant_scales_as_sqrt_n_over_m():
+    n, k = 4096, 26
+    t1 = t_opt(n, SHAPE, CONSTS, k=k, m=1.0)
+    assert t_opt(n, SHAPE, CONSTS, k=k, m=4.0) == pytest.approx(t1 / 2)
+    assert t_opt(4 * n, SHAPE, CONSTS, k=k, m=4.0) == pytest.approx(t1)
+    # verify attention runs at the GEMM rate beta'*C: k rows cost k/4 decode rows here
+    assert t_opt(n, SHAPE, CONSTS, k=k, m=1.0) == pytest.approx(t_opt(n, SHAPE, CONSTS) * math.sqrt(k / 4))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("BMC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BMC_PROFILE", raising=False)
+    profile_mod._said.clear()
+    return tmp_path / "cache"
+
+
+def test_calibrate_quick_writes_a_profile_that_generate_uses(cache_dir, tmp_path, gqa_dir, capsys):
+    from bmc.cli.calibrate import main
+
+    out = tmp_path / "profile.json"
+    main(["--quick", "--output", str(out), "--threads", "2"])
+    printed = capsys.readouterr().out
+    assert "alpha*BW" in printed and "beta*C" in printed and str(out) in printed
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["torch"] == torch.__version__ and data["dtype"] == "float32"
+    k = data["constants"]
+    assert k["copy_bw_bytes_per_s"] > 0 and k["attn_flops_per_s"] > 0 and k["alloc_s"] >= 0
+    stored = cache_dir / "profile-cpu-float32.json"
+    assert json.loads(stored.read_text()) == data
+    consts = load_profile(stored, torch.device("cpu"), torch.float32)
+    assert consts is not None and consts.copy_bw == k["copy_bw_bytes_per_s"]
+
+    model = bmc.load(str(gqa_dir))
+    res = bmc.generate(model, [[5, 6, 7]], max_new_tokens=20, ignore_eos=True)
+    st = res.stats
+    cfg = model.config
+    shape = Shape(batch=1, layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim)
+    assert st.T_source == f"profile {stored}"
+    assert st.r == math.ceil(st.max_length / best_T(st.max_length, shape, consts))
+
+
+def _write(path, **changes):
+    data = {"version": 1, **profile_mod.identity(torch.device("cpu"), torch.float32), "threads": 2,
+            "constants": {"copy_bw_bytes_per_s": 1e10, "alloc_s": 0.0, "attn_flops_per_s": 2e10,
+                          "verify_flops_per_s": 4e10, "verify_rows": 16}}
+    data.update(changes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"device_name": "Some Other CPU"}, "measured elsewhere"),
+    ({"torch": "1.0.0"}, "measured elsewhere"),
+    ({"device": "cuda"}, "measured elsewhere"),
+    ({"version": 99}, "unreadable"),
+    ({"constants": {"copy_bw_bytes_per_s": -1, "alloc_s": 0, "attn_flops_per_s": 1}}, "unreadable"),
+    ({"constants": {}}, "unreadable"),
+])
+def test_foreign_or_corrupt_profiles_are_ignored_with_a_warning(cache_dir, gqa_dir, changes, match):
+    _write(cache_dir / "profile-cpu-float32.json", **changes)
+    model = bmc.load(str(gqa_dir))
+    with pytest.warns(ProfileWarning, match=match):
+        st = bmc.generate(model, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True).stats
+    assert st.T_source.startswith("default")
+
+
+def test_garbage_profile_file(cache_dir, gqa_dir):
+    p = cache_dir / "profile-cpu-float32.json"
+    p.parent.mkdir(parents=True)
+    p.write_text("{not json")
+    with pytest.warns(ProfileWarning, match="unreadable"):
+        st = bmc.generate(bmc.load(str(gqa_dir)), [[5, 6]], max_new_tokens=3, ignore_eos=True).stats
+    assert st.T_source.startswith("default")
+
+
+def test_valid_profile_is_used_without_warning(cache_dir, gqa_dir, recwarn):
+    _write(cache_dir / "profile-cpu-float32.json")
+    st = bmc.generate(bmc.load(str(gqa_dir)), [[5, 6, 7]], max_new_tokens=4, ignore_eos=True).stats
+    assert st.T_source.startswith("profile") and not [w for w in recwarn if w.category is ProfileWarning]
