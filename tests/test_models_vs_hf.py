@@ -37,16 +37,20 @@ def bmc_logits_incremental(model, ids: list[int], kv: str, split: int) -> torch.
     return torch.cat(out)
 
 
+def assert_logits_match(ref, path, ids: list[int], kv: str, split: int) -> None:
+    """bmc's logits (prefill ids[:split], then one token at a time) equal HF's full forward within 1e-4."""
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = bmc_logits_incremental(bmc.load(str(path)), ids, kv, split=split)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kv", list(KV_STRATEGIES))
 def test_logits_match_hf(tiny_dirs, variant, kv):
     path = tiny_dirs[variant]
-    ids = PROMPTS[0] + [11, 12, 13, 14, 15]
-    with torch.inference_mode():
-        ref = hf_model(path)(torch.tensor([ids])).logits[0]
-    ours = bmc_logits_incremental(bmc.load(str(path)), ids, kv, split=len(PROMPTS[0]))
-    assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert_logits_match(hf_model(path), path, PROMPTS[0] + [11, 12, 13, 14, 15], kv, split=len(PROMPTS[0]))
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa", "llama-llama3_rope", "opt-projected", "opt-pre_norm"])
@@ -69,12 +73,7 @@ def test_greedy_batch_matches_hf_generate_and_all_strategies(tiny_dirs, variant)
 @pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
 def test_formats_load_identically(tmp_path, safe):
     path = make_llama(tmp_path / "m", "gqa", seed=3, safe=safe)
-    ref = hf_model(path)
-    ids = PROMPTS[0]
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0]
-    got = bmc_logits_incremental(bmc.load(str(path)), ids, "bmc", split=len(ids))
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_logits_match(hf_model(path), path, PROMPTS[0], "bmc", split=len(PROMPTS[0]))
 
 
 def test_sharded_safetensors(tmp_path):
@@ -84,11 +83,7 @@ def test_sharded_safetensors(tmp_path):
     ref = transformers.OPTForCausalLM(cfg).eval()
     ref.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    ids = PROMPTS[2]
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0]
-    got = bmc_logits_incremental(bmc.load(str(tmp_path)), ids, "iterative", split=len(ids))
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_logits_match(ref, tmp_path, PROMPTS[2], "iterative", split=len(PROMPTS[2]))
 
 
 def test_bfloat16_runs_and_tracks_float32(gqa_dir):
