@@ -113,8 +113,8 @@ def run_stream(model, prompts, kw: dict, args: argparse.Namespace) -> None:
 
 
 def benchmark_line(kv: str, st) -> str:
-    rt = f"r={st.r} T={st.T}" if st.r else ""
-    return (f"{kv:>9} {rt:>12} allocs={st.kv_allocations:<5} peakKV={st.peak_kv_bytes / 2**20:8.1f}MiB "
+    rt = f"r={st.r} T={st.T} ({st.T_source})" if st.r else ""
+    return (f"{kv:>9} {rt:>20} allocs={st.kv_allocations:<5} peakKV={st.peak_kv_bytes / 2**20:8.1f}MiB "
             f"prefill={st.prefill_seconds:6.2f}s ({st.prefill_tokens_per_s:7.1f} tok/s) "
             f"decode={st.decode_tokens_per_s:7.1f} tok/s {st.decode_gb_per_s:6.2f} GB/s")
 
