@@ -155,6 +155,19 @@ def eos_ids(model: Model) -> set[int]:
     return ids
 
 
+PACK_MIN_ROWS = 2  # measured: MKL-packed GEMMs win at M = 8 (48 vs 69 ms/step), lose at M = 1 (35 vs 32 ms)
+PACK_MIN_STEPS = 96  # packing costs ~1 s for the default model; at M = 8 it saves ~25 ms per step
+
+
+def _pack_weights(model: Model, rows: int, steps_left: int) -> None:
+    """Re-lay the weights for decode GEMMs of `rows` rows when enough steps remain to pay for it."""
+    if not model.can_pack or rows == model.packed_batch:
+        return
+    want = rows if rows >= PACK_MIN_ROWS and steps_left >= PACK_MIN_STEPS else 0
+    if want or model.packed_batch:
+        model.pack_for_batch(want)
+
+
 @torch.inference_mode()
 def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
@@ -201,6 +214,7 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     active = list(range(len(rows)))  # row ids still generating, in batch order
     pos = (cache.length - cache.left_pad).clone()  # next position per batch row
     weight_bytes = model.weight_bytes
+    _pack_weights(model, len(active), gen.max_new_tokens - 1)
     t_decode = time.perf_counter()
     while True:
         ids = next_tok.tolist()
@@ -225,6 +239,7 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             cache.reorder(idx)
             next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
             active = [active[b] for b in keep]
+            _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active))
         cache.reserve(1)
         logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
         cache.commit(1)

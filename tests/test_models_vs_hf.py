@@ -92,3 +92,51 @@ def test_bfloat16_runs_and_tracks_float32(gqa_dir):
     bf16 = bmc_logits_incremental(bmc.load(str(gqa_dir), dtype="bfloat16"), ids, "bmc", split=4)
     assert bf16.dtype == torch.float32  # logits are always returned in float32
     assert (bf16 - f32).abs().max() < 0.1 * f32.abs().max()
+
+
+@pytest.mark.skipif(not bmc.models.ops.mkl_packing_available(torch.device("cpu"), torch.float32),
+                    reason="this torch build has no MKL packed GEMM")
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-bias_headdim_tied", "opt-projected"])
+def test_mkl_packed_weights_match_hf(tiny_dirs, variant):
+    """Decode GEMMs through MKL-packed weights (used at batch >= 2 on long runs) keep HF's logits and tokens."""
+    path = tiny_dirs[variant]
+    model, ref = bmc.load(str(path)), hf_model(path)
+    plain = bmc.generate(model, PROMPTS[:2], max_new_tokens=8, ignore_eos=True)
+    model.pack_for_batch(2)
+    assert all(lin.packed is not None for lin in model.linears())
+    ids = PROMPTS[0] + [11, 12, 13]
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids, ids])).logits
+        got = model.net(torch.tensor([ids, ids])[:, :1], torch.zeros(2, 1, dtype=torch.long), _cache(model, 2, 1),
+                        dense_attention, torch.zeros(2, 1, 1, 1))
+    torch.testing.assert_close(got[:, 0], expected[:, 0], atol=1e-4, rtol=1e-4)  # M = 2 rows: the packed path
+    packed = bmc.generate(model, PROMPTS[:2], max_new_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in packed] == [c.token_ids for c in plain]
+    model.pack_for_batch(0)
+    assert all(lin.packed is None for lin in model.linears())
+
+
+def _cache(model, batch: int, length: int):
+    cache = KV_STRATEGIES["upfront"](num_layers=model.config.num_layers, batch_size=batch,
+                                     num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+                                     max_length=length)
+    cache.reserve(length)
+    return cache
+
+
+def test_engine_packs_weights_only_when_it_pays(gqa_dir, monkeypatch):
+    import bmc.engine as engine
+    from bmc.engine import PACK_MIN_STEPS
+    model = bmc.load(str(gqa_dir))
+    if not model.can_pack:
+        pytest.skip("this torch build has no MKL packed GEMM")
+    bmc.generate(model, PROMPTS[:2], max_new_tokens=8, ignore_eos=True)
+    assert model.packed_batch == 0  # too few steps to pay for a re-layout
+    out = bmc.generate(model, PROMPTS[:2], max_new_tokens=PACK_MIN_STEPS + 2, ignore_eos=True)
+    assert model.packed_batch == 2
+    unpacked = bmc.load(str(gqa_dir))
+    unpacked.pack_for_batch(0)
+    monkeypatch.setattr(engine, "PACK_MIN_STEPS", 10**9)
+    ref = bmc.generate(unpacked, PROMPTS[:2], max_new_tokens=PACK_MIN_STEPS + 2, ignore_eos=True)
+    assert unpacked.packed_batch == 0
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]

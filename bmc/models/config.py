@@ -137,7 +137,7 @@ def _parse_opt(cfg: dict[str, Any]) -> ModelConfig:
         enable_bias=bool(cfg.get("enable_bias", True)),
         final_layer_norm=pre_norm and not cfg.get("_remove_final_layer_norm", False),
         activation=act,
-        tie_word_embeddings=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
         pad_token_id=cfg.get("pad_token_id"),

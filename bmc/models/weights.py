@@ -28,3 +28,11 @@ class WeightSource:
     def cat(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
         """Fuse several matrices (q/k/v, gate/up) into one along the output axis: one GEMM instead of several."""
         return torch.cat([self.get(n, s) for n, s in zip(names, shapes)], dim=0).contiguous()
+
+    def get_t(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """A [out, in] matrix stored transposed, [in, out] contiguous, for `ops.linear`."""
+        return self.get(name, shape).t().contiguous()
+
+    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`cat` stored transposed: [in, sum(out)]."""
+        return self.cat(names, shapes).t().contiguous()

@@ -1,0 +1,74 @@
+"""Small shared kernels of the model files, written for a CPU decode step where every op costs ~10 µs of
+dispatch and the GEMMs are matrix-vector-like (M = batch).
+
+Weights are stored transposed, [in, out] contiguous: measured on a 2-core AVX-512 Xeon, `x @ Wt` runs at
+20-24 GB/s for the fused QKV / gate-up matrices at M = 8 where `F.linear(x, W)` reaches 3-11 GB/s
+(MKL's transposed-B path), and the same at M = 1."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ wt [in, out] (+ b)."""
+    if b is None:
+        return torch.matmul(x, wt)
+    shape = x.shape
+    return torch.addmm(b, x.reshape(-1, shape[-1]), wt).view(*shape[:-1], wt.shape[1])
+
+
+def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+class Linear:
+    """A weight held [in, out] (+ bias), optionally with an MKL-packed copy for one row count M.
+
+    Packing (cblas_sgemm_pack, the path torch.compile's CPU freezing uses) re-lays the weight for a fixed M:
+    measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
+    packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
+
+    __slots__ = ("wt", "b", "packed", "packed_m")
+
+    def __init__(self, wt: torch.Tensor, b: torch.Tensor | None = None) -> None:
+        self.wt, self.b = wt, b
+        self.packed: torch.Tensor | None = None
+        self.packed_m = 0
+
+    def pack(self, m: int) -> None:
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.wt.t(), m) if m > 0 else None
+        self.packed_m = m
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.numel() == self.packed_m * x.shape[-1]:
+            y = torch.ops.mkl._mkl_linear(x.reshape(self.packed_m, -1), self.packed, self.wt.t(), self.b,
+                                          self.packed_m)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return linear(x, self.wt, self.b)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One fused kernel; bitwise equal to HF's float32 formulation on fp32 inputs (checked in tests)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and a sign-folded sin, [B, t, 1, d], so that rope(x) = x*cos + roll(x, d/2)*sin_signed, which equals
+    HF's x*cos + rotate_half(x)*sin exactly (a sign flip is exact) with one op fewer and no cat."""
+    freqs = positions[..., None].float() * inv_freq  # [B, t, d/2], computed as HF computes it
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    half = sin.shape[-1] // 2
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.to(dtype), sin_signed.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, t, heads, d] (queries and keys together)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
