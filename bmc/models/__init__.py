@@ -156,12 +156,20 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
             raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
         tensors = _read_hf_tensors(path)
         tokenizer = load_hf_tokenizer(path, hf_config)
+    return model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev)
+
+
+def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None = None,
+                       *, origin: str = "<memory>", dtype: str | torch.dtype = "float32",
+                       device: str | torch.device = "cpu") -> Model:
+    """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory)."""
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     config = ModelConfig.from_hf(hf_config)
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
-    source = WeightSource(tensors, dtype=torch_dtype, device=dev, origin=path)
+    source = WeightSource(tensors, dtype=torch_dtype, device=dev, origin=origin)
     net = MODEL_FAMILIES[config.model_type](config, source)
-    return Model(config=config, net=net, tokenizer=tokenizer, path=path, dtype=torch_dtype, device=dev)
+    return Model(config=config, net=net, tokenizer=tokenizer, path=origin, dtype=torch_dtype, device=dev)
 
 
-__all__ = ["Model", "ModelConfig", "load_model", "default_model_path", "MODEL_FAMILIES", "parse_dtype"]
+__all__ = ["Model", "ModelConfig", "load_model", "model_from_tensors", "default_model_path", "MODEL_FAMILIES", "parse_dtype"]

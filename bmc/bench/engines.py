@@ -1,0 +1,166 @@
+"""The engines bmc-bench compares, each behind one function: given prompts (token ids) and a generated length,
+run greedy decoding of exactly that many tokens and return the tokens plus per-step timestamps.
+
+Timestamps: `steps[0]` is when the first generated token exists (prefill done), `steps[i]` when token i+1 exists,
+so the differences are the per-token decode latencies at growing context (the paper's Fig. 16)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .. import stream
+from ..attention import ATTENTION_BACKENDS
+from ..kv import KVCache
+from ..models import Model
+
+
+@dataclass
+class EngineRun:
+    engine: str
+    tokens: list[list[int]]
+    start: float
+    steps: list[float]
+    peak_rss_mb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefill_s(self) -> float:
+        return self.steps[0] - self.start
+
+    @property
+    def decode_s(self) -> float:
+        return self.steps[-1] - self.steps[0]
+
+    def summary(self, batch: int) -> dict[str, Any]:
+        n = len(self.steps) - 1  # decode steps after the prefill's token
+        lat = [b - a for a, b in zip(self.steps, self.steps[1:])]
+        return {
+            "engine": self.engine,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": batch * n / self.decode_s if n else 0.0,
+            "time_per_output_token_ms": 1000 * self.decode_s / n if n else 0.0,
+            "total_s": self.steps[-1] - self.start,
+            "peak_rss_mb": self.peak_rss_mb,
+            "step_latency_ms": [1000 * x for x in lat],
+            **self.extra,
+        }
+
+
+class PeakRSS:
+    """Samples the process RSS every 5 ms in a thread (psutil; /proc fallback): the peak during one engine run."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            import psutil
+            return psutil.Process().memory_info().rss
+        except ImportError:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakRSS":
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def run_bmc(model: Model, prompts: list[list[int]], gen_len: int, kv: str, **kw: Any) -> EngineRun:
+    name = "bmc" if kv == "bmc" and not kw else f"bmc-{kv}" + "".join(f"-{k}{v}" for k, v in kw.items())
+    B = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    steps: list[float] = []
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        s = stream(model, prompts, max_new_tokens=gen_len, ignore_eos=True, kv=kv, **kw)
+        for i, ev in enumerate(s):
+            tokens[ev.prompt_index].append(ev.token_id)
+            if i % B == B - 1:  # all rows of this step are out (rows never finish early with ignore_eos)
+                steps.append(time.perf_counter())
+    st = s.stats
+    extra = {"r": st.r, "T": st.T, "T_source": st.T_source, "kv_allocations": st.kv_allocations,
+             "peak_kv_mb": st.peak_kv_bytes / 2**20, "bytes_per_step": st.decode_bytes / max(st.decode_steps, 1)}
+    return EngineRun(name, tokens, start, steps, rss.peak / 2**20, extra)
+
+
+def run_hf(hf_model: Any, prompts: list[list[int]], gen_len: int, cache: str) -> EngineRun:
+    """HF transformers greedy generate; `cache` is "dynamic" (DynamicCache) or "static" (StaticCache)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    steps: list[float] = []
+
+    class Clock(LogitsProcessor):  # called once per generated token, right after that step's forward
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            steps.append(time.perf_counter())
+            return scores
+
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    kw: dict[str, Any] = {"cache_implementation": "static"} if cache == "static" else {}
+    with PeakRSS() as rss, torch.inference_mode():
+        start = time.perf_counter()
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=gen_len, do_sample=False, pad_token_id=0,
+                                eos_token_id=None, logits_processor=LogitsProcessorList([Clock()]), **kw)
+    tokens = out[:, P:].tolist()
+    return EngineRun(f"hf-{cache}", tokens, start, steps, rss.peak / 2**20)
+
+
+def decode_time_split(model: Model, prompts: list[list[int]], gen_len: int, kv: str) -> dict[str, float]:
+    """Where decode time goes for one strategy (the paper's Table IV): KV update (reserve: growth copies and mask
+    columns; update: the in-place writes), attention, and the rest. Wall-clock wrappers, decode steps only."""
+    acc = {"kv_update_s": 0.0, "attention_s": 0.0}
+
+    def timed(fn: Callable, key: str, is_decode: Callable[..., bool]) -> Callable:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            if not is_decode(*a, **k):
+                return fn(*a, **k)
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            acc[key] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    saved = KVCache.reserve, KVCache.update, ATTENTION_BACKENDS["dense"]
+    KVCache.reserve = timed(saved[0], "kv_update_s", lambda self, n: n == 1)  # type: ignore[method-assign]
+    KVCache.update = timed(saved[1], "kv_update_s", lambda self, i, k, v: k.shape[2] == 1)  # type: ignore
+    ATTENTION_BACKENDS["dense"] = timed(saved[2], "attention_s", lambda q, *a: q.shape[2] == 1)
+    try:
+        run = run_bmc(model, prompts, gen_len, kv)
+    finally:
+        KVCache.reserve, KVCache.update, ATTENTION_BACKENDS["dense"] = saved  # type: ignore[method-assign]
+    total = run.decode_s
+    split = {**acc, "other_s": total - acc["kv_update_s"] - acc["attention_s"], "decode_s": total}
+    return split
+
+
+def stream_read_gbps(mib: int = 512, repeats: int = 3) -> float:
+    """Memory read bandwidth as a decode step sees it: a reduction over a tensor far larger than the caches."""
+    x = torch.ones(mib * 2**18)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9

@@ -1,0 +1,53 @@
+"""The bmc-bench harness: a seconds-long smoke run that checks the report's schema and that every engine (the
+three bmc strategies and HF transformers with DynamicCache and StaticCache) produced identical greedy tokens."""
+from __future__ import annotations
+
+import json
+
+from bmc.bench.harness import main
+
+from .conftest import transformers  # noqa: F401  (skips the module when transformers is absent)
+
+ENGINES = ["bmc", "bmc-iterative", "bmc-upfront", "hf-dynamic", "hf-static"]
+
+
+def test_smoke_report_schema_and_identical_tokens(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(["--smoke", "--model", "opt-tiny-random", "--out", str(out), "--threads", "1"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    for key in ("model", "dtype", "threads", "device", "cpu", "torch", "read_gb_per_s", "results", "engines"):
+        assert key in report, key
+    assert report["engines"] == ENGINES and report["threads"] == 1 and report["dtype"] == "float32"
+    (res,) = report["results"]
+    assert (res["batch"], res["prompt_len"], res["gen_len"]) == (2, 16, 8)
+    assert res["tokens_identical"] is True and set(res["first_divergence"].values()) == {None}
+    assert set(res["engines"]) == set(ENGINES)
+    for name, r in res["engines"].items():
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["peak_rss_mb"] > 0, name
+        assert len(r["step_latency_ms"]) == 7, name  # 8 tokens: the prefill's plus 7 decode steps
+    for name in ("bmc", "bmc-iterative", "bmc-upfront"):
+        assert 0 < res["engines"][name]["roofline_fraction"], name
+        assert set(res["ratios"][name]) == set(ENGINES) - {name}
+    assert res["engines"]["bmc-iterative"]["kv_allocations"] == 8  # prefill + one per decode step
+    assert res["engines"]["bmc-upfront"]["kv_allocations"] == 1
+    assert (tmp_path / "bench-throughput.png").stat().st_size > 0
+    assert (tmp_path / "bench-latency.png").stat().st_size > 0
+
+
+def test_decode_split_is_measured_per_strategy(tmp_path):
+    rc = main(["--model", "opt-tiny-random", "--batch", "1", "--prompt-len", "4", "--gen-len", "6",
+               "--engines", "bmc,bmc-iterative", "--out", str(tmp_path / "b"), "--threads", "1"])
+    assert rc == 0
+    res = json.loads((tmp_path / "b.json").read_text())["results"][0]
+    for name in ("bmc", "bmc-iterative"):
+        split = res["decode_split"][name]
+        assert split["kv_update_s"] > 0 and split["attention_s"] > 0 and split["other_s"] > 0
+    assert (tmp_path / "b-split.png").stat().st_size > 0
+
+
+def test_unknown_engine_is_a_clear_error(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(["--engines", "bmc,nope", "--model", "opt-tiny-random"])
+    assert e.value.code == 2 and "unknown engine" in capsys.readouterr().err
