@@ -19,6 +19,8 @@ from .errors import InvalidRequestError
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
 from .sampling import Sampler, SamplingParams
+from .spec import DRAFTERS, TreeSpec
+from .spec.decode import SpecStats, SpeculativeStep
 from .textstream import TextStream
 
 log = logging.getLogger("bmc")
@@ -35,6 +37,9 @@ class GenerationConfig:
     r: int | None = None
     T: int | None = None
     attention: str = "dense"
+    speculative: str = "off"  # "off" or a drafter name ("ngram")
+    tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
+    spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -53,6 +58,13 @@ class GenerationConfig:
             raise InvalidRequestError("give r or T, not both")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.speculative != "off":
+            if self.speculative not in DRAFTERS:
+                raise InvalidRequestError(
+                    f"unknown speculative drafter {self.speculative!r}; choose from off, {', '.join(DRAFTERS)}")
+            TreeSpec.parse(self.tree)
+            if not self.sampling.greedy:
+                raise InvalidRequestError("speculative decoding is greedy-only for now (temperature=0)")
 
 
 @dataclass
@@ -84,6 +96,7 @@ class GenerationStats:
     max_length: int = 0
     kv_allocations: int = 0
     peak_kv_bytes: int = 0
+    speculative: SpecStats | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -99,6 +112,9 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
+        if self.speculative is not None:
+            sp = self.speculative
+            d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use)
         d.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                  decode_gb_per_s=self.decode_gb_per_s)
         return d
@@ -213,23 +229,32 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     counts = [0] * len(rows)
     active = list(range(len(rows)))  # row ids still generating, in batch order
     pos = (cache.length - cache.left_pad).clone()  # next position per batch row
+    new_ids = [[t] for t in next_tok.tolist()]  # each batch row's tokens from the last step
+    spec = None
+    if gen.speculative != "off":
+        spec = SpeculativeStep(DRAFTERS[gen.speculative](), TreeSpec.parse(gen.tree), trim_to_chunk=not gen.spec_grow)
+        stats.speculative = spec.stats
+        for row, ids in zip(active, new_ids):
+            spec.drafter.start(row, prompt_ids[rows[row][0]] + ids)
     weight_bytes = model.weight_bytes
     _pack_weights(model, len(active), gen.max_new_tokens - 1)
     t_decode = time.perf_counter()
     while True:
-        ids = next_tok.tolist()
         keep: list[int] = []
         for b, row in enumerate(active):
-            tid = ids[b]
-            counts[row] += 1
-            stats.generated_tokens += 1
-            finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
-            text = None
-            if texts[row] is not None:
-                text, hit_stop = texts[row].push(tid, final=finish is not None)
-                if hit_stop:
-                    finish = "stop"
-            yield TokenEvent(rows[row][0], rows[row][1], tid, text, finish)
+            finish = None
+            for tid in new_ids[b]:
+                counts[row] += 1
+                stats.generated_tokens += 1
+                finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
+                text = None
+                if texts[row] is not None:
+                    text, hit_stop = texts[row].push(tid, final=finish is not None)
+                    if hit_stop:
+                        finish = "stop"
+                yield TokenEvent(rows[row][0], rows[row][1], tid, text, finish)
+                if finish is not None:
+                    break
             if finish is None:
                 keep.append(b)
         if not keep:
@@ -240,14 +265,20 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
             active = [active[b] for b in keep]
             _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active))
+        stats.decode_steps += 1
+        stats.decode_bytes += weight_bytes + cache.nbytes
+        if spec is not None:  # draft, verify in the padding rows, keep the accepted path
+            new_ids, next_tok = spec(model, cache, attention, next_tok, pos,
+                                     active, [gen.max_new_tokens - counts[r] for r in active])
+            stats.decode_tokens += sum(len(x) for x in new_ids)
+            continue
         cache.reserve(1)
         logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
         cache.commit(1)
         pos += 1
         next_tok = sampler(logits[:, -1])
-        stats.decode_steps += 1
+        new_ids = [[t] for t in next_tok.tolist()]
         stats.decode_tokens += len(active)
-        stats.decode_bytes += weight_bytes + cache.nbytes
     if dev.type == "cuda":
         torch.cuda.synchronize()
     stats.decode_seconds = time.perf_counter() - t_decode

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"KV cache strategy: {', '.join(KV_STRATEGIES)} (with --benchmark a comma list, or 'all')")
     p.add_argument("--r", type=int, help="BMC chunk size in rows")
     p.add_argument("--T", type=int, help="BMC number of allocations (r = ceil(N / T))")
+    p.add_argument("--speculative", default="off", help="speculative decoding drafter: off (default) or ngram "
+                   "(prompt lookup; greedy only; output identical to plain greedy)")
+    p.add_argument("--tree", default="dynamic:4x6", help="draft tree: chain:K or dynamic:KxDEPTH (default dynamic:4x6)")
+    p.add_argument("--spec-grow", action="store_true",
+                   help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -114,9 +119,12 @@ def run_stream(model, prompts, kw: dict, args: argparse.Namespace) -> None:
 
 def benchmark_line(kv: str, st) -> str:
     rt = f"r={st.r} T={st.T} ({st.T_source})" if st.r else ""
+    sp = st.speculative
+    spec = (f" accepted/step={sp.mean_accepted_length:.2f} padding rows used={100 * sp.padding_use:.0f}%"
+            if sp is not None else "")
     return (f"{kv:>9} {rt:>20} allocs={st.kv_allocations:<5} peakKV={st.peak_kv_bytes / 2**20:8.1f}MiB "
             f"prefill={st.prefill_seconds:6.2f}s ({st.prefill_tokens_per_s:7.1f} tok/s) "
-            f"decode={st.decode_tokens_per_s:7.1f} tok/s {st.decode_gb_per_s:6.2f} GB/s")
+            f"decode={st.decode_tokens_per_s:7.1f} tok/s {st.decode_gb_per_s:6.2f} GB/s{spec}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -137,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             prompts = synthetic_prompts(model, args.batch_size, args.prompt_len)
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
-                  r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat)
+                  r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
+                  tree=args.tree, spec_grow=args.spec_grow)
         if args.stream and not args.benchmark:
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return

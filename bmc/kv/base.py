@@ -48,6 +48,7 @@ class KVCache(ABC):
         self.length = 0  # columns written (the same for every row: rows are left-padded)
         self.kv = torch.empty((num_layers, 2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=self.device)
         self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
+        self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
         self.allocations = 0  # number of times a new KV tensor was allocated (and the old one copied)
         self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
 
@@ -90,6 +91,28 @@ class KVCache(ABC):
         """Advance the written length after all layers wrote `num_new` columns."""
         self.length += num_new
 
+    def accept(self, keep: Sequence[Sequence[int]], num_new: int) -> int:
+        """After a forward wrote `num_new` columns at `length` (a verified draft tree), keep for each row the
+        block-relative columns keep[b] (in order), moved to [length, length + len(keep[b])) by one gather + copy
+        over all layers; everything else in the block becomes masked padding again. Rows may keep different
+        counts: a shorter row's unused columns stay masked (a hole its later queries never see). Advances
+        `length` by the longest row and returns that count."""
+        m = max(len(k) for k in keep)
+        start = self.length
+        if any(list(k) != list(range(len(k))) for k in keep):  # a branch other than the first: move it
+            src = torch.tensor([list(k) + [0] * (m - len(k)) for k in keep], dtype=torch.long, device=self.device)
+            L, two, B, H, _, d = self.kv.shape
+            block = self.kv[:, :, :, :, start : start + num_new]
+            moved = torch.gather(block, 4, src.view(1, 1, B, 1, m, 1).expand(L, two, B, H, m, d))
+            self.kv[:, :, :, :, start : start + m].copy_(moved)
+        cols = self.bias[:, 0, 0, start : start + num_new]
+        cols.fill_(self.min_value)
+        counts = torch.tensor([len(k) for k in keep], device=self.device)
+        cols[:, :m].masked_fill_(torch.arange(m, device=self.device)[None, :] < counts[:, None], 0.0)
+        self.holes = self.holes or any(len(k) != m for k in keep)
+        self.length = start + m
+        return m
+
     def crop(self, length: int) -> None:
         """Forget every column at or beyond `length` (rejected speculative rows); they become masked padding."""
         if not 0 <= length <= self.length:
@@ -106,9 +129,15 @@ class KVCache(ABC):
         self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
         self.batch_size = int(rows.numel())
 
-    def attention_bias(self, num_new: int) -> torch.Tensor:
+    def attention_bias(self, num_new: int, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
-        new block; for one query it is the cache's own [B, 1, 1, capacity] tensor (no per-step construction)."""
+        new block, or `visible` ([B, num_new, num_new] bool, e.g. a draft tree's ancestor mask); for one query it is
+        the cache's own [B, 1, 1, capacity] tensor (no per-step construction)."""
+        if visible is not None:
+            out = self.bias.repeat(1, 1, num_new, 1)
+            block = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            out[:, 0, :, self.length : self.length + num_new] = block.masked_fill_(~visible, self.min_value)
+            return out
         if num_new == 1:
             return self.bias
         start = self.length
@@ -131,10 +160,12 @@ class KVCache(ABC):
         assert 0 <= self.length <= cap, "length within capacity"
         assert torch.all(self.bias[..., self.length :] == self.min_value), "padding rows beyond length are masked"
         col = torch.arange(self.length, device=self.device)
-        valid = (col[None, :] >= self.left_pad[:, None])[:, None, None, :]
+        pad = (col[None, :] < self.left_pad[:, None])[:, None, None, :]
         written = self.bias[..., : self.length]
-        assert torch.all(written[valid] == 0), "written columns are visible"
-        assert torch.all(written[~valid] == self.min_value), "prompt padding is masked"
+        assert torch.all((written == 0) | (written == self.min_value)), "bias holds only 0 (visible) or min (masked)"
+        assert torch.all(written[pad] == self.min_value), "prompt padding is masked"
+        if not self.holes:
+            assert torch.all(written[~pad] == 0), "written columns are visible"
         assert torch.isfinite(self.kv).all(), "no NaN/inf in KV rows (padding rows are zero-filled)"
 
     # ---- internals -----------------------------------------------------------------------------

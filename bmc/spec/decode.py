@@ -1,0 +1,81 @@
+"""The speculative decode step: draft a tree per row, verify it in one target forward inside the cache's padding
+rows, keep the accepted path (compacted in place), and hand back every row's new tokens.
+
+Greedy verification is exact: the emitted tokens are the target's argmax at each accepted node, so the output
+equals plain greedy decoding token for token."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import AttentionFn
+from ..kv import KVCache
+from ..models import Model
+from .drafters import Drafter
+from .tree import DraftTree, TreeSpec, greedy_accept, tree_visibility
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0  # target forwards that verified a tree
+    row_steps: int = 0  # sum over verify steps of the rows in the batch
+    drafted: int = 0  # draft nodes verified (valid ones)
+    accepted: int = 0  # draft nodes accepted
+    free_rows: int = 0  # masked padding rows of the current chunk before each verify, summed over steps
+    used_rows: int = 0  # of those, rows that held tree tokens
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per row per verify step (accepted drafts + the target's own next token)."""
+        return (self.accepted + self.row_steps) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def padding_use(self) -> float:
+        return self.used_rows / self.free_rows if self.free_rows else 0.0
+
+
+class SpeculativeStep:
+    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool) -> None:
+        self.drafter, self.spec, self.trim = drafter, spec, trim_to_chunk
+        self.stats = SpecStats()
+
+    def __call__(self, model: Model, cache: KVCache, attention: AttentionFn, next_tok: torch.Tensor,
+                 pos: torch.Tensor, rows: list[int], remaining: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
+        remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
+        next roots."""
+        proposals = []
+        for row, left in zip(rows, remaining):
+            depth = min(self.spec.depth, left - 1)
+            spec = TreeSpec(self.spec.width, depth, self.spec.width * depth) if depth > 0 else None
+            proposals.append(self.drafter.propose(row, spec) if spec else ([], []))
+        tree = DraftTree.from_lists(proposals, cache.device)
+        free = cache.capacity - cache.length
+        if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
+            tree = tree.truncate(free - 1)
+        t = 1 + tree.num_nodes
+        visible, depth = tree_visibility(tree.parents)
+        tokens = torch.cat([next_tok[:, None], tree.tokens], dim=1)
+        cache.reserve(t)
+        logits = model.net(tokens, pos[:, None] + depth, cache, attention, cache.attention_bias(t, visible),
+                           all_logits=True)
+        preds = logits.argmax(-1).tolist()
+        tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+        paths = greedy_accept(tree_tokens, parents, valid, preds)
+        cache.accept(paths, t)
+
+        new: list[list[int]] = []
+        for b, (row, path) in enumerate(zip(rows, paths)):
+            toks = [tree_tokens[b][i - 1] for i in path[1:]] + [preds[b][path[-1]]]
+            new.append(toks)
+            self.drafter.extend(row, toks)
+        pos += torch.tensor([len(p) for p in paths], dtype=pos.dtype, device=pos.device)
+        s = self.stats
+        s.verify_steps += 1
+        s.row_steps += len(rows)
+        s.drafted += int(tree.valid.sum())
+        s.accepted += sum(len(p) - 1 for p in paths)
+        s.free_rows += max(free, 0)
+        s.used_rows += min(max(free, 0), t)
+        return new, torch.tensor([toks[-1] for toks in new], dtype=torch.long, device=next_tok.device)

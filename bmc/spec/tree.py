@@ -1,0 +1,109 @@
+"""Draft token trees and their verification masks.
+
+A verify forward feeds t = 1 + n tokens per row: the root (the last accepted token, whose K/V is not cached yet)
+followed by n draft nodes. Node i's parent is parents[b, i] (-1 = the root); nodes are ordered so that a parent
+always comes before its children, so cutting the tail of the list leaves a valid (smaller) tree. Rows may hold
+different trees: the mask is per row, and rows with fewer proposals are padded with invalid nodes that hang off
+the root and are never accepted."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How many continuations (width) of how many tokens (depth) a drafter proposes, capped at `size` nodes."""
+
+    width: int
+    depth: int
+    size: int
+
+    @staticmethod
+    def parse(spec: str) -> "TreeSpec":
+        """`chain:K` (one continuation of K tokens) or `dynamic:KxD` (up to K branches of depth D, a trie)."""
+        m = re.fullmatch(r"chain:(\d+)", spec) or re.fullmatch(r"dynamic:(\d+)x(\d+)", spec)
+        if m is None:
+            raise InvalidRequestError(f"unknown tree {spec!r}: use chain:K or dynamic:KxDEPTH")
+        nums = [int(g) for g in m.groups()]
+        width, depth = (1, nums[0]) if len(nums) == 1 else (nums[0], nums[1])
+        if width < 1 or depth < 1 or width * depth > 256:
+            raise InvalidRequestError(f"tree {spec!r}: width and depth must be >= 1 and width*depth <= 256")
+        return TreeSpec(width, depth, width * depth)
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, n] long
+    parents: torch.Tensor  # [B, n] long, -1 = root
+    valid: torch.Tensor  # [B, n] bool
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def truncate(self, n: int) -> "DraftTree":
+        """Keep the first n nodes (parents come first, so this is still a tree)."""
+        return DraftTree(self.tokens[:, :n], self.parents[:, :n], self.valid[:, :n])
+
+    @staticmethod
+    def from_lists(rows: list[tuple[list[int], list[int]]], device: torch.device) -> "DraftTree":
+        """rows[b] = (tokens, parents); padded to the longest row with invalid root children."""
+        n = max((len(t) for t, _ in rows), default=0)
+        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        parents = torch.full((len(rows), n), -1, dtype=torch.long)
+        valid = torch.zeros(len(rows), n, dtype=torch.bool)
+        for b, (tok, par) in enumerate(rows):
+            tokens[b, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+            parents[b, : len(par)] = torch.tensor(par, dtype=torch.long)
+            valid[b, : len(tok)] = True
+        return DraftTree(tokens.to(device), parents.to(device), valid.to(device))
+
+
+def tree_visibility(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the t = 1 + n verify tokens (root first): visible [B, t, t] bool (each token sees itself, the root and
+    its ancestors) and depth [B, t] (root 0), the position offset of each token."""
+    B, n = parents.shape
+    t = n + 1
+    par = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=parents.device), parents + 1], dim=1)  # root = 0
+    par[:, 0] = 0  # the root is its own parent: the walk below stops there
+    visible = torch.eye(t, dtype=torch.bool, device=parents.device).expand(B, t, t).clone()
+    depth = torch.zeros(B, t, dtype=torch.long, device=parents.device)
+    cur = torch.arange(t, device=parents.device).expand(B, t).clone()
+    rows = torch.arange(B, device=parents.device)[:, None].expand(B, t)
+    qs = torch.arange(t, device=parents.device).expand(B, t)
+    for _ in range(t):  # walk every node up to the root, marking ancestors; depth <= n
+        nxt = par.gather(1, cur)
+        moved = nxt != cur
+        if not moved.any():
+            break
+        depth += moved.long()
+        cur = nxt
+        visible[rows, qs, cur] = True
+    return visible, depth
+
+
+def greedy_accept(tokens: list[list[int]], parents: list[list[int]], valid: list[list[bool]],
+                  preds: list[list[int]]) -> list[list[int]]:
+    """Greedy verification: from the root, follow the child whose token equals the target's argmax at the current
+    node. Returns, per row, the accepted verify positions (0 = root, node i = i + 1); the next token is then
+    preds[b][path[-1]] (the target's own choice after the last accepted node)."""
+    paths = []
+    for tok, par, ok, pred in zip(tokens, parents, valid, preds):
+        children: dict[int, dict[int, int]] = {}
+        for i, (x, p, v) in enumerate(zip(tok, par, ok)):
+            if v:
+                children.setdefault(p + 1, {}).setdefault(x, i + 1)
+        path, cur = [0], 0
+        while True:
+            nxt = children.get(cur, {}).get(pred[cur])
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        paths.append(path)
+    return paths

@@ -1,0 +1,179 @@
+"""Speculative decoding: tree masks and compaction against brute-force references, and greedy output identical
+to plain greedy for every drafter, tree shape, KV strategy and batch size."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import bmc
+from bmc.attention import dense_attention
+from bmc.errors import InvalidRequestError
+from bmc.kv import KV_STRATEGIES
+from bmc.spec import NGramDrafter, TreeSpec, build_trie, greedy_accept, tree_visibility
+
+from .conftest import transformers  # noqa: F401  (the tiny models are built with transformers)
+
+# Repetitive prompts so that prompt lookup finds matches and the trees get accepted in part.
+PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12, 5, 17, 33, 80, 101], [40, 41, 42, 40, 41],
+           [300, 3, 99, 98, 97, 96, 300, 3, 99, 98]]
+
+
+def random_parents(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(-1, i) for i in range(n)]  # any earlier node (or the root) as parent
+
+
+def ancestors(parents: list[int], i: int) -> list[int]:
+    """Verify positions (root 0, node j -> j + 1) on the path root .. node i, by following parents."""
+    path = [i + 1]
+    while parents[i] != -1:
+        i = parents[i]
+        path.append(i + 1)
+    return [0] + path[::-1]
+
+
+def test_tree_visibility_matches_explicit_ancestor_lists():
+    rng = random.Random(0)
+    rows = [random_parents(rng, n) for n in (7, 7, 7)]
+    visible, depth = tree_visibility(torch.tensor(rows))
+    for b, par in enumerate(rows):
+        assert visible[b, 0].tolist() == [True] + [False] * 7
+        for i in range(7):
+            anc = set(ancestors(par, i))
+            assert {j for j in range(8) if visible[b, i + 1, j]} == anc
+            assert depth[b, i + 1] == len(anc) - 1
+
+
+def test_greedy_accept_walks_the_matching_branch():
+    # root -> a(10) -> b(11); root -> c(12) -> d(13); node order a, c, b, d
+    tokens, parents, valid = [[10, 12, 11, 13]], [[-1, -1, 0, 1]], [[True] * 4]
+    preds = [[12, 0, 13, 0, 77]]  # by verify position (root 0, node i -> i + 1): at root the target wants 12 (node c), after c it wants 13 (node d), then 77
+    assert greedy_accept(tokens, parents, valid, preds) == [[0, 2, 4]]
+    assert greedy_accept(tokens, parents, [[True, False, True, True]], preds) == [[0]]  # c invalid: nothing taken
+    assert greedy_accept(tokens, parents, valid, [[5, 0, 0, 0, 0]]) == [[0]]
+
+
+def test_ngram_drafter_proposes_what_followed_the_suffix():
+    d = NGramDrafter(max_n=2)
+    d.start(0, [1, 2, 3, 4, 1, 2, 5, 6, 1, 2])
+    tokens, parents = d.propose(0, TreeSpec(width=2, depth=2, size=4))
+    # latest match of (1, 2) is followed by 5 6, the earlier one by 3 4
+    assert (tokens, parents) == ([5, 6, 3, 4], [-1, 0, -1, 2])
+    d.extend(0, [5])
+    assert d.propose(0, TreeSpec(1, 3, 3)) == ([6, 1, 2], [-1, 0, 1])
+    assert build_trie([[1, 2, 3], [1, 2, 4], [5]], size=10) == ([1, 2, 3, 4, 5], [-1, 0, 1, 1, -1])
+    assert build_trie([[1, 2, 3], [1, 4]], size=3) == ([1, 2, 3], [-1, 0, 1])
+
+
+def test_tree_spec_parsing():
+    assert TreeSpec.parse("chain:5") == TreeSpec(1, 5, 5)
+    assert TreeSpec.parse("dynamic:3x4") == TreeSpec(3, 4, 12)
+    for bad in ("chain", "static:26", "dynamic:0x3", "chain:-1"):
+        with pytest.raises(InvalidRequestError):
+            TreeSpec.parse(bad)
+
+
+def test_accept_compacts_each_rows_path_in_place():
+    cache = KV_STRATEGIES["bmc"](r=8, num_layers=2, batch_size=2, num_kv_heads=1, head_dim=2, max_length=16)
+    cache.reserve(3)
+    cache.kv[:, :, :, :, :3] = 1.0
+    cache.commit(3)
+    cache.reserve(5)  # a verify block of 5 columns (root + 4 nodes) at columns 3..7
+    for j in range(5):
+        cache.kv[:, :, :, :, 3 + j] = 10.0 + j
+    m = cache.accept([[0, 2, 4], [0]], 5)
+    assert m == 3 and cache.length == 6
+    assert cache.kv[0, 0, 0, 0, 3:6, 0].tolist() == [10.0, 12.0, 14.0]  # row 0: root, node 1, node 3
+    assert cache.kv[0, 0, 1, 0, 3, 0].item() == 10.0  # row 1 kept only its root
+    assert cache.bias[0, 0, 0, :8].tolist() == [0.0] * 6 + [cache.min_value] * 2
+    assert cache.bias[1, 0, 0, :8].tolist() == [0.0] * 4 + [cache.min_value] * 4  # a hole at 4, 5
+    cache.check_integrity()
+
+
+def tree_logits_vs_brute_force(model, context: list[int], parents: list[int], tokens: list[int]) -> None:
+    """Verify-forward logits of every tree node == a plain forward over context + the node's ancestor path."""
+    cfg = model.config
+    cache = KV_STRATEGIES["bmc"](r=4, num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, max_length=64)
+    with torch.inference_mode():
+        ctx, root = context[:-1], context[-1]
+        cache.reserve(len(ctx))
+        model.net(torch.tensor([ctx]), torch.arange(len(ctx))[None], cache, dense_attention,
+                  cache.attention_bias(len(ctx)))
+        cache.commit(len(ctx))
+        visible, depth = tree_visibility(torch.tensor([parents]))
+        t = len(tokens) + 1
+        cache.reserve(t)
+        got = model.net(torch.tensor([[root] + tokens]), len(ctx) + depth, cache, dense_attention,
+                        cache.attention_bias(t, visible), all_logits=True)[0]
+        for i in range(len(tokens)):
+            path = [([root] + tokens)[j] for j in ancestors(parents, i)]
+            full = ctx + path
+            c2 = KV_STRATEGIES["iterative"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                            head_dim=cfg.head_dim, max_length=64)
+            c2.reserve(len(full))
+            want = model.net(torch.tensor([full]), torch.arange(len(full))[None], c2, dense_attention,
+                             c2.attention_bias(len(full)))[0, -1]
+            torch.testing.assert_close(got[i + 1], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
+def test_tree_attention_equals_attention_over_each_nodes_ancestors(tiny_dirs, variant):
+    model = bmc.load(str(tiny_dirs[variant]))
+    rng = random.Random(1)
+    parents = random_parents(rng, 9)
+    tokens = [rng.randrange(3, 300) for _ in parents]
+    tree_logits_vs_brute_force(model, PROMPTS[0], parents, tokens)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa", "opt-projected"])
+def test_speculative_greedy_is_identical_to_plain_greedy(tiny_dirs, variant):
+    model = bmc.load(str(tiny_dirs[variant]))
+    for prompts in (PROMPTS[:1], PROMPTS):
+        ref = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True)
+        want = [c.token_ids for c in ref]
+        for kv, extra in (("bmc", dict(r=8)), ("bmc", dict(r=3)), ("iterative", {}), ("upfront", {})):
+            for tree in ("chain:1", "chain:4", "dynamic:3x4"):
+                for grow in (False, True):
+                    out = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True, kv=kv, speculative="ngram",
+                                       tree=tree, spec_grow=grow, **extra)
+                    assert [c.token_ids for c in out] == want, (kv, extra, tree, grow)
+                    sp = out.stats.speculative
+                    assert sp.verify_steps > 0 and sp.drafted > 0 and sp.mean_accepted_length >= 1.0
+
+
+def test_speculative_respects_eos_stop_and_length(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    plain = bmc.generate(model, PROMPTS, max_new_tokens=17)
+    spec = bmc.generate(model, PROMPTS, max_new_tokens=17, speculative="ngram", tree="dynamic:2x5")
+    assert [(c.token_ids, c.finish_reason, c.text) for c in spec] == [
+        (c.token_ids, c.finish_reason, c.text) for c in plain]
+    assert all(len(c.token_ids) <= 17 for c in spec)
+
+
+def test_speculative_rejects_sampling_and_bad_trees(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    with pytest.raises(InvalidRequestError, match="greedy"):
+        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", temperature=0.7)
+    with pytest.raises(InvalidRequestError, match="drafter"):
+        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="nope")
+    with pytest.raises(InvalidRequestError, match="tree"):
+        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", tree="wide")
+
+
+@pytest.mark.slow
+def test_real_model_speculative_identical_and_accepting(real_model):
+    """On text the model copies from its prompt, prompt lookup gets accepted and the output is unchanged."""
+    passage = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill and the rain "
+               "falls softly on the garden outside.")
+    text = passage + "\n" + passage + "\n" + passage[:40]
+    plain = bmc.generate(real_model, [text], max_new_tokens=48)
+    spec = bmc.generate(real_model, [text], max_new_tokens=48, speculative="ngram")
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert spec.stats.speculative.mean_accepted_length > 3.0  # measured 5.7: the continuation copies the passage
+    batch = [text, "Copy this list exactly: alpha, bravo, charlie, delta, echo, foxtrot, golf, hotel, india."]
+    plain_b = bmc.generate(real_model, batch, max_new_tokens=32, chat=True)
+    for tree in ("chain:6", "dynamic:4x6"):
+        spec_b = bmc.generate(real_model, batch, max_new_tokens=32, chat=True, speculative="ngram", tree=tree)
+        assert [c.token_ids for c in spec_b] == [c.token_ids for c in plain_b], tree
