@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .analytic import choose_T
-from .attention import ATTENTION_BACKENDS
+from .attention import ATTENTION_BACKENDS, SharedPrefix
 from .errors import InvalidRequestError
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
@@ -40,6 +40,7 @@ class GenerationConfig:
     speculative: str = "off"  # "off" or a drafter name ("ngram")
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
+    share_prefix: str = "auto"  # "auto": num_samples > 1 keep one copy of each prompt's KV (shared-prefix attention)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -58,6 +59,8 @@ class GenerationConfig:
             raise InvalidRequestError("give r or T, not both")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.share_prefix not in ("auto", "off"):
+            raise InvalidRequestError(f"share_prefix must be 'auto' or 'off', got {self.share_prefix!r}")
         if self.speculative != "off":
             if self.speculative not in DRAFTERS:
                 raise InvalidRequestError(
@@ -97,6 +100,8 @@ class GenerationStats:
     kv_allocations: int = 0
     peak_kv_bytes: int = 0
     speculative: SpecStats | None = None
+    prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
+    prefix_groups: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -204,7 +209,15 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
 
     n_prompts, n = len(prompt_ids), gen.num_samples
     left_pad = [P - len(p) for p in prompt_ids]
-    cache = make_cache(model, gen, n_prompts, max_length, left_pad, stats)
+    # Samples of one prompt share its KV: prefill into an exact-size cache that becomes the shared prefix, and
+    # give the rows a suffix cache for the generated tokens only (bifurcated attention / Hydragen).
+    share = n > 1 and gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
+    if share:
+        cache: KVCache = KV_STRATEGIES["upfront"](
+            num_layers=model.config.num_layers, batch_size=n_prompts, num_kv_heads=model.config.num_kv_heads,
+            head_dim=model.config.head_dim, max_length=P, dtype=model.dtype, device=dev, left_pad=left_pad)
+    else:
+        cache = make_cache(model, gen, n_prompts, max_length, left_pad, stats)
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
     tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
@@ -215,10 +228,18 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     cache.reserve(P)
     logits = net(tokens, positions, cache, attention, cache.attention_bias(P))
     cache.commit(P)
+    prefix: SharedPrefix | None = None
+    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
     if n > 1:  # fork each prompt's prefilled KV to its samples
         fork = torch.arange(n_prompts, device=dev).repeat_interleave(n)
-        cache.reorder(fork)
-        logits = logits.index_select(0, fork)
+        logits, pos = logits.index_select(0, fork), pos.index_select(0, fork)
+        if share:
+            prefix = SharedPrefix(cache.kv, cache.bias, fork)
+            cache = make_cache(model, gen, n_prompts * n, gen.max_new_tokens, [0] * (n_prompts * n), stats)
+            attention = prefix.attention
+            stats.prefix_kv_bytes, stats.prefix_groups = prefix.nbytes, n_prompts
+        else:
+            cache.reorder(fork)
     next_tok = sampler(logits[:, -1])
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -228,7 +249,6 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     texts = [TextStream(model.tokenizer, gen.stop) if model.tokenizer is not None else None for _ in rows]
     counts = [0] * len(rows)
     active = list(range(len(rows)))  # row ids still generating, in batch order
-    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
     new_ids = [[t] for t in next_tok.tolist()]  # each batch row's tokens from the last step
     spec = None
     if gen.speculative != "off":
@@ -262,11 +282,13 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         if len(keep) < len(active):
             idx = torch.tensor(keep, dtype=torch.long, device=dev)
             cache.reorder(idx)
+            if prefix is not None:
+                prefix.reorder(idx)
             next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
             active = [active[b] for b in keep]
             _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active))
         stats.decode_steps += 1
-        stats.decode_bytes += weight_bytes + cache.nbytes
+        stats.decode_bytes += weight_bytes + cache.nbytes + stats.prefix_kv_bytes
         if spec is not None:  # draft, verify in the padding rows, keep the accepted path
             new_ids, next_tok = spec(model, cache, attention, next_tok, pos,
                                      active, [gen.max_new_tokens - counts[r] for r in active])
@@ -282,4 +304,5 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     if dev.type == "cuda":
         torch.cuda.synchronize()
     stats.decode_seconds = time.perf_counter() - t_decode
-    stats.kv_allocations, stats.peak_kv_bytes = cache.allocations, max(cache.peak_bytes, cache.nbytes)
+    stats.kv_allocations = cache.allocations
+    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes

@@ -17,7 +17,7 @@ def group_bias(bias: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, layer: int = 0
 ) -> torch.Tensor:
     """q [B, H, t, d]; k, v [B, H_kv, S, d]; bias from group_bias(). Returns [B, H, t, d]."""
     B, H, t, d = q.shape

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default="dynamic:4x6", help="draft tree: chain:K or dynamic:KxDEPTH (default dynamic:4x6)")
     p.add_argument("--spec-grow", action="store_true",
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
+    p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],
+                   help="with --num-samples > 1, store each prompt's KV once (shared-prefix attention; default auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
-                  tree=args.tree, spec_grow=args.spec_grow)
+                  tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix)
         if args.stream and not args.benchmark:
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return

@@ -91,7 +91,7 @@ class LlamaModel:
             qk = apply_rope(a[..., : L.qk_width].view(B, t, h + kvh, hd), cos, sin)
             q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
             K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2))
-            o = attention(q, K, V, bias, self.scale)
+            o = attention(q, K, V, bias, self.scale, layer=i)
             x = x + L.o(o.transpose(1, 2).reshape(B, t, h * hd))
             gate, up = L.gate_up(rms_norm(x, L.ln2, cfg.norm_eps)).chunk(2, dim=-1)
             x = x + L.down(F.silu(gate) * up)

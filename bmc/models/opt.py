@@ -75,7 +75,7 @@ class OPTModel:
             a = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps) if pre else x
             q, k, v = L.qkv(a).view(B, t, 3 * h, hd).transpose(1, 2).split(h, dim=1)
             K, V = cache.update(i, k, v)
-            o = attention(q, K, V, bias, self.scale)
+            o = attention(q, K, V, bias, self.scale, layer=i)
             x = x + L.o(o.transpose(1, 2).reshape(B, t, D))
             if not pre:
                 x = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps)

@@ -1,0 +1,175 @@
+"""Speculative decoding on the default model at batch 1, on tasks where drafting pays, plus the seed paper's
+Table I (attention-block latency over T under speculative decoding) on this machine.
+
+Part 1: per task, plain greedy decoding vs prompt-lookup speculative decoding with the tree verified in the BMC
+cache's padding rows (trimmed to the chunk, or growing it) and on iterative / upfront caches; every run must
+give the plain run's tokens. Reports tokens/s, ratios, mean accepted length, tree size, T and padding-row use.
+Part 2: one layer with SmolLM2 shapes: each verify step writes k tree rows, attends with k queries, keeps m.
+
+    python bench/spec.py                      # writes bench/out/spec.json and bench/out/spec.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import bmc
+from bmc.analytic import Shape, best_T, default_profile_path, load_profile
+from bmc.attention import dense_attention, group_bias
+from bmc.kv import BMCCache, IterativeCache, r_from_T
+
+OUT = Path(__file__).resolve().parent / "out"
+PASSAGE = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill and the rain "
+           "falls softly on the garden outside. ")
+CODE = '''def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config has no name")
+    return data
+'''
+TASKS = {  # (prompt, chat): texts where the answer copies from the context
+    "continue-repetition": (PASSAGE * 2 + PASSAGE[:60], False),
+    "extract-paragraph": ("Copy the following paragraph exactly, word for word:\n\n" + PASSAGE * 2, True),
+    "edit-code": ("Rename the function load_config to read_settings in this code and show the whole code:\n\n"
+                  + CODE, True),
+    "continue-code": (CODE + "\n\ndef save_config(path, data):\n", False),
+}
+CONFIGS = {  # name -> generate() kwargs
+    "plain (bmc)": dict(kv="bmc"),
+    "sd bmc (trim)": dict(kv="bmc", speculative="ngram"),
+    "sd bmc (grow)": dict(kv="bmc", speculative="ngram", spec_grow=True),
+    "sd iterative": dict(kv="iterative", speculative="ngram"),
+    "sd upfront": dict(kv="upfront", speculative="ngram"),
+}
+
+
+def end_to_end(model, gen_len: int, tree: str) -> list[dict]:
+    rows = []
+    for task, (prompt, chat) in TASKS.items():
+        bmc.generate(model, [prompt], max_new_tokens=8, chat=chat)  # warm-up
+        ref = None
+        row = {"task": task, "runs": {}}
+        for name, kw in CONFIGS.items():
+            extra = dict(tree=tree) if "speculative" in kw else {}
+            out = bmc.generate(model, [prompt], max_new_tokens=gen_len, chat=chat, **kw, **extra)
+            st = out.stats
+            ref = ref if ref is not None else out[0].token_ids
+            run = {"tokens_per_s": st.decode_tokens_per_s, "generated": len(out[0].token_ids),
+                   "identical_to_plain": out[0].token_ids == ref, "T": st.T, "r": st.r,
+                   "kv_allocations": st.kv_allocations}
+            if st.speculative is not None:
+                sp = st.speculative
+                run.update(mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use,
+                           tree_nodes_per_step=sp.drafted / max(sp.verify_steps, 1))
+            row["runs"][name] = run
+            print(f"{task:22s} {name:15s} {run['tokens_per_s']:6.1f} tok/s  identical={run['identical_to_plain']}"
+                  + (f"  m={run['mean_accepted_length']:.2f} tree={run['tree_nodes_per_step']:.1f}"
+                     f" padding use={100 * run['padding_use']:.0f}%" if "padding_use" in run else ""), flush=True)
+        r = row["runs"]
+        row["sd_vs_plain"] = r["sd bmc (trim)"]["tokens_per_s"] / r["plain (bmc)"]["tokens_per_s"]
+        row["bmc_sd_vs_iterative_sd"] = r["sd bmc (trim)"]["tokens_per_s"] / r["sd iterative"]["tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def sd_attention_block_seconds(n: int, batch: int, T: int, k: int, m: int) -> float:
+    """One layer (SmolLM2 shapes) decoding n tokens by verify steps of k tree rows that keep m of them."""
+    h, kvh, d = 9, 3, 64
+    kw = dict(num_layers=1, batch_size=batch, num_kv_heads=kvh, head_dim=d, max_length=n + k)
+    cache = IterativeCache(**kw) if T >= n else BMCCache(r=r_from_T(n, T), **kw)
+    q = torch.randn(batch, h, k, d)
+    kv = torch.randn(batch, kvh, k, d)
+    keep = [list(range(m))] * batch
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        while cache.length < n:
+            cache.reserve(k)
+            K, V = cache.update(0, kv, kv)
+            dense_attention(q, K, V, group_bias(cache.attention_bias(k), h // kvh), d**-0.5)
+            cache.accept(keep, k)
+        return time.perf_counter() - t0
+
+
+def table_one(n: int, batch: int, k: int, m: int) -> dict:
+    consts = load_profile(default_profile_path(torch.device("cpu"), torch.float32), torch.device("cpu"), torch.float32)
+    shape = Shape(batch=batch, layers=1, heads=9, kv_heads=3, head_dim=64)
+    pred = best_T(n, shape, consts, k=k, m=m) if consts else None
+    points = []
+    for T in [2**i for i in range(int(math.log2(n // m)) + 1)]:
+        s = sd_attention_block_seconds(n, batch, T, k, m)
+        points.append({"T": T, "attention_block_s": s})
+        print(f"Table I: N={n} B={batch} k={k} m={m} T={T:5d}  {s:.3f} s", flush=True)
+    best = min(points, key=lambda p: p["attention_block_s"])
+    return {"N": n, "B": batch, "k": k, "m": m, "predicted_T": pred, "best_T": best["T"], "points": points}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    tasks = [r["task"] for r in report["tasks"]]
+    names = list(CONFIGS)
+    w = 0.8 / len(names)
+    for j, name in enumerate(names):
+        a1.bar([i + j * w for i in range(len(tasks))], [r["runs"][name]["tokens_per_s"] for r in report["tasks"]],
+               w, label=name)
+    a1.set_xticks([i + 0.4 - w / 2 for i in range(len(tasks))])
+    a1.set_xticklabels(tasks, fontsize=7)
+    a1.set_ylabel("decode tokens/s (B=1)")
+    a1.legend(fontsize=7)
+    a1.set_title(f"speculative decoding, tree {report['tree']}, {report['gen_len']} tokens", fontsize=9)
+    t1 = report["table_one"]
+    Ts = [p["T"] for p in t1["points"]]
+    best = min(p["attention_block_s"] for p in t1["points"])
+    a2.plot(Ts, [p["attention_block_s"] / best for p in t1["points"]], "o-")
+    if t1["predicted_T"]:
+        a2.axvline(t1["predicted_T"], color="red", linestyle="--", label=f"predicted T={t1['predicted_T']}")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("T (allocations)")
+    a2.set_ylabel("attention block latency / best")
+    a2.set_title(f"Table I analog: N={t1['N']} B={t1['B']} k={t1['k']} m={t1['m']}, one layer", fontsize=9)
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--tree", default="dynamic:4x6")
+    ap.add_argument("--table-n", type=int, default=4096)
+    ap.add_argument("--table-b", type=int, default=8)
+    ap.add_argument("--k", type=int, default=26, help="tree nodes per verify step (the paper's 26)")
+    ap.add_argument("--m", type=int, default=4, help="accepted tokens per verify step (the paper's 4)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = bmc.load()
+    report = {"model": model.path, "batch": 1, "dtype": "float32", "threads": args.threads, "device": "cpu",
+              "gen_len": args.gen_len, "tree": args.tree, "tasks": end_to_end(model, args.gen_len, args.tree)}
+    report["table_one"] = table_one(args.table_n, args.table_b, args.k, args.m)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "spec.png")
+    print(f"{'task':22s} {'SD/plain':>9} {'BMC+SD/iter+SD':>15} {'m':>5}")
+    for r in report["tasks"]:
+        sd = r["runs"]["sd bmc (trim)"]
+        print(f"{r['task']:22s} {r['sd_vs_plain']:9.2f} {r['bmc_sd_vs_iterative_sd']:15.2f} "
+              f"{sd['mean_accepted_length']:5.2f}")
+    t1 = report["table_one"]
+    print(f"Table I analog: best T={t1['best_T']}, predicted T={t1['predicted_T']}")
+    print(f"wrote {out / 'spec.json'} and {out / 'spec.png'}")
+
+
+if __name__ == "__main__":
+    main()

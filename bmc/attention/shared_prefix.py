@@ -1,0 +1,71 @@
+"""Shared-prefix attention (bifurcated attention / Hydragen): a prefix KV stored once per group of rows, attended
+by all the group's queries as one matrix-matrix product, merged exactly with each row's own suffix attention
+through their log-sum-exps:
+
+    O = (O_p * exp(LSE_p) + O_s * exp(LSE_s)) / (exp(LSE_p) + exp(LSE_s))
+
+so the prefix is read once per group per step instead of once per row (B-fold less memory traffic and storage)."""
+from __future__ import annotations
+
+import torch
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over k/v ([..., S, d]) that also returns the log-sum-exp of the scores ([..., rows, 1])."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        s = s + bias
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse), v), lse
+
+
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * torch.exp(lse1 - lse) + o2 * torch.exp(lse2 - lse)
+
+
+class SharedPrefix:
+    """The prefix KV of G groups, [L, 2, G, H_kv, P, d] with a [G, 1, 1, P] bias (left padding of shorter
+    prompts masked), and for every batch row the group it belongs to. Rows of a group are contiguous."""
+
+    def __init__(self, kv: torch.Tensor, bias: torch.Tensor, group: torch.Tensor) -> None:
+        self.kv, self.bias = kv, bias
+        self.group = group.tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Rows kept / permuted in the suffix cache; the prefix itself never moves."""
+        self.group = [self.group[i] for i in rows.tolist()]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(group, first row, end row) runs of consecutive rows."""
+        out: list[tuple[int, int, int]] = []
+        for b, g in enumerate(self.group):
+            if out and out[-1][0] == g and out[-1][2] == b:
+                out[-1] = (g, out[-1][1], b + 1)
+            else:
+                out.append((g, b, b + 1))
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                  layer: int = 0) -> torch.Tensor:
+        """q [B, H, t, d]; k, v: the rows' suffix cache views [B, H_kv, S, d] with their bias (from group_bias)."""
+        B, H, t, d = q.shape
+        kvh = k.shape[1]
+        rows = (H // kvh) * t
+        qg = q.reshape(B, kvh, rows, d)
+        o_s, lse_s = attention_with_lse(qg, k, v, bias, scale)
+        o_p = torch.empty_like(o_s)
+        lse_p = torch.empty_like(lse_s)
+        pk, pv = self.kv[layer, 0], self.kv[layer, 1]
+        for g, a, b in self.spans():  # one GEMM per group: every query row of the group against the prefix
+            n = b - a
+            qs = qg[a:b].transpose(0, 1).reshape(kvh, n * rows, d)
+            o, lse = attention_with_lse(qs, pk[g], pv[g], self.bias[g, 0], scale)
+            o_p[a:b] = o.view(kvh, n, rows, d).transpose(0, 1)
+            lse_p[a:b] = lse.view(kvh, n, rows, 1).transpose(0, 1)
+        return merge_by_lse(o_p, lse_p, o_s, lse_s).reshape(B, H, t, d)
