@@ -1,0 +1,119 @@
+"""Shared-prefix attention vs per-sequence attention over replicated KV (Hydragen Fig. 5 analog, on this CPU).
+
+Part 1: one decode attention step (SmolLM2 head shapes, one layer) for B samples of one prefix of length P plus
+per-sample suffixes of length S: `dense` reads B copies of the prefix (matrix-vector per row), `shared` reads it
+once per step (one matrix-matrix product for all rows) and merges by log-sum-exp.
+Part 2: end to end on the default model: num_samples=B completions of one long prompt, sharing on vs off.
+
+    python bench/shared_prefix.py            # writes bench/out/shared_prefix.json and .png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import bmc
+from bmc.attention import SharedPrefix, dense_attention, group_bias
+
+OUT = Path(__file__).resolve().parent / "out"
+H, KVH, D = 9, 3, 64
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def attention_step(batch: int, prefix: int, suffix: int) -> dict:
+    torch.manual_seed(0)
+    pk = torch.randn(1, 2, 1, KVH, prefix, D)
+    pbias = torch.zeros(1, 1, 1, prefix)
+    sk, sv = torch.randn(batch, KVH, suffix + 1, D), torch.randn(batch, KVH, suffix + 1, D)
+    sbias = torch.zeros(batch, 1, 1, suffix + 1)
+    q = torch.randn(batch, H, 1, D)
+    shared = SharedPrefix(pk, pbias, torch.zeros(batch, dtype=torch.long))
+    K = torch.cat([pk[0, 0].expand(batch, -1, -1, -1), sk], dim=2).contiguous()  # replicated prefix
+    V = torch.cat([pk[0, 1].expand(batch, -1, -1, -1), sv], dim=2).contiguous()
+    bias = torch.zeros(batch, 1, 1, prefix + suffix + 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(shared.attention(q, sk, sv, sbias, D**-0.5),
+                                   dense_attention(q, K, V, group_bias(bias, H // KVH), D**-0.5), atol=1e-4, rtol=1e-4)
+        t_dense = best_of(lambda: dense_attention(q, K, V, bias, D**-0.5))
+        t_shared = best_of(lambda: shared.attention(q, sk, sv, sbias, D**-0.5))
+    return {"batch": batch, "prefix": prefix, "suffix": suffix, "dense_ms": 1e3 * t_dense,
+            "shared_ms": 1e3 * t_shared, "speedup": t_dense / t_shared}
+
+
+def end_to_end(model, samples: int, prompt_tokens: int, gen: int) -> dict:
+    text = ("The history of computing is a story of trade-offs between memory and arithmetic. " * 200)
+    ids = model.tokenizer.encode(text)[:prompt_tokens]
+    out = {}
+    for share in ("auto", "off"):
+        r = bmc.generate(model, [ids], max_new_tokens=gen, num_samples=samples, temperature=0.8, seed=0,
+                         ignore_eos=True, share_prefix=share)
+        out[share] = {"decode_tokens_per_s": r.stats.decode_tokens_per_s, "decode_s": r.stats.decode_seconds,
+                      "peak_kv_mb": r.stats.peak_kv_bytes / 2**20, "prefix_kv_mb": r.stats.prefix_kv_bytes / 2**20}
+        print(f"e2e samples={samples} prompt={prompt_tokens} gen={gen} share={share}: "
+              f"{out[share]['decode_tokens_per_s']:.1f} tok/s, peak KV {out[share]['peak_kv_mb']:.0f} MiB", flush=True)
+    return {"samples": samples, "prompt": prompt_tokens, "gen": gen, **out,
+            "speedup": out["auto"]["decode_tokens_per_s"] / out["off"]["decode_tokens_per_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--suffixes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--e2e-samples", type=int, default=32)
+    ap.add_argument("--e2e-prompt", type=int, default=1920)
+    ap.add_argument("--e2e-gen", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    steps = []
+    for b in args.batches:
+        for p in args.prefixes:
+            for s in args.suffixes:
+                r = attention_step(b, p, s)
+                steps.append(r)
+                print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}: dense {r['dense_ms']:7.2f} ms  "
+                      f"shared {r['shared_ms']:7.2f} ms  x{r['speedup']:.2f}", flush=True)
+    model = bmc.load()
+    e2e = end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen) if args.e2e_samples else None
+    report = {"device": "cpu", "dtype": "float32", "threads": args.threads, "heads": H, "kv_heads": KVH,
+              "head_dim": D, "attention_step": steps, "end_to_end": e2e}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shared_prefix.json").write_text(json.dumps(report, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(args.suffixes), figsize=(4.5 * len(args.suffixes), 3.6), squeeze=False)
+    for ax, s in zip(axes[0], args.suffixes):
+        for p in args.prefixes:
+            pts = [r for r in steps if r["prefix"] == p and r["suffix"] == s]
+            ax.plot([r["batch"] for r in pts], [r["speedup"] for r in pts], "o-", label=f"prefix {p}")
+        ax.axhline(1.0, color="gray", linewidth=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (samples sharing the prefix)")
+        ax.set_ylabel("speedup of shared over replicated")
+        ax.set_title(f"decode attention, suffix {s}, one layer, fp32 CPU", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "shared_prefix.png", dpi=110)
+    print(f"wrote {out / 'shared_prefix.json'} and {out / 'shared_prefix.png'}")
+
+
+if __name__ == "__main__":
+    main()
