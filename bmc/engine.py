@@ -100,6 +100,7 @@ class GenerationStats:
     kv_allocations: int = 0
     peak_kv_bytes: int = 0
     speculative: SpecStats | None = None
+    weight_pack_seconds: float = 0.0  # MKL re-layout of the weights for the decode batch (inside decode_seconds)
     prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
     prefix_groups: int = 0
 
@@ -180,13 +181,15 @@ PACK_MIN_ROWS = 2  # measured: MKL-packed GEMMs win at M = 8 (48 vs 69 ms/step),
 PACK_MIN_STEPS = 96  # packing costs ~1 s for the default model; at M = 8 it saves ~25 ms per step
 
 
-def _pack_weights(model: Model, rows: int, steps_left: int) -> None:
+def _pack_weights(model: Model, rows: int, steps_left: int, stats: GenerationStats) -> None:
     """Re-lay the weights for decode GEMMs of `rows` rows when enough steps remain to pay for it."""
     if not model.can_pack or rows == model.packed_batch:
         return
     want = rows if rows >= PACK_MIN_ROWS and steps_left >= PACK_MIN_STEPS else 0
     if want or model.packed_batch:
+        t = time.perf_counter()
         model.pack_for_batch(want)
+        stats.weight_pack_seconds += time.perf_counter() - t
 
 
 @torch.inference_mode()
@@ -257,7 +260,6 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         for row, ids in zip(active, new_ids):
             spec.drafter.start(row, prompt_ids[rows[row][0]] + ids)
     weight_bytes = model.weight_bytes
-    _pack_weights(model, len(active), gen.max_new_tokens - 1)
     t_decode = time.perf_counter()
     while True:
         keep: list[int] = []
@@ -286,7 +288,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
                 prefix.reorder(idx)
             next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
             active = [active[b] for b in keep]
-            _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active))
+        # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
+        _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active), stats)
         stats.decode_steps += 1
         stats.decode_bytes += weight_bytes + cache.nbytes + stats.prefix_kv_bytes
         if spec is not None:  # draft, verify in the padding rows, keep the accepted path

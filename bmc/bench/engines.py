@@ -99,7 +99,8 @@ def run_bmc(model: Model, prompts: list[list[int]], gen_len: int, kv: str, **kw:
                 steps.append(time.perf_counter())  # tokens reach the host each step: no extra sync needed
     st = s.stats
     extra = {"r": st.r, "T": st.T, "T_source": st.T_source, "kv_allocations": st.kv_allocations,
-             "peak_kv_mb": st.peak_kv_bytes / 2**20, "bytes_per_step": st.decode_bytes / max(st.decode_steps, 1)}
+             "peak_kv_mb": st.peak_kv_bytes / 2**20, "bytes_per_step": st.decode_bytes / max(st.decode_steps, 1),
+             "weight_pack_s": st.weight_pack_seconds}
     return EngineRun(name, tokens, start, steps, rss.peak / 2**20, extra)
 
 
@@ -145,7 +146,7 @@ def decode_time_split(model: Model, prompts: list[list[int]], gen_len: int, kv: 
     saved = KVCache.reserve, KVCache.update, ATTENTION_BACKENDS["dense"]
     KVCache.reserve = timed(saved[0], "kv_update_s", lambda self, n: n == 1)  # type: ignore[method-assign]
     KVCache.update = timed(saved[1], "kv_update_s", lambda self, i, k, v: k.shape[2] == 1)  # type: ignore
-    ATTENTION_BACKENDS["dense"] = timed(saved[2], "attention_s", lambda q, *a: q.shape[2] == 1)
+    ATTENTION_BACKENDS["dense"] = timed(saved[2], "attention_s", lambda q, *a, **kw: q.shape[2] == 1)
     try:
         run = run_bmc(model, prompts, gen_len, kv)
     finally:
