@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .analytic import choose_T
-from .attention import ATTENTION_BACKENDS, SharedPrefix
+from .attention import ATTENTION_BACKENDS, AttentionOptions, SharedPrefix
 from .errors import InvalidRequestError
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
@@ -36,7 +36,8 @@ class GenerationConfig:
     kv: str = "bmc"
     r: int | None = None
     T: int | None = None
-    attention: str = "dense"
+    attention: str = "dense"  # "dense" (exact), "sparq" or "window" (approximate decode attention)
+    attention_options: AttentionOptions = field(default_factory=AttentionOptions)
     speculative: str = "off"  # "off" or a drafter name ("ngram")
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
@@ -59,6 +60,11 @@ class GenerationConfig:
             raise InvalidRequestError("give r or T, not both")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.attention != "dense" and self.speculative != "off":
+            raise InvalidRequestError(f"attention={self.attention!r} approximates single-query decode steps; "
+                                      "it does not combine with speculative decoding")
+        if self.attention_options.window_k < 1:
+            raise InvalidRequestError(f"window_k must be >= 1, got {self.attention_options.window_k}")
         if self.share_prefix not in ("auto", "off"):
             raise InvalidRequestError(f"share_prefix must be 'auto' or 'off', got {self.share_prefix!r}")
         if self.speculative != "off":
@@ -103,6 +109,13 @@ class GenerationStats:
     weight_pack_seconds: float = 0.0  # MKL re-layout of the weights for the decode batch (inside decode_seconds)
     prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
     prefix_groups: int = 0
+    attention_transfers: int = 0  # KV elements read by approximate decode attention (SparQ Eq. 11), all layers
+    attention_dense_transfers: int = 0  # what dense attention would have read over the same steps
+
+    @property
+    def attention_compression(self) -> float:
+        """Approximate attention's decode KV transfers over dense's (1.0 for dense attention)."""
+        return self.attention_transfers / self.attention_dense_transfers if self.attention_dense_transfers else 1.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -121,7 +134,7 @@ class GenerationStats:
         if self.speculative is not None:
             sp = self.speculative
             d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use)
-        d.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+        d.update(attention_compression=self.attention_compression, prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                  decode_gb_per_s=self.decode_gb_per_s)
         return d
 
@@ -205,7 +218,6 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         raise InvalidRequestError(
             f"prompt {longest} has {P} tokens; with max_new_tokens={gen.max_new_tokens} that is {max_length} "
             f"positions, beyond the model's context of {model.max_context}")
-    attention = ATTENTION_BACKENDS[gen.attention]
     sampler = Sampler(gen.sampling, dev)
     stop_ids = set() if gen.ignore_eos else eos_ids(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -221,6 +233,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             head_dim=model.config.head_dim, max_length=P, dtype=model.dtype, device=dev, left_pad=left_pad)
     else:
         cache = make_cache(model, gen, n_prompts, max_length, left_pad, stats)
+    attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, model.config.group_size)
+    stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
     tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
@@ -243,6 +257,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             stats.prefix_kv_bytes, stats.prefix_groups = prefix.nbytes, n_prompts
         else:
             cache.reorder(fork)
+            if stateful is not None:
+                stateful.reorder(fork)
     next_tok = sampler(logits[:, -1])
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -286,6 +302,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             cache.reorder(idx)
             if prefix is not None:
                 prefix.reorder(idx)
+            if stateful is not None:
+                stateful.reorder(idx)
             next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
             active = [active[b] for b in keep]
         # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
@@ -309,3 +327,6 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     stats.decode_seconds = time.perf_counter() - t_decode
     stats.kv_allocations = cache.allocations
     stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
+    if hasattr(attention, "transfers"):
+        stats.attention_transfers = attention.transfers
+        stats.attention_dense_transfers = attention.dense_transfers

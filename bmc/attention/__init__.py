@@ -1,15 +1,37 @@
-"""Attention backends by name: functions of (q, k, v, bias, scale, layer) over a cache view."""
+"""Attention backends by name. A backend is made once per generation from the generation's KV cache and options
+(`make(cache, options, group_size)`) and is then a function of (q, k, v, bias, scale, layer) over the cache view.
+Stateful backends (SparQ keeps a dimension-major K copy) also have `reorder(rows)`, called with the cache's."""
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from .dense import dense_attention, group_bias
 from .shared_prefix import SharedPrefix, attention_with_lse, merge_by_lse
+from .sparq import (SparQAttention, SparQOptions, WindowAttention, sparq_attention, sparq_budget, sparq_select,
+                    sparq_transfers, window_budget)
 
 AttentionFn = Callable[..., torch.Tensor]  # (q, k, v, bias, scale, layer=i) -> out
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"dense": dense_attention}
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "dense_attention", "group_bias", "SharedPrefix", "attention_with_lse",
-           "merge_by_lse"]
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    sparq: SparQOptions = field(default_factory=SparQOptions)
+    window_k: int = 256  # positions the local-window baseline keeps (16 first + the most recent)
+
+
+def _dense(cache: Any, opts: AttentionOptions, group_size: int) -> AttentionFn:
+    return dense_attention
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[Any, AttentionOptions, int], AttentionFn]] = {
+    "dense": _dense,
+    "sparq": lambda cache, opts, g: SparQAttention(cache, opts.sparq, g),
+    "window": lambda cache, opts, g: WindowAttention(cache, opts.window_k),
+}
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "AttentionOptions", "dense_attention", "group_bias", "SharedPrefix",
+           "attention_with_lse", "merge_by_lse", "SparQAttention", "SparQOptions", "WindowAttention", "sparq_attention",
+           "sparq_select", "sparq_transfers", "sparq_budget", "window_budget"]

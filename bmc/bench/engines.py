@@ -146,7 +146,8 @@ def decode_time_split(model: Model, prompts: list[list[int]], gen_len: int, kv: 
     saved = KVCache.reserve, KVCache.update, ATTENTION_BACKENDS["dense"]
     KVCache.reserve = timed(saved[0], "kv_update_s", lambda self, n: n == 1)  # type: ignore[method-assign]
     KVCache.update = timed(saved[1], "kv_update_s", lambda self, i, k, v: k.shape[2] == 1)  # type: ignore
-    ATTENTION_BACKENDS["dense"] = timed(saved[2], "attention_s", lambda q, *a, **kw: q.shape[2] == 1)
+    timed_dense = timed(saved[2](None, None, 1), "attention_s", lambda q, *a, **kw: q.shape[2] == 1)
+    ATTENTION_BACKENDS["dense"] = lambda cache, opts, g: timed_dense
     try:
         run = run_bmc(model, prompts, gen_len, kv)
     finally:

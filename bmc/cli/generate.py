@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],
                    help="with --num-samples > 1, store each prompt's KV once (shared-prefix attention; default auto)")
+    p.add_argument("--attention", default="dense", choices=["dense", "sparq", "window"],
+                   help="decode attention: dense (exact, default), sparq (approximate: top --sparq-r query components, "
+                   "top --sparq-k positions) or window (local-window baseline keeping --window-k positions)")
+    p.add_argument("--sparq-r", type=int, default=None, help="SparQ query components (default head_dim/4)")
+    p.add_argument("--sparq-k", type=int, default=128, help="SparQ positions attended per step (default 128)")
+    p.add_argument("--window-k", type=int, default=256, help="window attention: positions kept (default 256)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -124,6 +130,8 @@ def benchmark_line(kv: str, st) -> str:
     sp = st.speculative
     spec = (f" accepted/step={sp.mean_accepted_length:.2f} padding rows used={100 * sp.padding_use:.0f}%"
             if sp is not None else "")
+    if st.attention_dense_transfers:
+        spec += f" attention transfers={100 * st.attention_compression:.1f}% of dense"
     return (f"{kv:>9} {rt:>20} allocs={st.kv_allocations:<5} peakKV={st.peak_kv_bytes / 2**20:8.1f}MiB "
             f"prefill={st.prefill_seconds:6.2f}s ({st.prefill_tokens_per_s:7.1f} tok/s) "
             f"decode={st.decode_tokens_per_s:7.1f} tok/s {st.decode_gb_per_s:6.2f} GB/s{spec}")
@@ -148,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
-                  tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix)
+                  tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
+                  sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k)
         if args.stream and not args.benchmark:
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return

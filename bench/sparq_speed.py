@@ -1,0 +1,117 @@
+"""SparQ decode attention step time vs dense over context length and batch (the SparQ paper's Fig. 8 analog, on
+this CPU), at the default model's head shapes (9 query heads, 3 KV heads, d = 64).
+
+One "step" is one decode query per row through `layers` distinct layers' caches (so the KV is not cache-resident,
+as in a real model), each a BMC buffer with masked padding rows beyond the context. SparQ reads its
+dimension-major K copy (kept by the runtime) for step 1. Output is checked against dense at r = d, k = S first.
+
+    python bench/sparq_speed.py             # writes bench/out/sparq_speed.json and .png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bmc.attention import dense_attention, sparq_attention, sparq_budget
+
+OUT = Path(__file__).resolve().parent / "out"
+H, KVH, D = 9, 3, 64
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * sorted(ts)[len(ts) // 2]
+
+
+@torch.inference_mode()
+def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[float]) -> list[dict]:
+    torch.manual_seed(0)
+    cap = S + 64  # the BMC chunk's padding rows: masked, never read by SparQ
+    kv = [torch.randn(2, batch, KVH, cap, D) for _ in range(layers)]
+    Kt = [x[0].transpose(-1, -2).contiguous() for x in kv]
+    q = torch.randn(batch, H, 1, D)
+    bias = torch.zeros(batch, 1, 1, cap)
+    bias[..., S:] = torch.finfo(torch.float32).min
+    scale = D**-0.5
+    ref = dense_attention(q, kv[0][0], kv[0][1], bias, scale)
+    full, _ = sparq_attention(q, kv[0][0][:, :, :S], kv[0][1][:, :, :S], bias[..., :S], scale, D, S, Kt[0][..., :S])
+    torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)  # r = d, k = S is dense
+
+    # dense reads the chunk's whole capacity (as the runtime's dense path does: padding is masked, not skipped)
+    t_dense = median_ms(lambda: [dense_attention(q, x[0], x[1], bias, scale) for x in kv], repeats) / layers
+    rows = []
+    for c in compressions:
+        r, k = sparq_budget(c, S, D)
+
+        def step() -> None:
+            for x, kt in zip(kv, Kt):
+                sparq_attention(q, x[0][:, :, :S], x[1][:, :, :S], bias[..., :S], scale, r, k, kt[..., :S],
+                                window=k // 4)
+
+        t = median_ms(step, repeats) / layers
+        rows.append({"batch": batch, "context": S, "compression": c, "r": r, "k": k, "dense_ms": t_dense,
+                     "sparq_ms": t, "speedup": t_dense / t, "ideal_speedup": 1 / c})
+        print(f"B={batch:3d} S={S:5d} 1/{round(1 / c)}: r={r:2d} k={k:3d} dense {t_dense:7.3f} ms  "
+              f"sparq {t:7.3f} ms  {t_dense / t:5.2f}x", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), sharey=True)
+    axes = list(axes) if len(batches) > 1 else [axes]
+    for ax, b in zip(axes, batches):
+        for c in sorted({r["compression"] for r in rows}, reverse=True):
+            pts = sorted((r["context"], r["speedup"]) for r in rows if r["batch"] == b and r["compression"] == c)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"1/{round(1 / c)} transfers")
+        ax.axhline(1.0, color="k", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length S")
+        ax.set_title(f"batch {b}")
+        ax.legend()
+    axes[0].set_ylabel("attention step speedup over dense")
+    fig.suptitle(f"SparQ attention step vs dense (9 q / 3 kv heads, d=64, fp32, {torch.get_num_threads()} threads, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,2048,4096,8192")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--compressions", default="0.5,0.25,0.125")
+    ap.add_argument("--layers", type=int, default=8, help="distinct layer caches per step (defeats the CPU cache)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=str(OUT / "sparq_speed.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    comps = [float(c) for c in args.compressions.split(",")]
+    rows = [row for b in map(int, args.batches.split(",")) for S in map(int, args.contexts.split(","))
+            for row in measure(b, S, args.layers, args.repeats, comps)]
+    meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "device": "cpu",
+            "threads": torch.get_num_threads(), "layers_per_step": args.layers, "torch": torch.__version__}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

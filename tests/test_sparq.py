@@ -1,0 +1,186 @@
+"""SparQ attention: equal to dense at r = d, k >= S; selections and the GQA variant against brute-force references
+written from the paper's definitions; transfers per Eq. 11; the runtime's stateful backend (dimension-major K
+mirror grown with BMC chunks, running mean value) against a stateless recomputation, end to end."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import bmc
+from bmc.attention import ATTENTION_BACKENDS, dense_attention, sparq_attention, sparq_select, sparq_transfers
+from bmc.errors import InvalidRequestError
+
+from .conftest import transformers  # noqa: F401
+
+MIN = torch.finfo(torch.float32).min
+SHAPES = [(4, 4), (6, 2), (4, 1)]  # (query heads, KV heads): MHA, GQA, MQA
+
+
+def random_case(seed: int, heads: int, kv_heads: int, S: int = 40, d: int = 16, B: int = 3):
+    torch.manual_seed(seed)
+    q = torch.randn(B, heads, 1, d) * torch.rand(d) * 3  # uneven components, as real queries have
+    K, V = torch.randn(B, kv_heads, S, d), torch.randn(B, kv_heads, S, d)
+    bias = torch.zeros(B, 1, 1, S)
+    bias[1, ..., :5] = MIN  # row 1 is left-padded by 5
+    bias[2, ..., S - 3 :] = MIN  # row 2 sees 3 masked padding rows at the end (a BMC chunk's tail)
+    return q, K, V, bias
+
+
+@pytest.mark.parametrize("heads,kv_heads", SHAPES, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("mean_value", [False, True])
+@pytest.mark.parametrize("window", [0, 4])
+def test_full_r_and_k_equals_dense(heads, kv_heads, mean_value, window):
+    q, K, V, bias = random_case(heads * 10 + kv_heads, heads, kv_heads)
+    d, S = K.shape[-1], K.shape[2]
+    v_mean = V.mean(2, keepdim=True) if mean_value else None  # alpha = 1 gives it no weight anyway
+    got, _ = sparq_attention(q, K, V, bias, 0.25, r=d, k=S, v_mean=v_mean, window=window)
+    want = dense_attention(q, K, V, bias, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def brute_selection(q, K, bias, scale, r, k, window):
+    """Steps 1 and 2 per (row, KV head) with Python loops, straight from the paper's text."""
+    B, H, _, d = q.shape
+    kvh, S = K.shape[1], K.shape[2]
+    G = H // kvh
+    comps, positions, approx = {}, {}, torch.zeros(B, kvh, G, S)
+    for b in range(B):
+        visible = [j for j in range(S) if bias[b, 0, 0, j] == 0]
+        for h in range(kvh):
+            qs = [q[b, h * G + g, 0] for g in range(G)]
+            mag = sum(x.abs() for x in qs)  # GQA: |q| summed over the group's heads
+            top = sorted(range(d), key=lambda i: -float(mag[i]))[:r]
+            comps[b, h] = set(top)
+            total = torch.zeros(S)
+            for g, x in enumerate(qs):
+                tau = math.sqrt(d * float(x[top].abs().sum() / x.abs().sum()))
+                logits = torch.tensor([float((x[top] * K[b, h, j, top]).sum()) * scale * math.sqrt(d) / tau
+                                       for j in range(S)]) + bias[b, 0, 0]
+                approx[b, h, g] = torch.softmax(logits, 0)
+                total += approx[b, h, g]
+            forced = set(range(S - window, S)) & set(visible) if window else set()
+            rest = sorted((j for j in visible if j not in forced), key=lambda j: -float(total[j]))
+            positions[b, h] = forced | set(rest[: k - len(forced)])
+    return comps, positions, approx
+
+
+@pytest.mark.parametrize("heads,kv_heads", SHAPES, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("r,k,window", [(4, 8, 0), (8, 12, 3), (1, 1, 0)])
+def test_selections_match_brute_force(heads, kv_heads, r, k, window):
+    q, K, _, bias = random_case(7 + heads, heads, kv_heads)
+    d = K.shape[-1]
+    scale = d**-0.5
+    G = heads // kv_heads
+    i1, s_hat, i2 = sparq_select(q.reshape(q.shape[0], kv_heads, G, d), K.transpose(-1, -2), bias, scale, r, k,
+                                 window)
+    comps, positions, approx = brute_selection(q, K, bias, scale, r, k, window)
+    for (b, h), want in comps.items():
+        assert set(i1[b, h].tolist()) == want
+        assert set(i2[b, h].tolist()) == positions[b, h]
+    torch.testing.assert_close(s_hat, approx, rtol=1e-4, atol=1e-6)
+
+
+def test_masked_padding_never_selected():
+    q, K, _, bias = random_case(3, 4, 2)
+    d = K.shape[-1]
+    visible = (bias[:, 0, 0] == 0).sum(-1)
+    for k in (4, 20):
+        _, _, i2 = sparq_select(q.reshape(3, 2, 2, d), K.transpose(-1, -2), bias, d**-0.5, 4, k)
+        for b in range(3):
+            assert torch.all(bias[b, 0, 0, i2[b].flatten()] == 0), f"row {b} chose a masked column (k={k})"
+            assert k <= visible[b]
+
+
+@pytest.mark.parametrize("heads,kv_heads", SHAPES, ids=["mha", "gqa", "mqa"])
+def test_output_matches_definition(heads, kv_heads):
+    """Eq. 8 + Eq. 10 per head over the chosen positions, with the group sharing its KV head's selection."""
+    q, K, V, bias = random_case(11, heads, kv_heads)
+    B, d = q.shape[0], q.shape[-1]
+    G, scale, r, k = heads // kv_heads, 0.3, 5, 9
+    v_mean = torch.randn(B, kv_heads, 1, d)
+    got, _ = sparq_attention(q, K, V, bias, scale, r, k, v_mean=v_mean)
+    _, positions, approx = brute_selection(q, K, bias, scale, r, k, 0)
+    for b in range(B):
+        for h in range(kv_heads):
+            idx = sorted(positions[b, h])
+            for g in range(G):
+                x = q[b, h * G + g, 0]
+                w = torch.softmax(K[b, h, idx] @ x * scale + bias[b, 0, 0, idx], 0)
+                alpha = approx[b, h, g, idx].sum()
+                want = alpha * (w @ V[b, h, idx]) + (1 - alpha) * v_mean[b, h, 0]
+                torch.testing.assert_close(got[b, h * G + g, 0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mean_value", [False, True])
+def test_transfers_follow_eq_11(mean_value):
+    q, K, V, bias = random_case(5, 6, 2)
+    B, kvh, S, d = K.shape
+    v_mean = V.mean(2, keepdim=True) if mean_value else None
+    for r, k in [(4, 8), (16, 40), (2, 100)]:
+        _, moved = sparq_attention(q, K, V, bias, 0.3, r, k, v_mean=v_mean)
+        assert moved == B * kvh * sparq_transfers(S, r, k, d, mean_value)
+    assert sparq_transfers(4096, 32, 128, 128, True) == 4096 * 32 + 2 * 128 * 128 + 4 * 128  # the paper's example
+
+
+class StatelessSparQ:
+    """Reference backend: recomputes everything from the cache each step (no K mirror, mean from scratch)."""
+
+    def __init__(self, cache, opts, group_size):
+        self.cache, self.opts = cache, opts.resolve(cache.head_dim, group_size)
+
+    def __call__(self, q, K, V, bias, scale, layer=0):
+        S = self.cache.length + q.shape[2]
+        if q.shape[2] != 1:
+            return dense_attention(q, K, V, bias, scale, layer)
+        vis = (self.cache.bias[:, :, 0, :S] == 0).float()
+        v_mean = (vis[:, :, None, :] @ V[:, :, :S]) / vis.sum(-1)[..., None, None] if self.opts.mean_value else None
+        o = self.opts
+        return sparq_attention(q, K[:, :, :S], V[:, :, :S], bias[..., :S], scale, o.r, o.k, None, v_mean,
+                               o.local_window)[0]
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa"])
+@pytest.mark.parametrize("kv", ["bmc", "iterative"])
+def test_runtime_backend_equals_stateless_reference(tiny_dirs, monkeypatch, variant, kv):
+    """The mirror of K follows the cache through chunk reallocations (r=4) and forked samples; the running mean
+    follows left padding; greedy tokens and transfer counts equal a from-scratch recomputation each step."""
+    model = bmc.load(str(tiny_dirs[f"llama-{variant}"]))
+    monkeypatch.setitem(ATTENTION_BACKENDS, "stateless", lambda cache, opts, g: StatelessSparQ(cache, opts.sparq, g))
+    prompts = [[5, 9, 13, 7, 21, 33, 40, 2 + 9, 17, 19, 23, 29], [44, 45, 46, 47, 48]]
+    kw = dict(max_new_tokens=20, kv=kv, r=4 if kv == "bmc" else None, ignore_eos=True, sparq_r=3, sparq_k=6,
+              num_samples=2)
+    fast = bmc.generate(model, prompts, attention="sparq", **kw)
+    ref = bmc.generate(model, prompts, attention="stateless", **kw)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in ref]
+    assert fast.stats.attention_transfers > 0
+    assert 0 < fast.stats.attention_compression < 1
+
+
+def test_window_keeps_first_and_recent(tiny_dirs):
+    model = bmc.load(str(tiny_dirs["llama-gqa"]))
+    prompt = [[5, 9, 13, 7, 21, 33, 40, 11, 17, 19, 23, 29, 31, 37]]
+    long_window = bmc.generate(model, prompt, max_new_tokens=12, attention="window", window_k=64, ignore_eos=True)
+    dense = bmc.generate(model, prompt, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in long_window] == [c.token_ids for c in dense]  # budget >= context: exact
+    short = bmc.generate(model, prompt, max_new_tokens=12, attention="window", window_k=20, ignore_eos=True)
+    assert short.stats.attention_compression < 1
+
+
+def test_sparq_errors(tiny_dirs):
+    model = bmc.load(str(tiny_dirs["llama-gqa"]))
+    with pytest.raises(InvalidRequestError, match="sparq r"):
+        bmc.generate(model, [[5, 6, 7]], max_new_tokens=2, attention="sparq", sparq_r=10_000)
+    with pytest.raises(InvalidRequestError, match="speculative"):
+        bmc.generate(model, [[5, 6, 7]], max_new_tokens=2, attention="sparq", speculative="ngram")
+    with pytest.raises(InvalidRequestError, match="unknown attention"):
+        bmc.generate(model, [[5, 6, 7]], max_new_tokens=2, attention="sparse")
+
+
+def test_no_bias_means_all_visible():
+    q, K, V, _ = random_case(21, 6, 2)
+    zeros = torch.zeros(K.shape[0], 1, 1, K.shape[2])
+    a, _ = sparq_attention(q, K, V, zeros, 0.3, 5, 9, v_mean=V.mean(2, keepdim=True), window=3)
+    b, _ = sparq_attention(q, K, V, None, 0.3, 5, 9, v_mean=V.mean(2, keepdim=True), window=3)
+    torch.testing.assert_close(a, b)
