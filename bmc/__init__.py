@@ -58,14 +58,15 @@ def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: f
             num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
             ignore_eos: bool, attention: str, speculative: str = "off", tree: str = "dynamic:4x6",
             spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None, sparq_k: int = 128,
-            window_k: int = 256) -> GenerationConfig:
+            window_k: int = 256, cuda_graphs: bool = True) -> GenerationConfig:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         num_samples=num_samples, stop=stops, ignore_eos=ignore_eos, kv=kv, r=r, T=T, attention=attention,
         speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
-        attention_options=AttentionOptions(SparQOptions(r=sparq_r, k=sparq_k), window_k=window_k))
+        attention_options=AttentionOptions(SparQOptions(r=sparq_r, k=sparq_k), window_k=window_k),
+        cuda_graphs=cuda_graphs)
 
 
 def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -73,10 +74,10 @@ def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: 
            stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
            ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
            tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-           sparq_k: int = 128, window_k: int = 256) -> TokenStream:
+           sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> TokenStream:
     """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
     gen = _config(max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop, kv, r, T, ignore_eos, attention,
-                  speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k)
+                  speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs)
     if stop and model.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none")
     return TokenStream(model, encode_prompts(model, prompts, chat), gen)
@@ -87,18 +88,19 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
              stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
              ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
              tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-             sparq_k: int = 128, window_k: int = 256) -> Completions:
+             sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> Completions:
     """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`.
 
     speculative="ngram" drafts token trees by prompt lookup (`tree`: "chain:K" or "dynamic:KxDEPTH") and verifies
     them in the KV cache's padding rows; greedy output is identical to plain decoding. With num_samples > 1 each
     prompt's KV is stored once and attended by all its samples as one GEMM (share_prefix="off" replicates it).
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
-    the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions."""
+    the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions.
+    On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager)."""
     s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
                attention=attention, speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
-               sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k)
+               sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs)
     by_row: dict[tuple[int, int], Completion] = {}
     for ev in s:
         c = by_row.setdefault((ev.prompt_index, ev.sample_index), Completion(ev.prompt_index, ev.sample_index))

@@ -16,6 +16,7 @@ import torch
 from .analytic import choose_T
 from .attention import ATTENTION_BACKENDS, AttentionOptions, SharedPrefix
 from .errors import InvalidRequestError
+from .graphs import DecodeGraphs
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
 from .sampling import Sampler, SamplingParams
@@ -41,6 +42,7 @@ class GenerationConfig:
     speculative: str = "off"  # "off" or a drafter name ("ngram")
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
+    cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
     share_prefix: str = "auto"  # "auto": num_samples > 1 keep one copy of each prompt's KV (shared-prefix attention)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,8 @@ class GenerationStats:
     weight_pack_seconds: float = 0.0  # MKL re-layout of the weights for the decode batch (inside decode_seconds)
     prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
     prefix_groups: int = 0
+    cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
+    cuda_graph_replays: int = 0
     attention_transfers: int = 0  # KV elements read by approximate decode attention (SparQ Eq. 11), all layers
     attention_dense_transfers: int = 0  # what dense attention would have read over the same steps
 
@@ -275,6 +279,10 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         stats.speculative = spec.stats
         for row, ids in zip(active, new_ids):
             spec.drafter.start(row, prompt_ids[rows[row][0]] + ids)
+    graphs = None
+    if (gen.cuda_graphs and dev.type == "cuda" and spec is None and prefix is None and gen.attention == "dense"
+            and gen.kv in ("bmc", "upfront")):
+        graphs = DecodeGraphs(model, attention)
     weight_bytes = model.weight_bytes
     t_decode = time.perf_counter()
     while True:
@@ -316,7 +324,10 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             stats.decode_tokens += sum(len(x) for x in new_ids)
             continue
         cache.reserve(1)
-        logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
+        if graphs is not None:
+            logits = graphs.step(cache, next_tok, pos)
+        else:
+            logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
         cache.commit(1)
         pos += 1
         next_tok = sampler(logits[:, -1])
@@ -327,6 +338,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     stats.decode_seconds = time.perf_counter() - t_decode
     stats.kv_allocations = cache.allocations
     stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
+    if graphs is not None:
+        stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
     if hasattr(attention, "transfers"):
         stats.attention_transfers = attention.transfers
         stats.attention_dense_transfers = attention.dense_transfers

@@ -125,6 +125,8 @@ def _write(path, **changes):
     ({"version": 99}, "unreadable"),
     ({"constants": {"copy_bw_bytes_per_s": -1, "alloc_s": 0, "attn_flops_per_s": 1}}, "unreadable"),
     ({"constants": {}}, "unreadable"),
+    # a launch-bound fit (copy time flat in size) once wrote an infinite bandwidth: never use it
+    ({"constants": {"copy_bw_bytes_per_s": float("inf"), "alloc_s": 0, "attn_flops_per_s": 1e9}}, "unreadable"),
 ])
 def test_foreign_or_corrupt_profiles_are_ignored_with_a_warning(cache_dir, gqa_dir, changes, match):
     _write(cache_dir / "profile-cpu-float32.json", **changes)
@@ -147,3 +149,12 @@ def test_valid_profile_is_used_without_warning(cache_dir, gqa_dir, recwarn):
     _write(cache_dir / "profile-cpu-float32.json")
     st = bmc.generate(bmc.load(str(gqa_dir)), [[5, 6, 7]], max_new_tokens=4, ignore_eos=True).stats
     assert st.T_source.startswith("profile") and not [w for w in recwarn if w.category is ProfileWarning]
+
+
+def test_calibration_refuses_a_fit_without_slope(monkeypatch):
+    """Times that do not grow with size (launch-bound) must fail loudly, not write an infinite bandwidth."""
+    from bmc.analytic import calibrate as cal
+
+    monkeypatch.setattr(cal, "_time", lambda fn, device, repeats: 1e-5)  # flat: every size takes the same time
+    with pytest.raises(cal.CalibrationError, match="could not be fitted"):
+        cal.calibrate(torch.device("cpu"), torch.float32, quick=True)

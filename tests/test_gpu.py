@@ -64,3 +64,23 @@ def test_cuda_half_precision_tracks_float32(gqa_dir, dtype):
     assert all(len(c.token_ids) == 6 for c in b)
     same = sum(x == y for ca, cb in zip(a, b) for x, y in zip(ca.token_ids, cb.token_ids))
     assert same >= 0.5 * 18  # low precision may flip late near-ties on random weights, not most tokens
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
+@pytest.mark.parametrize("kv", [dict(kv="bmc", r=32), dict(kv="upfront")])
+def test_cuda_graph_buckets_give_identical_tokens(tiny_dirs, variant, kv):
+    """One captured decode step per capacity bucket, replayed for the rest of the chunk: same tokens as eager
+    (and as the CPU); rows finishing change the batch and force a new capture, never a stale replay."""
+    path = str(tiny_dirs[variant])
+    gpu = bmc.load(path, device="cuda")
+    eager = bmc.generate(gpu, PROMPTS, max_new_tokens=70, ignore_eos=True, cuda_graphs=False, **kv)
+    graphs = bmc.generate(gpu, PROMPTS, max_new_tokens=70, ignore_eos=True, **kv)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    assert graphs.stats.cuda_graph_captures >= 1 and graphs.stats.cuda_graph_replays > 30
+    assert eager.stats.cuda_graph_captures == 0
+    cpu = bmc.generate(bmc.load(path), PROMPTS, max_new_tokens=70, ignore_eos=True, **kv)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]
+    # rows that stop at EOS leave the batch mid-bucket: a new graph for the smaller batch
+    stops = bmc.generate(gpu, PROMPTS, max_new_tokens=70, stop=None, **kv)
+    stops_eager = bmc.generate(gpu, PROMPTS, max_new_tokens=70, cuda_graphs=False, **kv)
+    assert [c.token_ids for c in stops] == [c.token_ids for c in stops_eager]

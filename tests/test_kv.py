@@ -123,3 +123,21 @@ def test_generate_reports_allocations(gqa_dir):
     assert stats["iterative"].peak_kv_bytes < stats["upfront"].peak_kv_bytes * 2
     for s in stats.values():
         assert s.generated_tokens == 40 and s.decode_tokens == 38 and s.peak_kv_bytes > 0
+
+
+def test_update_through_device_index_equals_slice_write():
+    """The CUDA-graph write path (column from `write_at`, an index tensor) writes what the slice path writes."""
+    from bmc.kv import BMCCache
+
+    a, b = (BMCCache(r=8, num_layers=2, batch_size=2, num_kv_heads=3, head_dim=4, max_length=16) for _ in range(2))
+    for c in (a, b):
+        c.reserve(5)
+        c.commit(5)
+        c.reserve(1)
+    k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    b.write_at = torch.tensor([b.length])
+    for layer in range(2):
+        a.update(layer, k, v)
+        b.update(layer, k, v)
+    assert torch.equal(a.kv, b.kv)
+    assert torch.equal(a.kv[:, 0, :, :, 5:6], k.expand(2, 2, 3, 1, 4)) and torch.equal(a.kv[:, 1, :, :, 5:6], v.expand(2, 2, 3, 1, 4))

@@ -7,6 +7,7 @@
   is paid every step whatever T is, so it does not move T_opt)."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -37,6 +38,19 @@ QUICK = Grid(configs=((1, 9, 3, 64), (8, 9, 3, 64)), copy_rows=(256, 1024, 4096)
              verify_t=16, layers=4, repeats=3)
 FULL = Grid(configs=((1, 9, 3, 64), (8, 9, 3, 64), (8, 32, 32, 128), (32, 9, 3, 64)),
             copy_rows=(128, 512, 2048, 8192), attn_rows=(256, 1024, 4096, 8192), verify_t=16, layers=2, repeats=3)
+
+
+# On a GPU small tensors are launch-bound (time flat in size, no slope to fit): measure at model shapes instead,
+# Llama-7B-like heads and batches up to 32, with tensors large enough that bytes and FLOPs dominate.
+GPU_QUICK = Grid(configs=((8, 32, 32, 128), (32, 32, 32, 128)), copy_rows=(256, 512, 1024, 2048),
+                 attn_rows=(512, 1024, 2048, 4096), verify_t=16, layers=4, repeats=5, max_bytes=4 * 2**30)
+GPU_FULL = Grid(configs=((8, 32, 32, 128), (32, 32, 32, 128), (64, 32, 8, 128)),
+                copy_rows=(256, 512, 1024, 2048, 4096), attn_rows=(512, 1024, 2048, 4096, 8192), verify_t=16,
+                layers=4, repeats=7, max_bytes=8 * 2**30)
+
+
+class CalibrationError(RuntimeError):
+    pass
 
 
 def _sync(device: torch.device) -> None:
@@ -116,7 +130,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
     from .. import __version__
     from .profile import PROFILE_VERSION, identity
 
-    grid = QUICK if quick else FULL
+    if device.type == "cuda":
+        grid = GPU_QUICK if quick else GPU_FULL
+    else:
+        grid = QUICK if quick else FULL
     copies, decodes, verifies = [], [], []
     total, done = 3 * len(grid.configs), 0
     with torch.inference_mode():
@@ -135,6 +152,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
         attn_flops=statistics.median(a["flops_per_s"] for a in decodes),
         verify_flops=statistics.median(a["flops_per_s"] for a in verifies),
     )
+    for name, value in (("copy bandwidth", consts.copy_bw), ("decode attention FLOP/s", consts.attn_flops)):
+        if not (math.isfinite(value) and value > 0):  # time did not grow with size: the fit is meaningless
+            raise CalibrationError(f"{name} could not be fitted ({value}): the measured times do not grow with "
+                                   "the tensor sizes (launch- or noise-bound); nothing written")
     return {
         "version": PROFILE_VERSION, **identity(device, dtype), "threads": torch.get_num_threads(),
         "bmc": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,

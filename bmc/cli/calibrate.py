@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..analytic import Constants, Shape, best_T, c_prime, default_profile_path, save_profile
-from ..analytic.calibrate import calibrate
+from ..analytic.calibrate import CalibrationError, calibrate
 from ..models import parse_device, parse_dtype
 from ..errors import BmcError
 from .common import fail, physical_cores
@@ -59,9 +59,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(str(e))
     t0 = time.perf_counter()
     print(f"bmc-calibrate: measuring on {device} ({'quick' if args.quick else 'full'})", file=sys.stderr)
-    profile = calibrate(device, dtype, quick=args.quick,
-                        progress=lambda s: print(f"  {s}  ({time.perf_counter() - t0:.0f}s)", file=sys.stderr,
-                                                 flush=True))
+    try:
+        profile = calibrate(device, dtype, quick=args.quick,
+                            progress=lambda s: print(f"  {s}  ({time.perf_counter() - t0:.0f}s)", file=sys.stderr,
+                                                     flush=True))
+    except CalibrationError as e:
+        fail(str(e))
     targets = [] if args.no_save else [default_profile_path(device, dtype)]
     if args.output:
         targets.append(Path(args.output))

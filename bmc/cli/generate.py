@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-r", type=int, default=None, help="SparQ query components (default head_dim/4)")
     p.add_argument("--sparq-k", type=int, default=128, help="SparQ positions attended per step (default 128)")
     p.add_argument("--window-k", type=int, default=256, help="window attention: positions kept (default 256)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of one captured graph per BMC capacity bucket")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -157,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                   top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
                   tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
-                  sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k)
+                  sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
+                  cuda_graphs=not args.no_cuda_graphs)
         if args.stream and not args.benchmark:
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return

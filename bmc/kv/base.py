@@ -48,6 +48,7 @@ class KVCache(ABC):
         self.length = 0  # columns written (the same for every row: rows are left-padded)
         self.kv = torch.empty((num_layers, 2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=self.device)
         self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
+        self.write_at: torch.Tensor | None = None  # CUDA graphs: the write column as a device index (see graphs.py)
         self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
         self.allocations = 0  # number of times a new KV tensor was allocated (and the old one copied)
         self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
@@ -83,6 +84,10 @@ class KVCache(ABC):
         full-capacity K and V views ([B, H_kv, capacity, d])."""
         t = k.shape[2]
         kv = self.kv[layer]
+        if self.write_at is not None and t == 1:  # a captured decode step: the column comes from a device tensor
+            kv[0].index_copy_(2, self.write_at, k)
+            kv[1].index_copy_(2, self.write_at, v)
+            return kv[0], kv[1]
         kv[0, :, :, self.length : self.length + t].copy_(k)
         kv[1, :, :, self.length : self.length + t].copy_(v)
         return kv[0], kv[1]
