@@ -152,12 +152,12 @@ def test_speculative_respects_eos_stop_and_length(gqa_dir):
     assert all(len(c.token_ids) <= 17 for c in spec)
 
 
-def test_speculative_rejects_sampling_and_bad_trees(gqa_dir):
+def test_speculative_rejects_bad_drafters_and_trees(gqa_dir):
     model = bmc.load(str(gqa_dir))
-    with pytest.raises(InvalidRequestError, match="greedy"):
-        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", temperature=0.7)
     with pytest.raises(InvalidRequestError, match="drafter"):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="nope")
+    with pytest.raises(InvalidRequestError, match="takes no argument"):
+        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram:3")
     with pytest.raises(InvalidRequestError, match="tree"):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", tree="wide")
 

@@ -35,6 +35,14 @@ class TreeSpec:
             raise InvalidRequestError(f"tree {spec!r}: width and depth must be >= 1 and width*depth <= 256")
         return TreeSpec(width, depth, width * depth)
 
+    def capped(self, depth: int) -> "TreeSpec | None":
+        """The same shape at most `depth` deep (None when depth < 1: nothing to draft)."""
+        if depth < 1:
+            return None
+        if depth >= self.depth:
+            return self
+        return TreeSpec(self.width, depth, self.width * depth)
+
 
 @dataclass
 class DraftTree:
