@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ class TreeSpec:
     width: int
     depth: int
     size: int
+    parents: tuple[int, ...] | None = None  # a static tree's shape (level by level, siblings in rank order)
 
     @staticmethod
     def parse(spec: str) -> "TreeSpec":
@@ -41,7 +43,37 @@ class TreeSpec:
             return None
         if depth >= self.depth:
             return self
-        return TreeSpec(self.width, depth, self.width * depth)
+        if self.parents is None:
+            return TreeSpec(self.width, depth, self.width * depth)
+        keep = tuple(p for p, d in zip(self.parents, node_depths(self.parents)) if d <= depth)  # a prefix
+        return TreeSpec(self.width, depth, len(keep), keep)
+
+    def static_levels(self) -> list[list[tuple[int, int]]] | None:
+        """A static tree level by level: each node as (its parent's index in the previous level, its rank among its
+        siblings); the root is level -1 with one slot. None for chain / dynamic trees."""
+        if self.parents is None:
+            return None
+        depths = node_depths(self.parents)
+        levels: list[list[tuple[int, int]]] = []
+        slot: dict[int, int] = {-1: 0}  # node -> index within its level
+        rank: dict[int, int] = {}  # parent -> children so far
+        for i, (p, d) in enumerate(zip(self.parents, depths)):
+            if d > len(levels) + 1 or d < len(levels):
+                raise ValueError("a static tree lists its nodes level by level")
+            if d > len(levels):
+                levels.append([])
+            slot[i] = len(levels[d - 1])
+            levels[d - 1].append((slot[p], rank.get(p, 0)))
+            rank[p] = rank.get(p, 0) + 1
+        return levels
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node (children of the root: 1); parents come before children."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
 
 
 @dataclass
