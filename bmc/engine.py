@@ -129,7 +129,8 @@ class GenerationStats:
         d = dict(vars(self))
         if self.speculative is not None:
             sp = self.speculative
-            d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use)
+            d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use,
+                                    acceptance_by_rank=sp.acceptance_by_rank)
         d.update(attention_compression=self.attention_compression, prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                  decode_gb_per_s=self.decode_gb_per_s)
         return d

@@ -81,7 +81,7 @@ def test_draft_model_greedy_is_identical_to_plain_greedy(gqa_dir, other_seed_dir
     spec = {"draft:other": f"draft:{other_seed_dir}", "draft:same": f"draft:{gqa_dir}"}.get(kind, kind)
     for prompts in (PROMPTS[:1], PROMPTS):
         want = [c.token_ids for c in bmc.generate(model, prompts, max_new_tokens=24, ignore_eos=True)]
-        for tree in ("chain:4", "dynamic:3x3"):
+        for tree in ("chain:4", "dynamic:3x3", "static:8x3"):
             for extra in (dict(r=8), dict(r=5, spec_grow=True), dict(kv="iterative")):
                 out = bmc.generate(model, prompts, max_new_tokens=24, ignore_eos=True, speculative=spec, tree=tree,
                                    **extra)
@@ -102,8 +102,9 @@ def test_draft_model_greedy_on_opt(tiny_dirs):
         assert [c.token_ids for c in out] == want, spec
 
 
-@pytest.mark.parametrize("kind", ["layers:1", "int8-self"])
-def test_draft_model_sampling_has_the_target_distribution(gqa_dir, kind):
+@pytest.mark.parametrize("kind,tree", [("layers:1", "dynamic:2x3"), ("int8-self", "dynamic:2x3"),
+                                       ("int8-self", "static:6x3:0.5,0.3,0.1")])
+def test_draft_model_sampling_has_the_target_distribution(gqa_dir, kind, tree):
     """Children drawn without replacement from the draft's distribution (q reported), verified by rejection."""
     model = bmc.load(str(gqa_dir))
     params = SamplingParams(temperature=0.05, top_k=3, seed=11)
@@ -111,7 +112,7 @@ def test_draft_model_sampling_has_the_target_distribution(gqa_dir, kind):
     _, joint = exact_tables(model, params, PROMPT, n_tokens)
     out = bmc.generate(model, [PROMPT], max_new_tokens=n_tokens, ignore_eos=True, temperature=params.temperature,
                        top_k=params.top_k, seed=params.seed, num_samples=n_samples, speculative=kind,
-                       tree="dynamic:2x3", spec_grow=True)
+                       tree=tree, spec_grow=True)
     sp = out.stats.speculative
     assert 0 < sp.accepted < sp.drafted
     stat, crit = chi_square_ok([tuple(c.token_ids) for c in out], joint)

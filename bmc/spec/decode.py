@@ -6,7 +6,8 @@ equals plain greedy decoding token for token. Sampling verification (verify.py) 
 have exactly the distribution plain sampling would give."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +16,7 @@ from ..kv import KVCache
 from ..models import Model
 from ..sampling import Sampler
 from .drafters import Drafter
-from .tree import DraftTree, TreeSpec, greedy_accept, tree_visibility
+from .tree import DraftTree, TreeSpec, greedy_accept, rank_counts, tree_visibility
 from .verify import sample_paths
 
 
@@ -27,11 +28,19 @@ class SpecStats:
     accepted: int = 0  # draft nodes accepted
     free_rows: int = 0  # masked padding rows of the current chunk before each verify, summed over steps
     used_rows: int = 0  # of those, rows that held tree tokens
+    draft_seconds: float = 0.0  # time spent in the drafter (inside the decode time)
+    rank_visits: list[int] = field(default_factory=list)  # [r]: accepted nodes that had an r-th child
+    rank_accepted: list[int] = field(default_factory=list)  # [r]: ... whose r-th child was accepted
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per row per verify step (accepted drafts + the target's own next token)."""
         return (self.accepted + self.row_steps) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance_by_rank(self) -> list[float]:
+        """Measured acceptance rate of a node's r-th child (what `tree="static:SIZE:p0,p1,..."` takes)."""
+        return [a / v if v else 0.0 for a, v in zip(self.rank_accepted, self.rank_visits)]
 
     @property
     def padding_use(self) -> float:
@@ -48,7 +57,9 @@ class SpeculativeStep:
         """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
         remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
         next roots."""
+        t0 = time.perf_counter()
         proposals = self.drafter.propose_batch(rows, [self.spec.capped(left - 1) for left in remaining])
+        self.stats.draft_seconds += time.perf_counter() - t0
         tree = DraftTree.from_lists([(p.tokens, p.parents) for p in proposals], cache.device)
         free = cache.capacity - cache.length
         if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
@@ -81,4 +92,11 @@ class SpeculativeStep:
         s.accepted += sum(len(p) - 1 for p in paths)
         s.free_rows += max(free, 0)
         s.used_rows += min(max(free, 0), t)
+        visits, accepted = rank_counts(parents, valid, paths)
+        for r, (v, a) in enumerate(zip(visits, accepted)):
+            if r == len(s.rank_visits):
+                s.rank_visits.append(0)
+                s.rank_accepted.append(0)
+            s.rank_visits[r] += v
+            s.rank_accepted[r] += a
         return new, torch.tensor([toks[-1] for toks in new], dtype=torch.long, device=next_tok.device)
