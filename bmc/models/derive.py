@@ -46,10 +46,6 @@ class Int8Linear:
                 bias = lin.b.float() if lin.b is not None else None
                 self.packed = torch.ops.quantized.linear_prepack(qw, bias)
 
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             # reduce_range: 7-bit activations, so fbgemm's 16-bit pair sums cannot saturate on CPUs without VNNI
