@@ -91,8 +91,10 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
              sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> Completions:
     """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`.
 
-    speculative="ngram" drafts token trees by prompt lookup (`tree`: "chain:K" or "dynamic:KxDEPTH") and verifies
-    them in the KV cache's padding rows; greedy output is identical to plain decoding. With num_samples > 1 each
+    speculative="ngram" (prompt lookup), "draft:PATH" (a smaller model with the same vocabulary), "layers:N" (the
+    model's first N layers) or "int8-self" (the model in int8) drafts token trees (`tree`: "chain:K",
+    "dynamic:KxDEPTH" or "static:SIZE") and verifies them in the KV cache's padding rows: greedy output is identical
+    to plain decoding, and sampling (temperature > 0) keeps the exact output distribution. With num_samples > 1 each
     prompt's KV is stored once and attended by all its samples as one GEMM (share_prefix="off" replicates it).
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
     the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions.

@@ -20,7 +20,7 @@ from .graphs import DecodeGraphs
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
 from .sampling import Sampler, SamplingParams
-from .spec import DRAFTERS, TreeSpec
+from .spec import TreeSpec, make_drafter, parse_speculative
 from .spec.decode import SpecStats, SpeculativeStep
 from .textstream import TextStream
 
@@ -39,7 +39,7 @@ class GenerationConfig:
     T: int | None = None
     attention: str = "dense"  # "dense" (exact), "sparq" or "window" (approximate decode attention)
     attention_options: AttentionOptions = field(default_factory=AttentionOptions)
-    speculative: str = "off"  # "off" or a drafter name ("ngram")
+    speculative: str = "off"  # "off" or a drafter: "ngram", "draft:PATH", "layers:N", "int8-self"
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
@@ -70,12 +70,8 @@ class GenerationConfig:
         if self.share_prefix not in ("auto", "off"):
             raise InvalidRequestError(f"share_prefix must be 'auto' or 'off', got {self.share_prefix!r}")
         if self.speculative != "off":
-            if self.speculative not in DRAFTERS:
-                raise InvalidRequestError(
-                    f"unknown speculative drafter {self.speculative!r}; choose from off, {', '.join(DRAFTERS)}")
+            parse_speculative(self.speculative)
             TreeSpec.parse(self.tree)
-            if not self.sampling.greedy:
-                raise InvalidRequestError("speculative decoding is greedy-only for now (temperature=0)")
 
 
 @dataclass
@@ -137,7 +133,8 @@ class GenerationStats:
         d = dict(vars(self))
         if self.speculative is not None:
             sp = self.speculative
-            d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use)
+            d["speculative"] = dict(vars(sp), mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use,
+                                    acceptance_by_rank=sp.acceptance_by_rank)
         d.update(attention_compression=self.attention_compression, prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                  decode_gb_per_s=self.decode_gb_per_s)
         return d
@@ -275,7 +272,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     new_ids = [[t] for t in next_tok.tolist()]  # each batch row's tokens from the last step
     spec = None
     if gen.speculative != "off":
-        spec = SpeculativeStep(DRAFTERS[gen.speculative](), TreeSpec.parse(gen.tree), trim_to_chunk=not gen.spec_grow)
+        spec = SpeculativeStep(make_drafter(gen.speculative, model, sampler), TreeSpec.parse(gen.tree),
+                               trim_to_chunk=not gen.spec_grow, sampler=sampler)
         stats.speculative = spec.stats
         for row, ids in zip(active, new_ids):
             spec.drafter.start(row, prompt_ids[rows[row][0]] + ids)

@@ -65,6 +65,8 @@ def test_benchmark_compares_strategies_in_one_run(gqa_dir):
     ([], "no prompt"),
     (["--max-new-tokens", "100000", "hi"], "context"),
     (["--prompt-file", "/no/such/file"], "prompt-file"),
+    (["--speculative", "layers:x", "hi"], "N must be"),
+    (["--speculative", "int8-self", "--tree", "static:0", "hi"], "SIZE"),
 ])
 def test_bad_input_exits_2_with_one_line(gqa_dir, args, match, capsys):
     from bmc.cli.generate import main
@@ -80,3 +82,14 @@ def test_bad_input_exits_2_with_one_line(gqa_dir, args, match, capsys):
 def test_bad_input_from_a_real_process_has_no_traceback(gqa_dir):
     r = run_cli("--model", str(gqa_dir), "--temperature", "-1", "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: temperature")
+
+
+def test_speculative_sampling_from_the_command_line(gqa_dir):
+    args = ["--model", str(gqa_dir), "--max-new-tokens", "6", "--ignore-eos", "--json", "--temperature", "0.8",
+            "--seed", "4", "the quick brown fox"]
+    plain = run_cli(*args)
+    spec = run_cli(*args, "--speculative", "layers:1", "--tree", "static:6")
+    again = run_cli(*args, "--speculative", "layers:1", "--tree", "static:6")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == again.stdout  # seeded: reproducible
+    assert len(json.loads(spec.stdout)["token_ids"]) == 6

@@ -69,7 +69,7 @@ def test_ngram_drafter_proposes_what_followed_the_suffix():
 def test_tree_spec_parsing():
     assert TreeSpec.parse("chain:5") == TreeSpec(1, 5, 5)
     assert TreeSpec.parse("dynamic:3x4") == TreeSpec(3, 4, 12)
-    for bad in ("chain", "static:26", "dynamic:0x3", "chain:-1"):
+    for bad in ("chain", "static:0", "dynamic:0x3", "chain:-1", "balanced:4"):
         with pytest.raises(InvalidRequestError):
             TreeSpec.parse(bad)
 
@@ -134,7 +134,7 @@ def test_speculative_greedy_is_identical_to_plain_greedy(tiny_dirs, variant):
         ref = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True)
         want = [c.token_ids for c in ref]
         for kv, extra in (("bmc", dict(r=8)), ("bmc", dict(r=3)), ("iterative", {}), ("upfront", {})):
-            for tree in ("chain:1", "chain:4", "dynamic:3x4"):
+            for tree in ("chain:1", "chain:4", "dynamic:3x4", "static:12"):
                 for grow in (False, True):
                     out = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True, kv=kv, speculative="ngram",
                                        tree=tree, spec_grow=grow, **extra)
@@ -152,12 +152,12 @@ def test_speculative_respects_eos_stop_and_length(gqa_dir):
     assert all(len(c.token_ids) <= 17 for c in spec)
 
 
-def test_speculative_rejects_sampling_and_bad_trees(gqa_dir):
+def test_speculative_rejects_bad_drafters_and_trees(gqa_dir):
     model = bmc.load(str(gqa_dir))
-    with pytest.raises(InvalidRequestError, match="greedy"):
-        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", temperature=0.7)
     with pytest.raises(InvalidRequestError, match="drafter"):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="nope")
+    with pytest.raises(InvalidRequestError, match="takes no argument"):
+        bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram:3")
     with pytest.raises(InvalidRequestError, match="tree"):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", tree="wide")
 

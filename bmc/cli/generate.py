@@ -37,9 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"KV cache strategy: {', '.join(KV_STRATEGIES)} (with --benchmark a comma list, or 'all')")
     p.add_argument("--r", type=int, help="BMC chunk size in rows")
     p.add_argument("--T", type=int, help="BMC number of allocations (r = ceil(N / T))")
-    p.add_argument("--speculative", default="off", help="speculative decoding drafter: off (default) or ngram "
-                   "(prompt lookup; greedy only; output identical to plain greedy)")
-    p.add_argument("--tree", default="dynamic:4x6", help="draft tree: chain:K or dynamic:KxDEPTH (default dynamic:4x6)")
+    p.add_argument("--speculative", default="off",
+                   help="speculative decoding drafter: off (default), ngram (prompt lookup), draft:PATH (a smaller "
+                   "model with the same vocabulary), layers:N (the model's first N layers), int8-self (the model in "
+                   "int8). Greedy output is identical to plain greedy; sampling keeps the exact distribution")
+    p.add_argument("--tree", default="dynamic:4x6",
+                   help="draft tree: chain:K, dynamic:KxDEPTH or static:SIZE[xDEPTH][:p0,p1,...] (Sequoia's best "
+                   "shape for acceptance rates by child rank; default static:26) (default dynamic:4x6)")
     p.add_argument("--spec-grow", action="store_true",
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],

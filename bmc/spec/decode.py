@@ -2,18 +2,22 @@
 rows, keep the accepted path (compacted in place), and hand back every row's new tokens.
 
 Greedy verification is exact: the emitted tokens are the target's argmax at each accepted node, so the output
-equals plain greedy decoding token for token."""
+equals plain greedy decoding token for token. Sampling verification (verify.py) is lossless: the emitted tokens
+have exactly the distribution plain sampling would give."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionFn
 from ..kv import KVCache
 from ..models import Model
+from ..sampling import Sampler
 from .drafters import Drafter
-from .tree import DraftTree, TreeSpec, greedy_accept, tree_visibility
+from .tree import DraftTree, TreeSpec, greedy_accept, rank_counts, tree_visibility
+from .verify import sample_paths
 
 
 @dataclass
@@ -24,6 +28,9 @@ class SpecStats:
     accepted: int = 0  # draft nodes accepted
     free_rows: int = 0  # masked padding rows of the current chunk before each verify, summed over steps
     used_rows: int = 0  # of those, rows that held tree tokens
+    draft_seconds: float = 0.0  # time spent in the drafter (inside the decode time)
+    rank_visits: list[int] = field(default_factory=list)  # [r]: accepted nodes that had an r-th child
+    rank_accepted: list[int] = field(default_factory=list)  # [r]: ... whose r-th child was accepted
 
     @property
     def mean_accepted_length(self) -> float:
@@ -31,13 +38,18 @@ class SpecStats:
         return (self.accepted + self.row_steps) / self.row_steps if self.row_steps else 0.0
 
     @property
+    def acceptance_by_rank(self) -> list[float]:
+        """Measured acceptance rate of a node's r-th child (what `tree="static:SIZE:p0,p1,..."` takes)."""
+        return [a / v if v else 0.0 for a, v in zip(self.rank_accepted, self.rank_visits)]
+
+    @property
     def padding_use(self) -> float:
         return self.used_rows / self.free_rows if self.free_rows else 0.0
 
 
 class SpeculativeStep:
-    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool) -> None:
-        self.drafter, self.spec, self.trim = drafter, spec, trim_to_chunk
+    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool, sampler: Sampler) -> None:
+        self.drafter, self.spec, self.trim, self.sampler = drafter, spec, trim_to_chunk, sampler
         self.stats = SpecStats()
 
     def __call__(self, model: Model, cache: KVCache, attention: AttentionFn, next_tok: torch.Tensor,
@@ -45,12 +57,10 @@ class SpeculativeStep:
         """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
         remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
         next roots."""
-        proposals = []
-        for row, left in zip(rows, remaining):
-            depth = min(self.spec.depth, left - 1)
-            spec = TreeSpec(self.spec.width, depth, self.spec.width * depth) if depth > 0 else None
-            proposals.append(self.drafter.propose(row, spec) if spec else ([], []))
-        tree = DraftTree.from_lists(proposals, cache.device)
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose_batch(rows, [self.spec.capped(left - 1) for left in remaining])
+        self.stats.draft_seconds += time.perf_counter() - t0
+        tree = DraftTree.from_lists([(p.tokens, p.parents) for p in proposals], cache.device)
         free = cache.capacity - cache.length
         if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
             tree = tree.truncate(free - 1)
@@ -60,14 +70,18 @@ class SpeculativeStep:
         cache.reserve(t)
         logits = model.net(tokens, pos[:, None] + depth, cache, attention, cache.attention_bias(t, visible),
                            all_logits=True)
-        preds = logits.argmax(-1).tolist()
         tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-        paths = greedy_accept(tree_tokens, parents, valid, preds)
+        if self.sampler.params.greedy:
+            preds = logits.argmax(-1).tolist()
+            paths = greedy_accept(tree_tokens, parents, valid, preds)
+            bonus = [preds[b][path[-1]] for b, path in enumerate(paths)]
+        else:
+            paths, bonus = sample_paths(tree_tokens, parents, valid, logits, [p.q for p in proposals], self.sampler)
         cache.accept(paths, t)
 
         new: list[list[int]] = []
         for b, (row, path) in enumerate(zip(rows, paths)):
-            toks = [tree_tokens[b][i - 1] for i in path[1:]] + [preds[b][path[-1]]]
+            toks = [tree_tokens[b][i - 1] for i in path[1:]] + [bonus[b]]
             new.append(toks)
             self.drafter.extend(row, toks)
         pos += torch.tensor([len(p) for p in paths], dtype=pos.dtype, device=pos.device)
@@ -78,4 +92,11 @@ class SpeculativeStep:
         s.accepted += sum(len(p) - 1 for p in paths)
         s.free_rows += max(free, 0)
         s.used_rows += min(max(free, 0), t)
+        visits, accepted = rank_counts(parents, valid, paths)
+        for r, (v, a) in enumerate(zip(visits, accepted)):
+            if r == len(s.rank_visits):
+                s.rank_visits.append(0)
+                s.rank_accepted.append(0)
+            s.rank_visits[r] += v
+            s.rank_accepted[r] += a
         return new, torch.tensor([toks[-1] for toks in new], dtype=torch.long, device=next_tok.device)

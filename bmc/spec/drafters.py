@@ -1,8 +1,12 @@
-"""Drafters propose token trees for the rows of a batch. One small base class and a name registry."""
+"""Drafters propose token trees for the rows of a batch: one small base class and the prompt-lookup drafter
+(draft models live in draft_model.py, the name registry in registry.py)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import ClassVar
+
+import torch
 
 from .tree import TreeSpec
 
@@ -27,20 +31,32 @@ def build_trie(continuations: list[list[int]], size: int) -> tuple[list[int], li
     return tokens, parents
 
 
+@dataclass
+class Proposal:
+    """One row's draft tree: tokens and parents (parents before children, -1 = the root; siblings in the order they
+    were drafted). q maps a node (-1 = the root) to the distribution its children were sampled from without
+    replacement; children of a node absent from q are fixed choices (point masses). Only sampling reads q."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class Drafter(ABC):
     name: ClassVar[str]
 
     @abstractmethod
     def start(self, row: int, context: list[int]) -> None:
-        """A new row (prompt tokens plus its first generated token)."""
+        """A new row (prompt tokens plus its first generated token). Rows start before the first proposal."""
 
     @abstractmethod
     def extend(self, row: int, tokens: list[int]) -> None:
-        """Tokens accepted for a row since the last call."""
+        """Tokens accepted for a row since the last call (the accepted drafts and the target's next token)."""
 
     @abstractmethod
-    def propose(self, row: int, spec: TreeSpec) -> tuple[list[int], list[int]]:
-        """A draft tree for the row as (tokens, parents), parents before children, -1 = the root."""
+    def propose_batch(self, rows: list[int], specs: list[TreeSpec | None]) -> list[Proposal]:
+        """A draft tree for each row of the batch, in batch order (None: no draft for that row). Rows missing
+        from `rows` have left the batch for good."""
 
 
 class NGramDrafter(Drafter):
@@ -67,7 +83,11 @@ class NGramDrafter(Drafter):
             for n in range(1, min(self.max_n, end) + 1):
                 idx.setdefault(tuple(ctx[end - n : end]), []).append(end)  # continuation starts at `end`
 
+    def propose_batch(self, rows: list[int], specs: list[TreeSpec | None]) -> list[Proposal]:
+        return [Proposal(*self.propose(row, spec)) if spec is not None else Proposal() for row, spec in zip(rows, specs)]
+
     def propose(self, row: int, spec: TreeSpec) -> tuple[list[int], list[int]]:
+        """A trie of what followed the row's suffix, as (tokens, parents)."""
         ctx, idx = self.ctx[row], self.index[row]
         conts: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
@@ -83,5 +103,3 @@ class NGramDrafter(Drafter):
                     return build_trie(conts, spec.size)
         return build_trie(conts, spec.size)
 
-
-DRAFTERS: dict[str, type[Drafter]] = {"ngram": NGramDrafter}
