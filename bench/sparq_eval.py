@@ -130,8 +130,12 @@ def run(model, args) -> dict:
     t0 = time.perf_counter()
 
     def add(task: str, name: str, comp: float, kind: str, score: dict, transfers: tuple[int, int]) -> None:
-        row = results.setdefault(task, {}).setdefault(name, {"method": kind, "target_compression": comp,
-                                                             "scores": [], "transfers": [0, 0]})
+        # one row per method and budget; the (r, k) that meet the budget vary a little with each example's length
+        key = kind if kind == "dense" else f"{kind} 1/{round(1 / comp)}"
+        row = results.setdefault(task, {}).setdefault(key, {"method": kind, "target_compression": comp,
+                                                            "settings": [], "scores": [], "transfers": [0, 0]})
+        if name not in row["settings"]:
+            row["settings"].append(name)
         row["scores"].append(score)
         row["transfers"][0] += transfers[0]
         row["transfers"][1] += transfers[1]
@@ -176,12 +180,13 @@ def run(model, args) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| task | method | target | measured compression | score |", "|---|---|---|---|---|"]
+    lines = ["| task | method | settings | measured compression | n | score |", "|---|---|---|---|---|---|"]
     for task, rows in results.items():
         for name, row in rows.items():
             score = (f"ppl {row['perplexity']:.3f}" if task == "perplexity" else f"{row['accuracy']:.0f} %"
                      + (f" (mean {row['mean_matched_tokens']:.1f} tokens)" if task == "repetition" else ""))
-            lines.append(f"| {task} | {name} | {row['target_compression']:g} | {row['compression']:.3f} | {score} |")
+            lines.append(f"| {task} | {name} | {', '.join(row['settings'])} | {row['compression']:.3f} | {row['n']} "
+                         f"| {score} |")
     return "\n".join(lines)
 
 

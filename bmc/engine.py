@@ -43,7 +43,8 @@ class GenerationConfig:
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
-    share_prefix: str = "auto"  # "auto": num_samples > 1 keep one copy of each prompt's KV (shared-prefix attention)
+    share_prefix: str = "auto"  # "auto": one copy of each prompt's KV for its samples, and of a leading part common
+    # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -106,7 +107,8 @@ class GenerationStats:
     speculative: SpecStats | None = None
     weight_pack_seconds: float = 0.0  # MKL re-layout of the weights for the decode batch (inside decode_seconds)
     prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
-    prefix_groups: int = 0
+    prefix_groups: int = 0  # shared KV groups over all shared segments
+    shared_common_tokens: int = 0  # leading tokens common to all prompts, stored once for the whole batch
     cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
     cuda_graph_replays: int = 0
     attention_transfers: int = 0  # KV elements read by approximate decode attention (SparQ Eq. 11), all layers
@@ -191,6 +193,18 @@ def eos_ids(model: Model) -> set[int]:
     return ids
 
 
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are recomputed per row: the merge would cost more than it saves
+
+
+def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest leading part shared by all prompts, leaving every prompt at least one own token."""
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
 PACK_MIN_ROWS = 2  # measured: MKL-packed GEMMs win at M = 8 (48 vs 69 ms/step), lose at M = 1 (35 vs 32 ms)
 PACK_MIN_STEPS = 96  # packing costs ~1 s for the default model; at M = 8 it saves ~25 ms per step
 
@@ -224,42 +238,62 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     n_prompts, n = len(prompt_ids), gen.num_samples
-    left_pad = [P - len(p) for p in prompt_ids]
-    # Samples of one prompt share its KV: prefill into an exact-size cache that becomes the shared prefix, and
-    # give the rows a suffix cache for the generated tokens only (bifurcated attention / Hydragen).
-    share = n > 1 and gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
+    sharing = gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
+    # A leading part common to all prompts (a system prompt, few-shot examples) is prefilled and stored once and
+    # read by every row as one GEMM (bifurcated attention / Hydragen); each prompt keeps at least one own token.
+    common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
+    common = common if common >= MIN_SHARED_PREFIX else 0
+    root: SharedPrefix | None = None
+    t0 = time.perf_counter()
+    if common:
+        head = KV_STRATEGIES["upfront"](
+            num_layers=model.config.num_layers, batch_size=1, num_kv_heads=model.config.num_kv_heads,
+            head_dim=model.config.head_dim, max_length=common, dtype=model.dtype, device=dev)
+        head.reserve(common)
+        net(torch.tensor([prompt_ids[0][:common]], device=dev), torch.arange(common, device=dev)[None], head,
+            ATTENTION_BACKENDS["dense"](head, gen.attention_options, 1), head.attention_bias(common))
+        head.commit(common)
+        root = SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
+    own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
+    P_own = max(len(p) for p in own)
+    left_pad = [P_own - len(p) for p in own]
+    # Samples of one prompt share its KV: prefill into an exact-size cache that becomes a shared segment, and
+    # give the rows a suffix cache for the generated tokens only.
+    share = n > 1 and sharing
     if share:
         cache: KVCache = KV_STRATEGIES["upfront"](
             num_layers=model.config.num_layers, batch_size=n_prompts, num_kv_heads=model.config.num_kv_heads,
-            head_dim=model.config.head_dim, max_length=P, dtype=model.dtype, device=dev, left_pad=left_pad)
+            head_dim=model.config.head_dim, max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad)
     else:
-        cache = make_cache(model, gen, n_prompts, max_length, left_pad, stats)
+        cache = make_cache(model, gen, n_prompts, P_own + gen.max_new_tokens, left_pad, stats)
     attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, model.config.group_size)
     stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
-    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
+    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, own)], dtype=torch.long, device=dev)
     pads = torch.tensor(left_pad, dtype=torch.long, device=dev)
-    positions = (torch.arange(P, device=dev)[None, :] - pads[:, None]).clamp(min=0)
+    positions = common + (torch.arange(P_own, device=dev)[None, :] - pads[:, None]).clamp(min=0)
 
-    t0 = time.perf_counter()
-    cache.reserve(P)
-    logits = net(tokens, positions, cache, attention, cache.attention_bias(P))
-    cache.commit(P)
-    prefix: SharedPrefix | None = None
-    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
+    cache.reserve(P_own)
+    logits = net(tokens, positions, cache, root.attention if root else attention, cache.attention_bias(P_own))
+    cache.commit(P_own)
+    prefix: SharedPrefix | None = root
+    pos = (cache.length - cache.left_pad).clone() + common  # next position per batch row
     if n > 1:  # fork each prompt's prefilled KV to its samples
         fork = torch.arange(n_prompts, device=dev).repeat_interleave(n)
         logits, pos = logits.index_select(0, fork), pos.index_select(0, fork)
+        if root is not None:
+            root.reorder(fork)
         if share:
-            prefix = SharedPrefix(cache.kv, cache.bias, fork)
+            prefix = SharedPrefix(cache.kv, cache.bias, fork, parent=root)
             cache = make_cache(model, gen, n_prompts * n, gen.max_new_tokens, [0] * (n_prompts * n), stats)
-            attention = prefix.attention
-            stats.prefix_kv_bytes, stats.prefix_groups = prefix.nbytes, n_prompts
         else:
             cache.reorder(fork)
             if stateful is not None:
                 stateful.reorder(fork)
+    if prefix is not None:
+        attention = prefix.attention
+        stats.prefix_kv_bytes, stats.prefix_groups, stats.shared_common_tokens = prefix.nbytes, prefix.num_groups, common
     next_tok = sampler(logits[:, -1])
     if dev.type == "cuda":
         torch.cuda.synchronize()

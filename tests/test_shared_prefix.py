@@ -78,4 +78,90 @@ def test_real_model_shared_prefix_identical(real_model):
     off = bmc.generate(real_model, prompts, max_new_tokens=24, num_samples=3, chat=True, share_prefix="off")
     on = bmc.generate(real_model, prompts, max_new_tokens=24, num_samples=3, chat=True)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
-    assert on.stats.prefix_groups == 2 and on.stats.prefix_kv_bytes > 0
+    # hierarchical: the chat template's system header is common to both prompts (stored once), each prompt's own
+    # text is stored once for its 3 samples
+    assert on.stats.shared_common_tokens >= 16 and on.stats.prefix_groups == 1 + 2 and on.stats.prefix_kv_bytes > 0
+
+
+@pytest.mark.slow
+def test_real_model_common_prefix_of_a_batch(real_model):
+    shots = "Q: What is the capital of France?\nA: Paris.\nQ: What is the capital of Italy?\nA: Rome.\n"
+    prompts = [shots + f"Q: What is the capital of {c}?\nA:" for c in ("Spain", "Germany", "Japan")]
+    off = bmc.generate(real_model, prompts, max_new_tokens=8, share_prefix="off")
+    on = bmc.generate(real_model, prompts, max_new_tokens=8)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert on.stats.shared_common_tokens >= 20 and on.stats.prefix_groups == 1
+
+
+COMMON = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # 20 tokens
+
+
+def per_token_bytes(model) -> int:
+    cfg = model.config
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
+def test_common_prefix_of_a_batch_is_stored_once(tiny_dirs, variant):
+    model = bmc.load(str(tiny_dirs[variant]))
+    prompts = [COMMON + [40], COMMON + [50, 51, 52], COMMON + [60, 61, 62, 63, 64]]
+    for kv in ("bmc", "iterative", "upfront"):
+        off = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, kv=kv, share_prefix="off")
+        on = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, kv=kv)
+        assert [c.token_ids for c in on] == [c.token_ids for c in off], kv
+        assert on.stats.shared_common_tokens == 20 and on.stats.prefix_groups == 1
+        assert on.stats.prefix_kv_bytes == 20 * per_token_bytes(model)
+        assert off.stats.shared_common_tokens == 0 and off.stats.prefix_kv_bytes == 0
+
+
+@pytest.mark.parametrize("variant", ["llama-mqa", "opt-post_norm"])
+def test_hierarchical_sharing_few_shot_then_samples(tiny_dirs, variant):
+    """Hydragen 3.3: the common header once for everyone, each prompt's own text once for its samples."""
+    model = bmc.load(str(tiny_dirs[variant]))
+    prompts = [COMMON + [40], COMMON + [50, 51, 52], COMMON + [60, 61, 62, 63, 64]]
+    for kw in (dict(), dict(temperature=0.9, seed=5)):
+        off = bmc.generate(model, prompts, max_new_tokens=10, num_samples=3, ignore_eos=True, share_prefix="off",
+                           **kw)
+        on = bmc.generate(model, prompts, max_new_tokens=10, num_samples=3, ignore_eos=True, **kw)
+        assert [c.token_ids for c in on] == [c.token_ids for c in off], kw
+        assert on.stats.prefix_groups == 1 + 3
+        # header once + each prompt's own part once (padded to the longest own part: 5 tokens)
+        assert on.stats.prefix_kv_bytes == (20 + 3 * 5) * per_token_bytes(model)
+
+
+def test_common_prefix_edge_cases(gqa_dir):
+    from bmc.engine import common_prefix_length
+
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # a prompt keeps at least one own token
+    assert common_prefix_length([[1, 2], [3, 2]]) == 0
+    assert common_prefix_length([[7, 7, 7], [7, 7, 7]]) == 2
+    model = bmc.load(str(gqa_dir))
+    short = bmc.generate(model, [[5, 6, 7, 8], [5, 6, 7, 9]], max_new_tokens=3, ignore_eos=True)
+    assert short.stats.shared_common_tokens == 0  # below MIN_SHARED_PREFIX: recomputed per row
+    same = [COMMON + [40], COMMON + [40]]  # identical prompts: all but the last token shared
+    off = bmc.generate(model, same, max_new_tokens=6, ignore_eos=True, share_prefix="off")
+    on = bmc.generate(model, same, max_new_tokens=6, ignore_eos=True)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off] and on.stats.shared_common_tokens == 20
+
+
+def test_two_segments_equal_attention_over_the_concatenation():
+    torch.manual_seed(0)
+    L, kvh, d, G, layer = 2, 2, 8, 2, 1
+    head = torch.randn(L, 2, 1, kvh, 6, d)  # shared by all 4 rows
+    mid = torch.randn(L, 2, 2, kvh, 3, d)  # one per prompt, 2 rows each
+    mid_bias = torch.zeros(2, 1, 1, 3)
+    mid_bias[1, ..., 0] = torch.finfo(torch.float32).min  # prompt 1's own part is one token shorter
+    rows = torch.tensor([0, 0, 1, 1])
+    root = SharedPrefix(head, torch.zeros(1, 1, 1, 6), torch.zeros(2, dtype=torch.long))
+    root.reorder(rows)
+    shared = SharedPrefix(mid, mid_bias, rows, parent=root)
+    sk, sv = torch.randn(4, kvh, 5, d), torch.randn(4, kvh, 5, d)
+    sbias = torch.zeros(4, 1, 1, 5)
+    sbias[..., 4] = torch.finfo(torch.float32).min
+    q = torch.randn(4, kvh * G, 1, d)
+    got = shared.attention(q, sk, sv, sbias, 0.3, layer=layer)
+    K = torch.cat([head[layer, 0].expand(4, -1, -1, -1), mid[layer, 0][rows], sk], dim=2)
+    V = torch.cat([head[layer, 1].expand(4, -1, -1, -1), mid[layer, 1][rows], sv], dim=2)
+    bias = torch.cat([torch.zeros(4, 1, 1, 6), mid_bias[rows], sbias], dim=3)
+    torch.testing.assert_close(got, dense_attention(q, K, V, bias, 0.3), atol=1e-5, rtol=1e-5)
+    assert shared.num_groups == 3 and shared.nbytes == (head.numel() + mid.numel()) * 4

@@ -33,25 +33,36 @@ def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: t
 
 
 class SharedPrefix:
-    """The prefix KV of G groups, [L, 2, G, H_kv, P, d] with a [G, 1, 1, P] bias (left padding of shorter
-    prompts masked), and for every batch row the group it belongs to. Rows of a group are contiguous."""
+    """Shared KV segments in front of every row's own cache: a tree of shared prefixes (Hydragen's hierarchical
+    sharing), e.g. a few-shot header shared by all rows, then each prompt's text shared by its samples. Each segment
+    is the KV of G groups, [L, 2, G, H_kv, P, d] with a [G, 1, 1, P] bias (left padding of shorter prompts masked),
+    and for every batch row the group it reads; rows of a group are contiguous. A segment is attended as one
+    matrix-matrix product per group and merged with the others and the row's suffix through log-sum-exps."""
 
-    def __init__(self, kv: torch.Tensor, bias: torch.Tensor, group: torch.Tensor) -> None:
-        self.kv, self.bias = kv, bias
-        self.group = group.tolist()
+    def __init__(self, kv: torch.Tensor, bias: torch.Tensor, group: torch.Tensor,
+                 parent: "SharedPrefix | None" = None) -> None:
+        """`parent`: the segments in front of this one (already reordered to this batch's rows)."""
+        self.segments: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = list(parent.segments) if parent else []
+        self.segments.append((kv, bias, group.tolist()))
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return sum(kv.numel() * kv.element_size() for kv, _, _ in self.segments)
+
+    @property
+    def num_groups(self) -> int:
+        return sum(kv.shape[2] for kv, _, _ in self.segments)
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Rows kept / permuted in the suffix cache; the prefix itself never moves."""
-        self.group = [self.group[i] for i in rows.tolist()]
+        """Rows kept / permuted / forked in the suffix cache; the shared KV itself never moves."""
+        idx = rows.tolist()
+        self.segments = [(kv, bias, [group[i] for i in idx]) for kv, bias, group in self.segments]
 
-    def spans(self) -> list[tuple[int, int, int]]:
+    @staticmethod
+    def spans(group: list[int]) -> list[tuple[int, int, int]]:
         """(group, first row, end row) runs of consecutive rows."""
         out: list[tuple[int, int, int]] = []
-        for b, g in enumerate(self.group):
+        for b, g in enumerate(group):
             if out and out[-1][0] == g and out[-1][2] == b:
                 out[-1] = (g, out[-1][1], b + 1)
             else:
@@ -65,14 +76,16 @@ class SharedPrefix:
         kvh = k.shape[1]
         rows = (H // kvh) * t
         qg = q.reshape(B, kvh, rows, d)
-        o_s, lse_s = attention_with_lse(qg, k, v, bias, scale)
-        o_p = torch.empty_like(o_s)
-        lse_p = torch.empty_like(lse_s)
-        pk, pv = self.kv[layer, 0], self.kv[layer, 1]
-        for g, a, b in self.spans():  # one GEMM per group: every query row of the group against the prefix
-            n = b - a
-            qs = qg[a:b].transpose(0, 1).reshape(1, kvh, n * rows, d)
-            o, lse = attention_with_lse(qs, pk[g : g + 1], pv[g : g + 1], self.bias[g : g + 1], scale)
-            o_p[a:b] = o.view(kvh, n, rows, d).transpose(0, 1)
-            lse_p[a:b] = lse.view(kvh, n, rows, 1).transpose(0, 1)
-        return merge_by_lse(o_p, lse_p, o_s, lse_s).reshape(B, H, t, d)
+        o, lse = attention_with_lse(qg, k, v, bias, scale)
+        for kv, pbias, group in self.segments:
+            o_p, lse_p = torch.empty_like(o), torch.empty_like(lse)
+            pk, pv = kv[layer, 0], kv[layer, 1]
+            for g, a, b in self.spans(group):  # one GEMM per group: every query row of the group against it
+                n = b - a
+                qs = qg[a:b].transpose(0, 1).reshape(1, kvh, n * rows, d)
+                og, lg = attention_with_lse(qs, pk[g : g + 1], pv[g : g + 1], pbias[g : g + 1], scale)
+                o_p[a:b] = og.view(kvh, n, rows, d).transpose(0, 1)
+                lse_p[a:b] = lg.view(kvh, n, rows, 1).transpose(0, 1)
+            merged = torch.logaddexp(lse_p, lse)
+            o, lse = o_p * torch.exp(lse_p - merged) + o * torch.exp(lse - merged), merged
+        return o.reshape(B, H, t, d)
