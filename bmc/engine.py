@@ -21,6 +21,7 @@ from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model
 from .sampling import Sampler, SamplingParams
 from .spec import TreeSpec, make_drafter, parse_speculative
+from .spec.static_tree import DEFAULT_ACCEPTANCE, expected_accepted
 from .spec.decode import SpecStats, SpeculativeStep
 from .textstream import TextStream
 
@@ -142,6 +143,17 @@ class GenerationStats:
         return d
 
 
+def speculation_shape(gen: GenerationConfig) -> tuple[int, float]:
+    """(k, m) of the paper's Eq. 9 for choosing T under speculative decoding: k = tokens verified per step (the
+    root + the tree), m = tokens emitted per step, estimated before the run from the tree's shape and the measured
+    default acceptance rates by child rank (bmc/spec/static_tree.py). (1, 1.0) without speculation."""
+    if gen.speculative == "off":
+        return 1, 1.0
+    spec = TreeSpec.parse(gen.tree)
+    parents = spec.parents if spec.parents is not None else tuple(range(-1, spec.depth - 1))  # else: the best chain
+    return 1 + spec.size, 1.0 + expected_accepted(parents, DEFAULT_ACCEPTANCE)
+
+
 def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int, left_pad: Sequence[int],
                stats: GenerationStats) -> KVCache:
     cfg = model.config
@@ -155,7 +167,11 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
     elif gen.T is not None:
         r, stats.T_source = r_from_T(max_length, gen.T), "T given"
     else:
-        T, stats.T_source = choose_T(max_length, model=cfg, batch=batch, dtype=model.dtype, device=model.device)
+        k, m = speculation_shape(gen)
+        T, stats.T_source = choose_T(max_length, model=cfg, batch=batch, dtype=model.dtype, device=model.device,
+                                     k=k, m=m)
+        if k > 1:
+            stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)
     stats.r, stats.T = r, math.ceil(max_length / r)
     return BMCCache(r=r, **kw)

@@ -158,3 +158,27 @@ def test_calibration_refuses_a_fit_without_slope(monkeypatch):
     monkeypatch.setattr(cal, "_time", lambda fn, device, repeats: 1e-5)  # flat: every size takes the same time
     with pytest.raises(cal.CalibrationError, match="could not be fitted"):
         cal.calibrate(torch.device("cpu"), torch.float32, quick=True)
+
+
+def test_speculative_runs_choose_T_with_eq_9(cache_dir, gqa_dir):
+    """Under speculation T comes from sqrt(C' N k / m): k = verified tokens per step, m = expected emitted ones."""
+    from bmc.engine import GenerationConfig, speculation_shape
+    from bmc.spec.static_tree import DEFAULT_ACCEPTANCE, expected_accepted
+
+    model = bmc.load(str(gqa_dir))
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    k, m = speculation_shape(GenerationConfig(speculative="ngram", tree="chain:4"))
+    assert k == 5 and m == pytest.approx(1 + expected_accepted((-1, 0, 1, 2), DEFAULT_ACCEPTANCE))
+    assert speculation_shape(GenerationConfig()) == (1, 1.0)
+    plain = bmc.generate(model, prompt, max_new_tokens=100, ignore_eos=True).stats
+    assert plain.T_source.startswith("default")  # no profile in this test's cache dir: the paper's C' = 0.1
+    spec = bmc.generate(model, prompt, max_new_tokens=100, ignore_eos=True, speculative="ngram", tree="chain:4").stats
+    from bmc.analytic.model import round_pow2, t_opt_simple
+    from bmc.kv import r_from_T
+
+    n = plain.max_length
+    T = round_pow2(t_opt_simple(n, profile_mod.DEFAULT_C_PRIME * k / m))
+    assert spec.T == math.ceil(n / r_from_T(n, T)) and "Eq. 9" in spec.T_source
+    wide = bmc.generate(model, prompt, max_new_tokens=100, ignore_eos=True, speculative="ngram",
+                        tree="dynamic:4x6").stats
+    assert wide.T > plain.T  # 25 verified rows per ~3.3 emitted tokens: more, smaller chunks (T grows as sqrt(k/m))

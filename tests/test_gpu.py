@@ -84,3 +84,40 @@ def test_cuda_graph_buckets_give_identical_tokens(tiny_dirs, variant, kv):
     stops = bmc.generate(gpu, PROMPTS, max_new_tokens=70, stop=None, **kv)
     stops_eager = bmc.generate(gpu, PROMPTS, max_new_tokens=70, cuda_graphs=False, **kv)
     assert [c.token_ids for c in stops] == [c.token_ids for c in stops_eager]
+
+
+def test_cuda_sparq_matches_cpu(tiny_dirs):
+    """SparQ's selections and its K mirror run on the device the same as on the CPU (fp32)."""
+    path = str(tiny_dirs["llama-gqa"])
+    kw = dict(max_new_tokens=24, ignore_eos=True, attention="sparq", sparq_r=3, sparq_k=6, kv="bmc", r=8)
+    cpu = bmc.generate(bmc.load(path), PROMPTS, **kw)
+    gpu = bmc.generate(bmc.load(path, device="cuda"), PROMPTS, **kw)
+    assert [c.token_ids for c in gpu] == [c.token_ids for c in cpu]
+    assert gpu.stats.attention_transfers == cpu.stats.attention_transfers > 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_half_precisions(tiny_dirs, dtype):
+    """Half precisions run every path on the GPU: graphs on = off, and the first logits near fp32's."""
+    path = str(tiny_dirs["llama-gqa"])
+    model = bmc.load(path, device="cuda", dtype=dtype)
+    on = bmc.generate(model, PROMPTS, max_new_tokens=40, ignore_eos=True, kv="upfront")
+    off = bmc.generate(model, PROMPTS, max_new_tokens=40, ignore_eos=True, kv="upfront", cuda_graphs=False)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off] and on.stats.cuda_graph_captures == 1
+    for kw in (dict(kv="bmc", r=4), dict(speculative="ngram"), dict(num_samples=2)):
+        out = bmc.generate(model, PROMPTS, max_new_tokens=8, ignore_eos=True, **kw)
+        assert all(len(c.token_ids) == 8 for c in out), kw
+    full = bmc.load(path, device="cuda")
+    ids = torch.tensor([PROMPTS[0]], device="cuda")
+    with torch.inference_mode():
+        a = full.net(ids, torch.arange(ids.shape[1], device="cuda")[None], *_cache_and_bias(full, ids))
+        b = model.net(ids, torch.arange(ids.shape[1], device="cuda")[None], *_cache_and_bias(model, ids))
+    torch.testing.assert_close(b.float(), a, atol=0.05, rtol=0.05)
+
+
+def _cache_and_bias(model, ids):
+    cache = KV_STRATEGIES["upfront"](num_layers=model.config.num_layers, batch_size=1,
+                                     num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+                                     max_length=ids.shape[1], dtype=model.dtype, device="cuda")
+    cache.reserve(ids.shape[1])
+    return cache, dense_attention, cache.attention_bias(ids.shape[1])

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-grow", action="store_true",
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],
-                   help="with --num-samples > 1, store each prompt's KV once (shared-prefix attention; default auto)")
+                   help="store shared KV once: each prompt's for its --num-samples, and a leading part common to "
+                   "all prompts for the whole batch (shared-prefix attention; default auto)")
     p.add_argument("--attention", default="dense", choices=["dense", "sparq", "window"],
                    help="decode attention: dense (exact, default), sparq (approximate: top --sparq-r query components, "
                    "top --sparq-k positions) or window (local-window baseline keeping --window-k positions)")
