@@ -3,7 +3,8 @@ this CPU), at the default model's head shapes (9 query heads, 3 KV heads, d = 64
 
 One "step" is one decode query per row through `layers` distinct layers' caches (so the KV is not cache-resident,
 as in a real model), each a BMC buffer with masked padding rows beyond the context. SparQ reads its
-dimension-major K copy (kept by the runtime) for step 1. Output is checked against dense at r = d, k = S first.
+dimension-major K copy (kept by the runtime) for step 1, and runs steps 1-2 in the fused C++ kernel when it
+builds (bmc/attention/sparq_kernel.py). Output is checked against dense at r = d, k = S first.
 
     python bench/sparq_speed.py             # writes bench/out/sparq_speed.json and .png
 """
@@ -104,7 +105,10 @@ def main() -> None:
     comps = [float(c) for c in args.compressions.split(",")]
     rows = [row for b in map(int, args.batches.split(",")) for S in map(int, args.contexts.split(","))
             for row in measure(b, S, args.layers, args.repeats, comps)]
+    from bmc.attention.sparq_kernel import fused_select
+
     meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "device": "cpu",
+            "steps_1_2": "fused C++ kernel" if fused_select() is not None else "PyTorch ops",
             "threads": torch.get_num_threads(), "layers_per_step": args.layers, "torch": torch.__version__}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,11 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
 from .dense import dense_attention
+from .sparq_kernel import fused_select
+
+
+def bias_none(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
 
 
 @dataclass(frozen=True)
@@ -117,24 +122,38 @@ def sparq_select(qg: torch.Tensor, Kt: torch.Tensor, bias: torch.Tensor | None, 
 
 def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor | None, scale: float, r: int,
                     k: int, Kt: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                    window: int = 0) -> tuple[torch.Tensor, int]:
+                    window: int = 0, fused: bool = True) -> tuple[torch.Tensor, int]:
     """One decode query per head. q [B, H, 1, d]; K, V [B, H_kv, S, d] (the visible span of the cache); bias
     [B, 1, 1, S] or None (nothing masked); Kt: K dimension-major ([B, H_kv, d, S]; made here when not kept); v_mean [B, H_kv, 1, d] turns
     on step 3. With r = d and k >= S this is dense attention (alpha = 1). Returns the output [B, H, 1, d] and the
-    elements moved (the K rows and K/V positions gathered, plus the new k, v and the mean vector's traffic)."""
+    elements moved (the K rows and K/V positions gathered, plus the new k, v and the mean vector's traffic).
+    fused=True runs steps 1-2 in the C++ kernel (sparq_kernel.py) on CPU float32 when it builds."""
     B, H, t, d = q.shape
     kvh = K.shape[1]
     G = H // kvh
     qg = q.reshape(B, kvh, G, d)
     if Kt is None:
         Kt = K.transpose(-1, -2)
-    i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
+    kernel = fused_select() if fused and q.device.type == "cpu" and q.dtype == torch.float32 and \
+        Kt.stride(-1) == 1 else None
+    alpha = None
+    if kernel is not None:  # steps 1-2 in one C++ pass per (row, KV head): same arithmetic as sparq_select
+        absq = qg.abs()
+        i1 = absq.sum(2).topk(r, dim=-1, sorted=False).indices
+        picked = absq.gather(-1, i1[:, :, None, :].expand(B, kvh, G, r)).sum(-1)
+        qscale = scale / (picked / absq.sum(-1).clamp_min(torch.finfo(q.dtype).tiny)).sqrt()
+        flat_bias = bias[:, 0, 0, :] if bias is not None else bias_none(q.device)
+        i2, alpha = kernel(qg, Kt, i1, qscale, flat_bias, Kt.shape[-1], k, window)
+        alpha = alpha[..., None]
+    else:
+        i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
+        if v_mean is not None:
+            alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)
     K_k, V_k = take_rows(K, i2), take_rows(V, i2)
     moved = i1.numel() * Kt.shape[-1] + K_k.numel() + V_k.numel() + B * kvh * (4 if v_mean is not None else 2) * d
     bias_k = None if bias is None else bias[:, :, 0, :].expand(B, kvh, -1).gather(-1, i2)[:, :, None, :]
     y = F.scaled_dot_product_attention(qg, K_k, V_k, attn_mask=bias_k, scale=scale)
     if v_mean is not None:
-        alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)
         y = alpha * y + (1 - alpha) * v_mean
     return y.reshape(B, H, t, d), moved
 
