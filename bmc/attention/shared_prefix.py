@@ -44,6 +44,7 @@ class SharedPrefix:
         """`parent`: the segments in front of this one (already reordered to this batch's rows)."""
         self.segments: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = list(parent.segments) if parent else []
         self.segments.append((kv, bias, group.tolist()))
+        self._spans = [self.spans(g) for _, _, g in self.segments]  # per segment; changes only on reorder
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +58,7 @@ class SharedPrefix:
         """Rows kept / permuted / forked in the suffix cache; the shared KV itself never moves."""
         idx = rows.tolist()
         self.segments = [(kv, bias, [group[i] for i in idx]) for kv, bias, group in self.segments]
+        self._spans = [self.spans(g) for _, _, g in self.segments]
 
     @staticmethod
     def spans(group: list[int]) -> list[tuple[int, int, int]]:
@@ -77,10 +79,10 @@ class SharedPrefix:
         rows = (H // kvh) * t
         qg = q.reshape(B, kvh, rows, d)
         o, lse = attention_with_lse(qg, k, v, bias, scale)
-        for kv, pbias, group in self.segments:
+        for (kv, pbias, _), spans in zip(self.segments, self._spans):
             o_p, lse_p = torch.empty_like(o), torch.empty_like(lse)
             pk, pv = kv[layer, 0], kv[layer, 1]
-            for g, a, b in self.spans(group):  # one GEMM per group: every query row of the group against it
+            for g, a, b in spans:  # one GEMM per group: every query row of the group against it
                 n = b - a
                 qs = qg[a:b].transpose(0, 1).reshape(1, kvh, n * rows, d)
                 og, lg = attention_with_lse(qs, pk[g : g + 1], pv[g : g + 1], pbias[g : g + 1], scale)

@@ -16,6 +16,7 @@ the gathered bias keeps them at zero weight when k exceeds the visible positions
 (more than one query per row) run dense attention; only single-query decode steps are approximated."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,9 @@ from .dense import dense_attention
 from .sparq_kernel import fused_select
 
 
+@functools.lru_cache(maxsize=None)
 def bias_none(device: torch.device) -> torch.Tensor:
+    """The kernel's "nothing masked" bias: one empty tensor per device, not an allocation per layer and step."""
     return torch.empty(0, device=device)
 
 
