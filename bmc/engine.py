@@ -110,6 +110,7 @@ class GenerationStats:
     prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
     prefix_groups: int = 0  # shared KV groups over all shared segments
     shared_common_tokens: int = 0  # leading tokens common to all prompts, stored once for the whole batch
+    decode_kernel: str = ""  # "native-cpu" (bmc.kernels' C++ step), "cuda-graphs" or "torch" (eager ops)
     cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
     cuda_graph_replays: int = 0
     attention_transfers: int = 0  # KV elements read by approximate decode attention (SparQ Eq. 11), all layers
@@ -388,6 +389,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
     if graphs is not None:
         stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
+    native = gen.attention == "dense" and net.native_decoder() is not None
+    stats.decode_kernel = "cuda-graphs" if graphs is not None else "native-cpu" if native else "torch"
     if hasattr(attention, "transfers"):
         stats.attention_transfers = attention.transfers
         stats.attention_dense_transfers = attention.dense_transfers

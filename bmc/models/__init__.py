@@ -57,7 +57,8 @@ class Model:
 
     @property
     def can_pack(self) -> bool:
-        return mkl_packing_available(self.device, self.dtype)
+        """MKL packing for the eager decode path; the native step (bmc.kernels) packs its own panels instead."""
+        return mkl_packing_available(self.device, self.dtype) and self.net.native_decoder() is None
 
     @property
     def packed_batch(self) -> int:

@@ -4,11 +4,13 @@ Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode st
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn, group_bias
+from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_segments, native_supported, or_empty
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear, apply_rope, rms_norm, rope_tables
@@ -68,6 +70,26 @@ class LlamaModel:
         self.embed = self.lm_head.wt.t() if tied else embed
         self.inv_freq = rope_inv_freq(cfg).to(w.device)
         self.scale = cfg.head_dim**-0.5
+        self.native = NativeDecoders()
+
+    def native_decoder(self) -> Any:
+        """The packed C++ decoder for decode/verify steps, or None where it does not apply."""
+        return self.native.get(self.layers, self._build_native)
+
+    def _build_native(self) -> Any:
+        cfg, L0 = self.cfg, self.layers[0] if self.layers else None
+        if L0 is None or not native_supported(L0.ln1.device, L0.ln1.dtype):
+            return None
+        if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "gate_up", "down")):
+            return None  # quantized drafts keep their own kernels
+        none = torch.empty(0)
+        dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                            cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
+        for L in self.layers:
+            dec.add_layer(L.ln1, none, L.qkv.wt, or_empty(L.qkv.b), L.o.wt, or_empty(L.o.b), L.ln2, none,
+                          L.gate_up.wt, or_empty(L.gate_up.b), L.down.wt, or_empty(L.down.b))
+        dec.set_head(self.norm, none, self.lm_head.wt)
+        return dec
 
     def __call__(
         self,
@@ -85,6 +107,11 @@ class LlamaModel:
         hd, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         x = F.embedding(tokens, self.embed)
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
+        native = self.native_decoder() if segments is not None else None
+        if native is not None:
+            return native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd), cache.length,
+                                  all_logits, *segments)
         bias = group_bias(bias, cfg.group_size)
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))

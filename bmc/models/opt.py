@@ -2,10 +2,13 @@
 project_in/project_out when word_embed_proj_dim != hidden_size (opt-350m). Multi-head attention only."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn
+from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_segments, native_supported, or_empty
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear
@@ -54,6 +57,29 @@ class OPTModel:
             self.embed = self.lm_head.wt.t()
         self.scale = cfg.head_dim**-0.5
         self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.native = NativeDecoders()
+
+    def native_decoder(self) -> Any:
+        """The packed C++ decoder for decode/verify steps (pre-norm OPT without projections), or None."""
+        return self.native.get(self.layers, self._build_native)
+
+    def _build_native(self) -> Any:
+        cfg = self.cfg
+        if (not self.layers or not native_supported(self.embed.device, self.embed.dtype) or not cfg.do_layer_norm_before
+                or self.project_in is not None or self.project_out is not None):
+            return None
+        if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")):
+            return None
+        none = torch.empty(0)
+        act = "relu" if cfg.activation == "relu" else "gelu"
+        dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_heads, cfg.head_dim,
+                                            cfg.intermediate_size, False, False, act, cfg.norm_eps, self.scale)
+        for L in self.layers:
+            dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.wt, or_empty(L.qkv.b), L.o.wt, or_empty(L.o.b), L.ln2_w, L.ln2_b,
+                          L.fc1.wt, or_empty(L.fc1.b), L.fc2.wt, or_empty(L.fc2.b))
+        final_w, final_b = self.final_ln if self.final_ln is not None else (none, none)
+        dec.set_head(final_w, final_b, self.lm_head.wt)
+        return dec
 
     def __call__(
         self,
@@ -71,6 +97,11 @@ class OPTModel:
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + F.embedding(positions + POSITION_OFFSET, self.pos_embed)
+        segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
+        native = self.native_decoder() if segments is not None else None
+        if native is not None:
+            none = torch.empty(0)
+            return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments)
         for i, L in enumerate(self.layers):
             a = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps) if pre else x
             q, k, v = L.qkv(a).view(B, t, 3 * h, hd).transpose(1, 2).split(h, dim=1)

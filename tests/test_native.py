@@ -1,0 +1,170 @@
+"""The native CPU decode step (bmc/kernels) against the eager PyTorch path and HF transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import bmc
+from bmc.attention import dense_attention
+from bmc.kernels.native import NATIVE_MAX_T, native_module
+from bmc.kv import KV_STRATEGIES
+
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, save_tiny, transformers
+
+VARIANTS = [f"llama-{v}" for v in LLAMA_VARIANTS] + [f"opt-{v}" for v in OPT_VARIANTS]
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Run a block on the eager path: `with eager(): ...`."""
+    class Switch:
+        def __enter__(self):
+            monkeypatch.setenv("BMC_NATIVE", "0")
+
+        def __exit__(self, *exc):
+            monkeypatch.delenv("BMC_NATIVE", raising=False)
+    return Switch
+
+
+def require_native():
+    if native_module() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the native kernel did not build (CI has g++ and ninja)")
+        pytest.skip("no C++ toolchain: the native kernel did not build")
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory) -> dict[int, str]:
+    """Tiny Llamas whose head_dim takes the vectorised attention paths (64: SmolLM2's, 128: Llama-2's)."""
+    out = {}
+    for hd in (64, 128):
+        torch.manual_seed(hd)
+        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=3, num_key_value_heads=1, head_dim=hd,
+                                       max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        out[hd] = str(save_tiny(tmp_path_factory.mktemp(f"llama-hd{hd}"), transformers.LlamaForCausalLM(cfg).eval(), 320))
+    return out
+
+
+def step_both_ways(model, eager, prompts: list[list[int]], t: int, tree: bool):
+    """Prefill left-padded prompts eagerly, then run one t-token step natively and eagerly on copies of the cache.
+    Returns (native logits, eager logits, native cache, eager cache)."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    cfg = model.config
+    pads = [P - len(p) for p in prompts]
+    cache = KV_STRATEGIES["bmc"](num_layers=cfg.num_layers, batch_size=B, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, max_length=P + t, dtype=model.dtype, left_pad=pads, r=5)
+    toks = torch.tensor([[0] * d + p for d, p in zip(pads, prompts)])
+    pos = (torch.arange(P)[None] - torch.tensor(pads)[:, None]).clamp(min=0)
+    with torch.inference_mode():
+        with eager():
+            cache.reserve(P)
+            model.net(toks, pos, cache, dense_attention, cache.attention_bias(P))
+            cache.commit(P)
+        new = torch.randint(3, cfg.vocab_size, (B, t), generator=torch.Generator().manual_seed(t))
+        new_pos = pos[:, -1:] + 1 + torch.arange(t)[None]
+        visible = None
+        if tree:  # node i sees the root and itself only: a star-shaped draft tree, depth positions 1
+            visible = torch.eye(t, dtype=torch.bool)[None].repeat(B, 1, 1)
+            visible[:, :, 0] = True
+            new_pos = pos[:, -1:] + 1 + (torch.arange(t) > 0).long()[None]
+        cache.reserve(t)
+        bias = cache.attention_bias(t, visible)
+        other = KV_STRATEGIES["bmc"](num_layers=cfg.num_layers, batch_size=B, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, max_length=P + t, dtype=model.dtype, left_pad=pads, r=5)
+        other.kv, other.bias, other.length = cache.kv.clone(), cache.bias.clone(), cache.length
+        native = model.net(new, new_pos, cache, dense_attention, bias, all_logits=True)
+        with eager():
+            ref = model.net(new, new_pos, other, dense_attention, bias.clone(), all_logits=True)
+    return native, ref, cache, other
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("t,tree", [(1, False), (4, False), (5, True)])
+def test_native_step_equals_eager(tiny_dirs, eager, variant, t, tree):
+    require_native()
+    model = bmc.load(str(tiny_dirs[variant]))
+    native, ref, c1, c2 = step_both_ways(model, eager, [[5, 17, 33, 80, 101, 7], [40, 41, 42]], t, tree)
+    torch.testing.assert_close(native, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(c1.kv, c2.kv, atol=1e-5, rtol=1e-5)  # the same K/V written at the same columns
+    uses_native = not variant.startswith("opt-") or variant == "opt-pre_norm"  # post-norm / projected OPT: eager
+    assert (model.net.native_decoder() is not None) == uses_native
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("t", [1, 3])
+def test_native_vectorised_head_dims_match_hf(wide_heads, eager, hd, t):
+    require_native()
+    path = wide_heads[hd]
+    model = bmc.load(path)
+    native, ref, _, _ = step_both_ways(model, eager, [[5, 17, 33, 80, 101, 7, 9], [40, 41]], t, tree=False)
+    torch.testing.assert_close(native, ref, atol=2e-5, rtol=2e-5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = [5, 17, 33, 80, 101, 7, 9, 11, 12, 13]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0, -1]
+    got = bmc.generate(model, [ids[:-1]], max_new_tokens=1, ignore_eos=True)  # prefill 9 tokens natively
+    assert got[0].token_ids == [int(hf(torch.tensor([ids[:-1]])).logits[0, -1].argmax())]
+    cache = KV_STRATEGIES["upfront"](num_layers=2, batch_size=1, num_kv_heads=1, head_dim=hd, max_length=len(ids))
+    with torch.inference_mode():
+        cache.reserve(len(ids))
+        logits = model.net(torch.tensor([ids]), torch.arange(len(ids))[None], cache, dense_attention,
+                           cache.attention_bias(len(ids)))
+    torch.testing.assert_close(logits[0, -1], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv", list(KV_STRATEGIES))
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_native_greedy_tokens_equal_eager(tiny_dirs, eager, kv, speculative):
+    require_native()
+    model = bmc.load(str(tiny_dirs["llama-gqa"]))
+    prompts = [[5, 17, 33, 80, 101, 7, 9, 250, 12, 5, 17, 33], [40, 41, 42], [300, 3, 99, 98, 97, 96]]
+    kw = dict(max_new_tokens=40, ignore_eos=True, kv=kv, speculative=speculative, tree="chain:4")
+    got = bmc.generate(model, prompts, **kw)
+    with eager():
+        ref = bmc.generate(model, prompts, **kw)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert got.stats.decode_kernel == "native-cpu" and ref.stats.decode_kernel == "torch"
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("K,N", [(16, 16), (37, 50), (64, 3)])
+def test_panel_linear_equals_matmul(M, K, N):
+    require_native()
+    mod = native_module()
+    g = torch.Generator().manual_seed(M * K + N)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N, generator=g)
+    packed = mod.pack_panels(w)
+    assert packed.shape == ((N + 15) // 16, K, 16)
+    torch.testing.assert_close(mod.panel_linear(x, packed, N, b), torch.addmm(b, x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mod.panel_linear(x, packed, N, None), x @ w, atol=1e-5, rtol=1e-5)
+
+
+def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):
+    """Chunks longer than NATIVE_MAX_T (prefill) run on torch's GEMMs; the decode after them is native."""
+    require_native()
+    model = bmc.load(str(tiny_dirs["llama-gqa"]))
+    prompt = [(7 * i) % 300 + 3 for i in range(NATIVE_MAX_T + 5)]
+    got = bmc.generate(model, [prompt], max_new_tokens=8, ignore_eos=True)
+    with eager():
+        ref = bmc.generate(model, [prompt], max_new_tokens=8, ignore_eos=True)
+    assert got[0].token_ids == ref[0].token_ids
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa", "opt-pre_norm"])
+def test_native_shared_prefix_equals_eager(tiny_dirs, eager, variant):
+    """Hierarchical shared segments (a common header, then each prompt's text for its samples) attended natively in
+    one softmax with each row's own cache give the eager LSE-merged path's tokens, and the same sampled tokens."""
+    require_native()
+    model = bmc.load(str(tiny_dirs[variant]))
+    header = [(11 * i) % 300 + 3 for i in range(20)]  # >= MIN_SHARED_PREFIX tokens common to all prompts
+    prompts = [header + [5, 17, 33, 80], header + [40, 41], header + [300, 3, 99, 98, 97]]
+    for kw in (dict(), dict(temperature=0.8, seed=3)):
+        got = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, num_samples=3, **kw)
+        with eager():
+            ref = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, num_samples=3, **kw)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+        assert got.stats.shared_common_tokens == 20 and got.stats.prefix_groups == 1 + len(prompts)
+        assert got.stats.decode_kernel == "native-cpu"
