@@ -99,7 +99,9 @@ def test_native_vectorised_head_dims_match_hf(wide_heads, eager, hd, t):
     require_native()
     path = wide_heads[hd]
     model = bmc.load(path)
-    native, ref, _, _ = step_both_ways(model, eager, [[5, 17, 33, 80, 101, 7, 9], [40, 41]], t, tree=False)
+    long_prompt = [(13 * i) % 300 + 3 for i in range(37)]  # capacity > 32: whole 16-key score blocks + a tail
+    native, ref, c1, _ = step_both_ways(model, eager, [long_prompt, [40, 41]], t, tree=False)
+    assert c1.capacity > 32
     torch.testing.assert_close(native, ref, atol=2e-5, rtol=2e-5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = [5, 17, 33, 80, 101, 7, 9, 11, 12, 13]

@@ -42,6 +42,33 @@ inline float hsum(v16 v) {
   return s;
 #endif
 }
+// Sixteen dot-product partials v[0..15] (one per key) -> one vector of their sixteen sums: a transposing
+// reduction tree (15 shuffle pairs + adds) instead of sixteen horizontal sums. fold<h> adds lane pairs h apart,
+// taking keys from a where (lane mod 2h) < h and from b elsewhere.
+inline v16 fold1(v16 a, v16 b) {
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline v16 fold2(v16 a, v16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16 fold4(v16 a, v16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline v16 fold8(v16 a, v16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16 sum16(const v16* v) {
+  v16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i) c[i] = fold1(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) d[i] = fold2(c[2 * i], c[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) e[i] = fold4(d[2 * i], d[2 * i + 1]);
+  return fold8(e[0], e[1]);
+}
+
 inline v16 load_part(const float* p, int64_t n) {  // n < P lanes, the rest zero
   float tmp[P] = {0};
   std::memcpy(tmp, p, n * sizeof(float));
@@ -260,11 +287,12 @@ class NativeDecoder {
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
                         std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kFloat, "float32 only");
-    TORCH_CHECK(kv.is_contiguous() && kv.size(0) == num_layers() && kv.size(3) == kvh_ && kv.size(5) == hd_,
+    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
+                    kv.size(3) == kvh_ && kv.size(5) == hd_,
                 "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder");
     const int64_t B = x.size(0), t = x.size(1), M = B * t, cap = kv.size(4);
     TORCH_CHECK(kv.size(2) == B && start + t <= cap, "kv: batch or capacity does not fit the step");
-    TORCH_CHECK(bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
     x = x.contiguous();
     bias = bias.to(torch::kFloat).contiguous();
     TORCH_CHECK(seg_kv.size() == seg_bias.size() && seg_kv.size() == seg_group.size(), "segments: kv, bias, group");
@@ -283,6 +311,7 @@ class NativeDecoder {
     }
     const bool rope = cos.numel() > 0;
     if (rope) {
+      TORCH_CHECK(cos.numel() == M * hd_ && sin.numel() == M * hd_, "cos / sin: [B, t, head_dim]");
       cos = cos.contiguous();
       sin = sin.contiguous();
     }
@@ -424,7 +453,17 @@ class NativeDecoder {
       float* pr = p + r * total;
       for (const Block& blk : blocks) {
         const float* br = blk.bias + query[r] * blk.bias_stride;
-        for (int64_t s = 0; s < blk.n; ++s) {
+        int64_t s = 0;
+        for (; s + P <= blk.n; s += P) {  // 16 keys at a time, summed by one transposing reduction
+          v16 part[P];
+          for (int kk = 0; kk < P; ++kk) {
+            const float* k = blk.K + (s + kk) * P * NV;
+            part[kk] = qr[0] * load16(k);
+            for (int j = 1; j < NV; ++j) part[kk] += qr[j] * load16(k + P * j);
+          }
+          store16(pr + s, sum16(part) + load16(br + s));
+        }
+        for (; s < blk.n; ++s) {
           const float* k = blk.K + s * P * NV;
           v16 a = qr[0] * load16(k);
           for (int j = 1; j < NV; ++j) a += qr[j] * load16(k + P * j);
