@@ -97,8 +97,10 @@ def test_bfloat16_runs_and_tracks_float32(gqa_dir):
 @pytest.mark.skipif(not bmc.models.ops.mkl_packing_available(torch.device("cpu"), torch.float32),
                     reason="this torch build has no MKL packed GEMM")
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-bias_headdim_tied", "opt-projected"])
-def test_mkl_packed_weights_match_hf(tiny_dirs, variant):
-    """Decode GEMMs through MKL-packed weights (used at batch >= 2 on long runs) keep HF's logits and tokens."""
+def test_mkl_packed_weights_match_hf(tiny_dirs, variant, monkeypatch):
+    """Decode GEMMs through MKL-packed weights (the eager path's, used at batch >= 2 on long runs when the native
+    step is off or does not apply) keep HF's logits and tokens."""
+    monkeypatch.setenv("BMC_NATIVE", "0")
     path = tiny_dirs[variant]
     model, ref = bmc.load(str(path)), hf_model(path)
     plain = bmc.generate(model, PROMPTS[:2], max_new_tokens=8, ignore_eos=True)
@@ -127,6 +129,7 @@ def _cache(model, batch: int, length: int):
 def test_engine_packs_weights_only_when_it_pays(gqa_dir, monkeypatch):
     import bmc.engine as engine
     from bmc.engine import PACK_MIN_STEPS
+    monkeypatch.setenv("BMC_NATIVE", "0")  # MKL packing belongs to the eager path
     model = bmc.load(str(gqa_dir))
     if not model.can_pack:
         import platform

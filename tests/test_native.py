@@ -170,3 +170,12 @@ def test_native_shared_prefix_equals_eager(tiny_dirs, eager, variant):
         assert [c.token_ids for c in got] == [c.token_ids for c in ref]
         assert got.stats.shared_common_tokens == 20 and got.stats.prefix_groups == 1 + len(prompts)
         assert got.stats.decode_kernel == "native-cpu"
+
+
+def test_native_step_replaces_mkl_packing(gqa_dir):
+    """With the native step the eager path's MKL re-layout is never made (it would double the weights' memory)."""
+    require_native()
+    model = bmc.load(str(gqa_dir))
+    assert not model.can_pack
+    bmc.generate(model, [[5, 17, 33], [40, 41]], max_new_tokens=4, ignore_eos=True)
+    assert model.packed_batch == 0 and all(lin.packed is None for lin in model.linears())
