@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 log = logging.getLogger("bmc")
@@ -23,8 +24,12 @@ def build(name: str, source: str, functions: list[str] | None, switch: str) -> A
     if os.environ.get(switch, "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
+        if not os.path.exists(os.path.join(_get_build_directory(name, False), name + ".so")):
+            # a minute of silence would look like a hang: say what is happening, once per machine
+            print(f"bmc: compiling the C++ kernel {name} (first use on this machine, about a minute; cached "
+                  f"afterwards; {switch}=0 skips it)", file=sys.stderr, flush=True)
         _built[name] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
                                    extra_ldflags=LDFLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
