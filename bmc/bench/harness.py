@@ -130,7 +130,13 @@ def run_config(model: Model, hf: Any, engines: list[str], B: int, P: int, G: int
     runs: list[EngineRun] = []
     for e in engines:
         print(f"  B={B} prompt={P} gen={G}: {e} ...", end="", flush=True)
-        run = run_engine(e, model, hf, peers or {}, prompts, G, threads)
+        try:
+            run = run_engine(e, model, hf, peers or {}, prompts, G, threads)
+        except RuntimeError as err:  # a peer in its own venv failed: report it, keep the other engines' results
+            if e not in PEER_ENGINES:
+                raise
+            print(f" failed, left out: {err}", flush=True)
+            continue
         run.engine = e
         runs.append(run)
         s = run.summary(B)

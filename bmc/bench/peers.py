@@ -64,10 +64,25 @@ def hf_dir(model: Any, dst: str) -> str:
     d, f = os.path.split(model.path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    # transformers refuses save_pretrained on a GGUF-loaded model: write its (dequantized) tensors directly
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # one copy; the config says it is tied
+    part = dst + ".part"
+    os.makedirs(part, exist_ok=True)
+    save_file(state, os.path.join(part, "model.safetensors"), metadata={"format": "pt"})
     hf.config.architectures = [type(hf).__name__]
-    hf.save_pretrained(dst + ".part")
-    tok.save_pretrained(dst + ".part")
-    os.replace(dst + ".part", dst)
+    hf.config.save_pretrained(part)
+    cfg_path = os.path.join(part, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)  # the tensors written are plain float32, not GGUF blocks
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    tok.save_pretrained(part)
+    os.replace(part, dst)
     return dst
 
 
