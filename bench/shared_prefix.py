@@ -2,7 +2,9 @@
 
 Part 1: one decode attention step (SmolLM2 head shapes, one layer) for B samples of one prefix of length P plus
 per-sample suffixes of length S: `dense` reads B copies of the prefix (matrix-vector per row), `shared` reads it
-once per step (one matrix-matrix product for all rows) and merges by log-sum-exp.
+once per step for all rows of a group. Timed on both kernels the runtime has: the native CPU step's attention
+(what decode runs on a CPU in float32; the prefix in L1-sized chunks for all rows, online softmax) and the PyTorch
+path (one matrix-matrix product for all rows, merged with the suffix by log-sum-exp).
 Part 2: end to end on the default model: num_samples=B completions of one long prompt, sharing on vs off.
 
     python bench/shared_prefix.py            # writes bench/out/shared_prefix.json and .png
@@ -19,6 +21,7 @@ import torch
 
 import bmc
 from bmc.attention import SharedPrefix, dense_attention, group_bias
+from bmc.kernels.native import native_module
 
 OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
@@ -46,12 +49,25 @@ def attention_step(batch: int, prefix: int, suffix: int) -> dict:
     V = torch.cat([pk[0, 1].expand(batch, -1, -1, -1), sv], dim=2).contiguous()
     bias = torch.zeros(batch, 1, 1, prefix + suffix + 1)
     with torch.inference_mode():
-        torch.testing.assert_close(shared.attention(q, sk, sv, sbias, D**-0.5),
-                                   dense_attention(q, K, V, group_bias(bias, H // KVH), D**-0.5), atol=1e-4, rtol=1e-4)
+        ref = dense_attention(q, K, V, group_bias(bias, H // KVH), D**-0.5)
+        torch.testing.assert_close(shared.attention(q, sk, sv, sbias, D**-0.5), ref, atol=1e-4, rtol=1e-4)
         t_dense = best_of(lambda: dense_attention(q, K, V, bias, D**-0.5))
         t_shared = best_of(lambda: shared.attention(q, sk, sv, sbias, D**-0.5))
-    return {"batch": batch, "prefix": prefix, "suffix": suffix, "dense_ms": 1e3 * t_dense,
-            "shared_ms": 1e3 * t_shared, "speedup": t_dense / t_shared}
+    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "torch_dense_ms": 1e3 * t_dense,
+           "torch_shared_ms": 1e3 * t_shared, "torch_speedup": t_dense / t_shared}
+    mod = native_module()
+    if mod is not None:  # the native step's attention: q [B, 1, H*D], caches [L=1, 2, B, H_kv, n, D]
+        dec = mod.NativeDecoder(H * D, H, KVH, D, 1, True, True, "silu", 1e-5, D**-0.5)
+        qn = q.reshape(batch, 1, H * D)
+        own = torch.stack([sk, sv])[None].contiguous()
+        rep = torch.stack([K, V])[None].contiguous()
+        segs = ([pk], [pbias], [torch.zeros(batch, dtype=torch.long)])
+        torch.testing.assert_close(dec.attention_step(qn, own, 0, sbias, *segs), ref.reshape(qn.shape),
+                                   atol=1e-4, rtol=1e-4)
+        n_dense = best_of(lambda: dec.attention_step(qn, rep, 0, bias, [], [], []))
+        n_shared = best_of(lambda: dec.attention_step(qn, own, 0, sbias, *segs))
+        row.update(native_dense_ms=1e3 * n_dense, native_shared_ms=1e3 * n_shared, native_speedup=n_dense / n_shared)
+    return row
 
 
 def end_to_end(model, samples: int, prompt_tokens: int, gen: int) -> dict:
@@ -62,11 +78,13 @@ def end_to_end(model, samples: int, prompt_tokens: int, gen: int) -> dict:
         r = bmc.generate(model, [ids], max_new_tokens=gen, num_samples=samples, temperature=0.8, seed=0,
                          ignore_eos=True, share_prefix=share)
         out[share] = {"decode_tokens_per_s": r.stats.decode_tokens_per_s, "decode_s": r.stats.decode_seconds,
-                      "peak_kv_mb": r.stats.peak_kv_bytes / 2**20, "prefix_kv_mb": r.stats.prefix_kv_bytes / 2**20}
+                      "prefill_s": r.stats.prefill_seconds, "peak_kv_mb": r.stats.peak_kv_bytes / 2**20, "prefix_kv_mb": r.stats.prefix_kv_bytes / 2**20}
         print(f"e2e samples={samples} prompt={prompt_tokens} gen={gen} share={share}: "
               f"{out[share]['decode_tokens_per_s']:.1f} tok/s, peak KV {out[share]['peak_kv_mb']:.0f} MiB", flush=True)
     return {"samples": samples, "prompt": prompt_tokens, "gen": gen, **out,
-            "speedup": out["auto"]["decode_tokens_per_s"] / out["off"]["decode_tokens_per_s"]}
+            "speedup": out["auto"]["decode_tokens_per_s"] / out["off"]["decode_tokens_per_s"],
+            "total_speedup": (out["off"]["prefill_s"] + out["off"]["decode_s"])
+            / (out["auto"]["prefill_s"] + out["auto"]["decode_s"])}
 
 
 def main() -> None:
@@ -87,8 +105,9 @@ def main() -> None:
             for s in args.suffixes:
                 r = attention_step(b, p, s)
                 steps.append(r)
-                print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}: dense {r['dense_ms']:7.2f} ms  "
-                      f"shared {r['shared_ms']:7.2f} ms  x{r['speedup']:.2f}", flush=True)
+                line = "  ".join(f"{k}: dense {r[k + '_dense_ms']:6.2f} ms shared {r[k + '_shared_ms']:6.2f} ms "
+                                 f"x{r[k + '_speedup']:.2f}" for k in ("native", "torch") if k + "_speedup" in r)
+                print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}  {line}", flush=True)
     model = bmc.load()
     e2e = end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen) if args.e2e_samples else None
     report = {"device": "cpu", "dtype": "float32", "threads": args.threads, "heads": H, "kv_heads": KVH,
@@ -103,7 +122,10 @@ def main() -> None:
     for ax, s in zip(axes[0], args.suffixes):
         for p in args.prefixes:
             pts = [r for r in steps if r["prefix"] == p and r["suffix"] == s]
-            ax.plot([r["batch"] for r in pts], [r["speedup"] for r in pts], "o-", label=f"prefix {p}")
+            for kernel, style in (("native", "o-"), ("torch", "x--")):
+                if all(kernel + "_speedup" in r for r in pts):
+                    ax.plot([r["batch"] for r in pts], [r[kernel + "_speedup"] for r in pts], style,
+                            label=f"prefix {p} ({kernel})")
         ax.axhline(1.0, color="gray", linewidth=0.5)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (samples sharing the prefix)")

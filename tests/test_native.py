@@ -144,6 +144,55 @@ def test_panel_linear_equals_matmul(M, K, N):
     torch.testing.assert_close(mod.panel_linear(x, packed, N, None), x @ w, atol=1e-5, rtol=1e-5)
 
 
+def reference_attention(q, own, bias, segments, scale):
+    """Brute force in float64: each row's keys are its segments' groups then its own cache, KV heads repeated."""
+    B, t, _ = q.shape
+    kvh, d = own.shape[3], own.shape[5]
+    h = q.shape[2] // d
+    out = torch.empty(B, t, h, d, dtype=torch.float64)
+    for b in range(B):
+        ks = [kv[0, 0, grp[b]] for kv, _, grp in segments] + [own[0, 0, b]]
+        vs = [kv[0, 1, grp[b]] for kv, _, grp in segments] + [own[0, 1, b]]
+        K, V = (torch.cat(x, dim=1).double().repeat_interleave(h // kvh, dim=0) for x in (ks, vs))  # [h, n, d]
+        for i in range(t):
+            bias_row = torch.cat([sb[grp[b], 0, 0] for _, sb, grp in segments]
+                                 + [bias[b, 0, i if bias.shape[2] > 1 else 0]]).double()
+            qi = q[b, i].view(h, d).double()
+            w = torch.softmax(torch.einsum("hd,hnd->hn", qi, K) * scale + bias_row, dim=-1)
+            out[b, i] = torch.einsum("hn,hnd->hd", w, V)
+    return out.view(B, t, h * d).float()
+
+
+@pytest.mark.parametrize("hd", [64, 128, 24])
+@pytest.mark.parametrize("t", [1, 3])
+def test_attention_step_equals_brute_force(hd, t):
+    """One layer's native attention (what bmc-calibrate and the benchmarks time), with and without two levels of
+    shared segments (groups read by several rows, chunk boundaries inside them, masked columns), GQA, a padded
+    own cache and a per-query bias for t > 1."""
+    require_native()
+    mod = native_module()
+    g = torch.Generator().manual_seed(hd + t)
+    h, kvh, B, cap = 6, 2, 5, 37
+    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    q = torch.randn(B, t, h * hd, generator=g)
+    own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
+    bias = torch.zeros(B, 1, t if t > 1 else 1, cap)
+    bias[..., 30:] = torch.finfo(torch.float32).min  # padding rows of the chunk
+    bias[1, 0, :, :4] = torch.finfo(torch.float32).min  # a left-padded row
+    if t > 1:
+        bias[:, 0, 0, 29] = torch.finfo(torch.float32).min  # a tree mask: query 0 does not see the last node
+    segs = []
+    for groups, length, grp in ((1, 150, [0] * B), (2, 70, [0, 1, 1, 0, 1])):
+        sb = torch.zeros(groups, 1, 1, length)
+        sb[-1, ..., :3] = torch.finfo(torch.float32).min
+        segs.append((torch.randn(1, 2, groups, kvh, length, hd, generator=g), sb, torch.tensor(grp)))
+    for used in ([], segs[:1], segs):
+        got = dec.attention_step(q, own, 0, bias, [s[0] for s in used], [s[1] for s in used], [s[2] for s in used])
+        torch.testing.assert_close(got, reference_attention(q, own, bias, used, hd**-0.5), atol=2e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="reads group"):
+        dec.attention_step(q, own, 0, bias, [segs[1][0]], [segs[1][1]], [torch.tensor([0, 1, 2, 0, 1])])
+
+
 def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):
     """Chunks longer than NATIVE_MAX_T (prefill) run on torch's GEMMs; the decode after them is native."""
     require_native()

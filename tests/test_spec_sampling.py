@@ -12,7 +12,7 @@ import torch
 import bmc
 from bmc.attention import dense_attention
 from bmc.kv import KV_STRATEGIES
-from bmc.sampling import Sampler, SamplingParams
+from bmc.sampling import Sampler, SamplingParams, draw
 from bmc.spec import DRAFTERS, Drafter, NodeResidual, Proposal, TreeSpec
 
 from .conftest import transformers  # noqa: F401  (the tiny models are built with transformers)
@@ -141,6 +141,22 @@ def chi_square_ok(samples: list[tuple[int, ...]], joint: dict[tuple[int, ...], f
     k = cells - 1
     crit = k * (1 - 2 / (9 * k) + 3.0902 * math.sqrt(2 / (9 * k))) ** 3
     return stat, crit
+
+
+def test_draw_follows_the_distribution_and_never_picks_impossible_tokens():
+    """The sampler's inverse-CDF draw: a chi-square fit per row, zero-probability tokens (leading, inner,
+    trailing) never drawn, and a point mass always drawn, also when u lands at the very top of the CDF."""
+    p = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.stack([draw(p, gen) for _ in range(4000)])  # [n, rows]
+    assert (p.gather(1, picks.T) > 0).all()
+    for row in range(2):
+        joint = {(i,): float(p[row, i]) for i in range(6) if p[row, i] > 0}
+        stat, crit = chi_square_ok([(int(x),) for x in picks[:, row]], joint)
+        assert stat < crit
+    assert (picks[:, 2] == 2).all()
+    unnormalised = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # u = rand * total stays below the total
+    assert all(int(draw(unnormalised, gen)) == 1 for _ in range(100))
 
 
 class OracleDrafter(Drafter):

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <chrono>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -29,6 +30,10 @@ constexpr int P = 16;  // panel width: one AVX-512 register of float32 (GCC spli
 // Software prefetch distance in panel rows (64 B each): at M = 8 the FMAs per cache line slow the stream enough
 // that the hardware prefetcher falls behind; 4 KiB ahead measured 12 vs 10 GB/s here (M = 1: 15 either way).
 constexpr int64_t PREFETCH_ROWS = 64;
+// Shared segments are attended in chunks of SEG_KEYS keys (16 KiB of K and of V at head_dim 64, L1-sized) by up
+// to SEG_QUERY_ROWS query rows at once.
+constexpr int64_t SEG_KEYS = 64;
+constexpr int64_t SEG_QUERY_ROWS = 48;
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
@@ -295,20 +300,7 @@ class NativeDecoder {
     TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
     x = x.contiguous();
     bias = bias.to(torch::kFloat).contiguous();
-    TORCH_CHECK(seg_kv.size() == seg_bias.size() && seg_kv.size() == seg_group.size(), "segments: kv, bias, group");
-    std::vector<Segment> segs;
-    for (size_t n = 0; n < seg_kv.size(); ++n) {
-      seg_kv[n] = seg_kv[n].contiguous();
-      seg_bias[n] = seg_bias[n].to(torch::kFloat).contiguous();
-      seg_group[n] = seg_group[n].to(torch::kLong).contiguous();
-      const auto& sk = seg_kv[n];
-      TORCH_CHECK(sk.scalar_type() == torch::kFloat && sk.dim() == 6 && sk.size(0) == num_layers() &&
-                      sk.size(3) == kvh_ && sk.size(5) == hd_ && seg_bias[n].numel() == sk.size(2) * sk.size(4) &&
-                      seg_group[n].numel() == B,
-                  "segment ", n, ": shapes do not match the decoder and batch");
-      segs.push_back(Segment{sk.data_ptr<float>(), seg_bias[n].data_ptr<float>(), seg_group[n].data_ptr<int64_t>(),
-                             sk.size(2), sk.size(4)});
-    }
+    const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
     const bool rope = cos.numel() > 0;
     if (rope) {
       TORCH_CHECK(cos.numel() == M * hd_ && sin.numel() == M * hd_, "cos / sin: [B, t, head_dim]");
@@ -358,7 +350,55 @@ class NativeDecoder {
     return logits.view({B, t_out, vocab_});
   }
 
+  // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate and the benchmarks time
+  // it): q [B, t, H*d] with RoPE applied, kv [L, 2, B, H_kv, cap, d] already holding the step's keys, bias
+  // [B, 1, 1 or t, cap], segments as in forward(). Returns [B, t, H*d].
+  torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
+                               std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
+                               std::vector<torch::Tensor> seg_group) const {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kFloat, "float32 only");
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
+    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(1) == 2 && kv.size(2) == q.size(0) &&
+                    kv.size(3) == kvh_ && kv.size(5) == hd_ && layer >= 0 && layer < kv.size(0),
+                "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder's heads holding `layer`");
+    const int64_t B = q.size(0), t = q.size(1), cap = kv.size(4);
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
+    q = q.contiguous();
+    bias = bias.to(torch::kFloat).contiguous();
+    const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, kv.size(0));
+    auto out = torch::empty_like(q);
+    const int64_t layer_stride = 2 * B * kvh_ * cap * hd_;
+    const float* kc = kv.data_ptr<float>() + layer * layer_stride;
+    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_stride / 2, cap, bias.data_ptr<float>(),
+              bias.size(2), B, t, segs, out.data_ptr<float>());
+    return out;
+  }
+
  private:
+  // Checks the shared segments against the decoder and batch and makes them contiguous in place (the vectors
+  // keep the tensors alive while the step runs).
+  std::vector<Segment> parse_segments(std::vector<torch::Tensor>& seg_kv, std::vector<torch::Tensor>& seg_bias,
+                                      std::vector<torch::Tensor>& seg_group, int64_t B, int64_t L) const {
+    TORCH_CHECK(seg_kv.size() == seg_bias.size() && seg_kv.size() == seg_group.size(), "segments: kv, bias, group");
+    std::vector<Segment> segs;
+    for (size_t n = 0; n < seg_kv.size(); ++n) {
+      seg_kv[n] = seg_kv[n].contiguous();
+      seg_bias[n] = seg_bias[n].to(torch::kFloat).contiguous();
+      seg_group[n] = seg_group[n].to(torch::kLong).contiguous();
+      const auto& sk = seg_kv[n];
+      TORCH_CHECK(sk.scalar_type() == torch::kFloat && sk.dim() == 6 && sk.size(0) == L && sk.size(1) == 2 &&
+                      sk.size(3) == kvh_ && sk.size(5) == hd_ && seg_bias[n].numel() == sk.size(2) * sk.size(4) &&
+                      seg_group[n].numel() == B,
+                  "segment ", n, ": shapes do not match the decoder and batch");
+      const int64_t* grp = seg_group[n].data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(grp[b] >= 0 && grp[b] < sk.size(2), "segment ", n, ": row ", b, " reads group ", grp[b],
+                    " of ", sk.size(2));
+      segs.push_back(Segment{sk.data_ptr<float>(), seg_bias[n].data_ptr<float>(), grp, sk.size(2), sk.size(4)});
+    }
+    return segs;
+  }
+
   void norm(const float* x, const torch::Tensor& w, const torch::Tensor& b, float* out, int64_t rows) const {
     for (int64_t m = 0; m < rows; ++m) {
       if (rms_)
@@ -394,152 +434,197 @@ class NativeDecoder {
       }
   }
 
-  // softmax(q K^T * scale + bias) V per (KV head, row) over the row's shared segments (Hydragen's prefixes,
-  // stored once per group) followed by its own cache's whole capacity: one softmax over all of them, so no
-  // log-sum-exp merge is needed. The G*t query rows of a KV head share each K/V row read; rows of a group are
-  // visited one after the other for a head, so its prefix block is read from DRAM once and then from cache.
+  // softmax(q K^T * scale + bias) V for every query row, in two passes over one running softmax state per query
+  // row (max m, sum s, and the unnormalised output, kept in the output row itself):
+  //  1. shared segments (Hydragen's prefixes, stored once per group): the query rows of a group and KV head walk
+  //     the segment together in chunks of SEG_KEYS keys, so a chunk comes from memory once per step for many rows
+  //     and from L1/L2 for the rest -- the matrix-matrix product the technique is about -- with an online softmax
+  //     across chunks;
+  //  2. the row's own cache over its whole capacity with the additive bias (padding rows cost compute, as in the
+  //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
+  // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
   void attention(int64_t l, const float* qkv, int64_t nq, const float* kc, const float* vc, int64_t cap,
                  const float* bias, int64_t bias_rows, int64_t B, int64_t t, const std::vector<Segment>& segs,
                  float* out) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
-    int64_t total = cap;
-    for (const Segment& sg : segs) total += sg.len;
+    const bool prior = !segs.empty();
+    std::vector<float> run_m, run_s;
+    if (prior) {
+      run_m.assign(B * t * h_, -FLT_MAX);
+      run_s.assign(B * t * h_, 0.0f);
+      std::fill(out, out + B * t * h_ * hd_, 0.0f);
+      for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
+    }
     at::parallel_for(0, B * kvh_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> p(R * total);
-      std::vector<const float*> q(R);
-      std::vector<float*> o(R);
-      std::vector<int64_t> query(R);
-      std::vector<Block> blocks(segs.size() + 1);
+      Rows rows(R);
+      std::vector<float> p(R * cap);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t kh = task / B, b = task % B;  // rows of one head consecutively: shared blocks stay cached
+        const int64_t kh = task / B, b = task % B;
         for (int64_t g = 0; g < G; ++g)
           for (int64_t i = 0; i < t; ++i) {
-            q[g * t + i] = qkv + (b * t + i) * nq + (kh * G + g) * hd_;
-            o[g * t + i] = out + (b * t + i) * h_ * hd_ + (kh * G + g) * hd_;
-            query[g * t + i] = i;
+            const int64_t r = g * t + i, state = (b * t + i) * h_ + kh * G + g;
+            rows.q[r] = qkv + (b * t + i) * nq + (kh * G + g) * hd_;
+            rows.o[r] = out + state * hd_;
+            rows.bias[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
+            rows.m[r] = prior ? run_m[state] : -FLT_MAX;
+            rows.s[r] = prior ? run_s[state] : 0.0f;
           }
-        for (size_t n = 0; n < segs.size(); ++n) {
-          const Segment& sg = segs[n];
-          const int64_t grp = sg.group[b], head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
-          const float* k = sg.kv + ((head + grp * kvh_ + kh) * sg.len) * hd_;
-          blocks[n] = Block{k, k + sg.groups * kvh_ * sg.len * hd_, sg.len, sg.bias + grp * sg.len, 0};
-        }
         const int64_t own = (b * kvh_ + kh) * cap * hd_;
-        blocks.back() = Block{kc + own, vc + own, cap, bias + b * bias_rows * cap, bias_rows > 1 ? cap : 0};
-        switch (hd_) {
-          case 64: attend<4>(q.data(), query.data(), o.data(), R, blocks, total, scale, p.data()); break;
-          case 128: attend<8>(q.data(), query.data(), o.data(), R, blocks, total, scale, p.data()); break;
-          default: attend_any(q.data(), query.data(), o.data(), R, blocks, total, scale, p.data());
+        attend_keys(rows, R, kc + own, vc + own, cap, scale, p.data(), cap, prior);
+        for (int64_t r = 0; r < R; ++r) {
+          const float inv = 1.0f / rows.s[r];
+          for (int64_t j = 0; j < hd_; ++j) rows.o[r][j] *= inv;
         }
       }
     });
   }
 
-  struct Block {  // K/V rows [n, d] and the additive bias of query i at bias + i * bias_stride
-    const float *K, *V;
-    int64_t n;
-    const float* bias;
-    int64_t bias_stride;
+  struct Rows {  // query rows attended together: query, output/accumulator, bias row, running max and sum
+    std::vector<const float*> q, bias;
+    std::vector<float*> o;
+    std::vector<float> m, s, alpha;
+    explicit Rows(int64_t n) : q(n), bias(n), o(n), m(n), s(n), alpha(n) {}
   };
 
-  // head_dim = 16 * NV: q and each K/V row held in NV registers, up to 4 output rows accumulated in registers
-  template <int NV>
-  static void attend(const float* const* q, const int64_t* query, float* const* o, int64_t R,
-                     const std::vector<Block>& blocks, int64_t total, float scale, float* p) {
-    for (int64_t r = 0; r < R; ++r) {
-      v16 qr[NV];
-      for (int j = 0; j < NV; ++j) qr[j] = load16(q[r] + P * j) * scale;
-      float* pr = p + r * total;
-      for (const Block& blk : blocks) {
-        const float* br = blk.bias + query[r] * blk.bias_stride;
-        int64_t s = 0;
-        for (; s + P <= blk.n; s += P) {  // 16 keys at a time, summed by one transposing reduction
-          v16 part[P];
-          for (int kk = 0; kk < P; ++kk) {
-            const float* k = blk.K + (s + kk) * P * NV;
-            part[kk] = qr[0] * load16(k);
-            for (int j = 1; j < NV; ++j) part[kk] += qr[j] * load16(k + P * j);
-          }
-          store16(pr + s, sum16(part) + load16(br + s));
+  // Tasks are (KV head, group, a slice of the group's rows); slices are sized for about 4 tasks per thread,
+  // each slice reading the segment once.
+  void attend_segment(int64_t l, const float* qkv, int64_t nq, int64_t B, int64_t t, const Segment& sg, float scale,
+                      float* run_m, float* run_s, float* out) const {
+    const int64_t G = h_ / kvh_;
+    std::vector<std::vector<int64_t>> members(sg.groups);
+    for (int64_t b = 0; b < B; ++b) members[sg.group[b]].push_back(b);
+    const int64_t want = 4 * at::get_num_threads();
+    const int64_t slice = std::max<int64_t>(1, std::min<int64_t>(SEG_QUERY_ROWS / (G * t), (B * kvh_ + want - 1) / want));
+    struct Task { int64_t kh, grp, first, count; };
+    std::vector<Task> tasks;
+    for (int64_t kh = 0; kh < kvh_; ++kh)
+      for (int64_t grp = 0; grp < sg.groups; ++grp)
+        for (int64_t first = 0; first < static_cast<int64_t>(members[grp].size()); first += slice)
+          tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Rows rows(slice * G * t);
+      std::vector<float> p(slice * G * t * SEG_KEYS);
+      std::vector<int64_t> state(slice * G * t);
+      for (int64_t n = begin; n < end; ++n) {
+        const Task& task = tasks[n];
+        int64_t R = 0;
+        for (int64_t c = 0; c < task.count; ++c) {
+          const int64_t b = members[task.grp][task.first + c];
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t i = 0; i < t; ++i, ++R) {
+              state[R] = (b * t + i) * h_ + task.kh * G + g;
+              rows.q[R] = qkv + (b * t + i) * nq + (task.kh * G + g) * hd_;
+              rows.o[R] = out + state[R] * hd_;
+              rows.m[R] = run_m[state[R]];
+              rows.s[R] = run_s[state[R]];
+            }
         }
-        for (; s < blk.n; ++s) {
-          const float* k = blk.K + s * P * NV;
-          v16 a = qr[0] * load16(k);
-          for (int j = 1; j < NV; ++j) a += qr[j] * load16(k + P * j);
-          pr[s] = hsum(a) + br[s];
+        const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
+        const float* K = sg.kv + ((head + task.grp * kvh_ + task.kh) * sg.len) * hd_;
+        const float* V = K + sg.groups * kvh_ * sg.len * hd_;
+        for (int64_t c0 = 0; c0 < sg.len; c0 += SEG_KEYS) {
+          const int64_t nc = std::min<int64_t>(SEG_KEYS, sg.len - c0);
+          for (int64_t r = 0; r < R; ++r) rows.bias[r] = sg.bias + task.grp * sg.len + c0;
+          attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
         }
-        pr += blk.n;
+        for (int64_t r = 0; r < R; ++r) {
+          run_m[state[r]] = rows.m[r];
+          run_s[state[r]] = rows.s[r];
+        }
       }
+    });
+  }
+
+  // Merges keys [0, n) (K/V rows of hd floats; rows.bias[r][j] added to query r's score of key j) into the running
+  // state of R query rows. Without `prior` the state is empty and the output rows are not read.
+  void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
+                   int64_t ldp, bool prior) const {
+    for (int64_t r = 0; r < R; ++r) {
+      float* pr = p + r * ldp;
+      switch (hd_) {
+        case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
+        case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
+        default:
+          for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + rows.bias[r][j];
+      }
+      float mx = rows.m[r];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        pr[j] = std::exp(pr[j] - mx);
+        sum += pr[j];
+      }
+      rows.alpha[r] = prior ? std::exp(rows.m[r] - mx) : 0.0f;  // rescales what earlier keys contributed
+      rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
+      rows.m[r] = mx;
     }
-    std::vector<float> inv(R);
-    softmax_rows(p, R, total, inv.data());
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      switch (std::min<int64_t>(4, R - r0)) {
-        case 1: weigh<NV, 1>(p + r0 * total, total, blocks, inv.data() + r0, o + r0); break;
-        case 2: weigh<NV, 2>(p + r0 * total, total, blocks, inv.data() + r0, o + r0); break;
-        case 3: weigh<NV, 3>(p + r0 * total, total, blocks, inv.data() + r0, o + r0); break;
-        default: weigh<NV, 4>(p + r0 * total, total, blocks, inv.data() + r0, o + r0);
+      const int64_t rc = std::min<int64_t>(4, R - r0);
+      const float* pr = p + r0 * ldp;
+      float* const* o = rows.o.data() + r0;
+      const float* alpha = rows.alpha.data() + r0;
+      if (hd_ == 64 || hd_ == 128) {
+        const bool wide = hd_ == 128;
+        switch (rc) {
+          case 1: wide ? weigh<8, 1>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 1>(pr, ldp, V, n, alpha, prior, o); break;
+          case 2: wide ? weigh<8, 2>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 2>(pr, ldp, V, n, alpha, prior, o); break;
+          case 3: wide ? weigh<8, 3>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 3>(pr, ldp, V, n, alpha, prior, o); break;
+          default: wide ? weigh<8, 4>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 4>(pr, ldp, V, n, alpha, prior, o);
+        }
+      } else {
+        for (int64_t r = 0; r < rc; ++r) {
+          if (prior)
+            for (int64_t j = 0; j < hd_; ++j) o[r][j] *= alpha[r];
+          else
+            std::fill(o[r], o[r] + hd_, 0.0f);
+          for (int64_t j = 0; j < n; ++j) axpy(o[r], pr[r * ldp + j], V + j * hd_, hd_);
+        }
       }
     }
   }
 
-  template <int NV, int RC>  // o[r] = inv[r] * sum_s p[r][s] V[s] for RC rows
-  static void weigh(const float* p, int64_t total, const std::vector<Block>& blocks, const float* inv,
+  // out[j] = q . K[j] * scale + bias[j] for n keys of head_dim 16 * NV: q in NV registers, 16 keys' partial
+  // products summed by one transposing reduction
+  template <int NV>
+  static void scores(const float* q, const float* K, int64_t n, const float* bias, float scale, float* out) {
+    v16 qr[NV];
+    for (int j = 0; j < NV; ++j) qr[j] = load16(q + P * j) * scale;
+    int64_t s = 0;
+    for (; s + P <= n; s += P) {
+      v16 part[P];
+      for (int kk = 0; kk < P; ++kk) {
+        const float* k = K + (s + kk) * P * NV;
+        part[kk] = qr[0] * load16(k);
+        for (int j = 1; j < NV; ++j) part[kk] += qr[j] * load16(k + P * j);
+      }
+      store16(out + s, sum16(part) + load16(bias + s));
+    }
+    for (; s < n; ++s) {
+      const float* k = K + s * P * NV;
+      v16 a = qr[0] * load16(k);
+      for (int j = 1; j < NV; ++j) a += qr[j] * load16(k + P * j);
+      out[s] = hsum(a) + bias[s];
+    }
+  }
+
+  // o[r] = alpha[r] * o[r] (or 0 without prior) + sum_j p[r][j] V[j] for RC rows, head_dim 16 * NV, in registers
+  template <int NV, int RC>
+  static void weigh(const float* p, int64_t ldp, const float* V, int64_t n, const float* alpha, bool prior,
                     float* const* o) {
     v16 acc[RC][NV];
     for (int r = 0; r < RC; ++r)
-      for (int j = 0; j < NV; ++j) acc[r][j] = v16{};
-    for (const Block& blk : blocks) {
-      for (int64_t s = 0; s < blk.n; ++s) {
-        v16 v[NV];
-        for (int j = 0; j < NV; ++j) v[j] = load16(blk.V + s * P * NV + P * j);
-        for (int r = 0; r < RC; ++r) {
-          const float w = p[r * total + s];
-          for (int j = 0; j < NV; ++j) acc[r][j] += w * v[j];
-        }
+      for (int j = 0; j < NV; ++j) acc[r][j] = prior ? load16(o[r] + P * j) * alpha[r] : v16{};
+    for (int64_t s = 0; s < n; ++s) {
+      v16 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = load16(V + s * P * NV + P * j);
+      for (int r = 0; r < RC; ++r) {
+        const float w = p[r * ldp + s];
+        for (int j = 0; j < NV; ++j) acc[r][j] += w * v[j];
       }
-      p += blk.n;
     }
     for (int r = 0; r < RC; ++r)
-      for (int j = 0; j < NV; ++j) store16(o[r] + P * j, acc[r][j] * inv[r]);
-  }
-
-  void attend_any(const float* const* q, const int64_t* query, float* const* o, int64_t R,
-                  const std::vector<Block>& blocks, int64_t total, float scale, float* p) const {  // any head_dim
-    for (int64_t r = 0; r < R; ++r) {
-      float* pr = p + r * total;
-      for (const Block& blk : blocks) {
-        const float* br = blk.bias + query[r] * blk.bias_stride;
-        for (int64_t s = 0; s < blk.n; ++s) pr[s] = dot(q[r], blk.K + s * hd_, hd_) * scale + br[s];
-        pr += blk.n;
-      }
-    }
-    std::vector<float> inv(R);
-    softmax_rows(p, R, total, inv.data());
-    for (int64_t r = 0; r < R; ++r) {
-      std::fill(o[r], o[r] + hd_, 0.0f);
-      const float* pr = p + r * total;
-      for (const Block& blk : blocks) {
-        for (int64_t s = 0; s < blk.n; ++s) axpy(o[r], pr[s], blk.V + s * hd_, hd_);
-        pr += blk.n;
-      }
-      for (int64_t j = 0; j < hd_; ++j) o[r][j] *= inv[r];
-    }
-  }
-
-  static void softmax_rows(float* p, int64_t R, int64_t cap, float* inv) {
-    for (int64_t r = 0; r < R; ++r) {
-      float* row = p + r * cap;
-      float mx = row[0];
-      for (int64_t s = 1; s < cap; ++s) mx = std::max(mx, row[s]);
-      float sum = 0.0f;
-      for (int64_t s = 0; s < cap; ++s) {
-        row[s] = std::exp(row[s] - mx);
-        sum += row[s];
-      }
-      inv[r] = 1.0f / sum;
-    }
+      for (int j = 0; j < NV; ++j) store16(o[r] + P * j, acc[r][j]);
   }
 
   void activate(float* mid, int64_t M) const {
@@ -592,5 +677,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &NativeDecoder::num_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile)
-      .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("attention_step", &NativeDecoder::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

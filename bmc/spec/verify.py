@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import Sampler
+from ..sampling import Sampler, draw
 
 
 class NodeResidual:
@@ -92,7 +92,7 @@ def sample_paths(tokens: list[list[int]], parents: list[list[int]], valid: list[
                     break
                 node.reject(x)
             if nxt is None:
-                bonus[b] = int(torch.multinomial(node.p, 1, generator=gen))
+                bonus[b] = int(draw(node.p[None], gen))
             else:
                 paths[b].append(nxt)
                 still.append(b)
