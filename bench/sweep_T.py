@@ -1,11 +1,15 @@
 """Sweep the number of allocations T: the seed paper's Fig. 7/8 on this machine, with bmc-calibrate's prediction.
 
 Part 1 (attention block, one layer, SmolLM2 shapes): N decode steps of KV update + attention through the
-runtime's own cache and attention, for T = 1, 2, 4, ... up to T = N (iterative).
-Part 2 (--e2e): end-to-end greedy decode of the real model over the same T values (slow: minutes per point).
+runtime's own cache and attention kernel (the native CPU step's attention on a CPU in float32, else SDPA), for
+T = 1, 2, 4, ... up to T = N (iterative).
+Part 2 (--e2e): end-to-end greedy decode of the real model (prompt N/4, generating to N) over T in a window of
+powers of two around the predicted T (--e2e-window each side), widened while the fastest point is at an edge, so
+that the measured best is bracketed. A full T range end to end takes hours at large N*B on 2 cores.
 
 Points whose predicted time exceeds --budget-s are skipped and listed as such (the iterative end at large N*B
-copies hundreds of GB). Writes bench/out/sweep_T.json and bench/out/sweep_T.png.
+copies hundreds of GB); end-to-end points predicted over --e2e-budget-s likewise. Writes sweep_T.json and
+sweep_T.png under --out (bench/out by default).
 
     python bench/sweep_T.py                        # N in {512, 2048, 8192}, B in {1, 8, 32}
     python bench/sweep_T.py --N 512 2048 --B 8 --e2e
@@ -24,7 +28,9 @@ import torch
 
 import bmc
 from bmc.analytic import Shape, best_T, default_profile_path, load_profile, predicted_time
+from bmc.analytic.profile import attention_kernel
 from bmc.attention import dense_attention
+from bmc.kernels.native import native_module
 from bmc.kv import BMCCache, IterativeCache, r_from_T
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -36,14 +42,23 @@ def attention_block_seconds(n: int, batch: int, T: int, dtype: torch.dtype) -> f
     h, kvh, d = SMOLLM2["heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"]
     kw = dict(num_layers=1, batch_size=batch, num_kv_heads=kvh, head_dim=d, max_length=n, dtype=dtype)
     cache = IterativeCache(**kw) if T >= n else BMCCache(r=r_from_T(n, T), **kw)
-    q = torch.randn(batch, h, 1, d, dtype=dtype)
     k = torch.randn(batch, kvh, 1, d, dtype=dtype)
+    if attention_kernel(cache.device, dtype) == "native-cpu":
+        dec = native_module().NativeDecoder(h * d, h, kvh, d, 1, True, True, "silu", 1e-5, d**-0.5)
+        qn = torch.randn(batch, 1, h * d, dtype=dtype)
+
+        def attend(K: torch.Tensor, V: torch.Tensor) -> None:
+            dec.attention_step(qn, cache.kv, 0, cache.bias, [], [], [])
+    else:
+        q = torch.randn(batch, h, 1, d, dtype=dtype)
+
+        def attend(K: torch.Tensor, V: torch.Tensor) -> None:
+            dense_attention(q, K, V, cache.bias, d**-0.5)
     with torch.inference_mode():
         t0 = time.perf_counter()
         for _ in range(n):
             cache.reserve(1)
-            K, V = cache.update(0, k, k)
-            dense_attention(q, K, V, cache.bias, d**-0.5)
+            attend(*cache.update(0, k, k))
             cache.commit(1)
         return time.perf_counter() - t0
 
@@ -56,12 +71,58 @@ def e2e_seconds(model, n: int, batch: int, T: int) -> float:
     return out.stats.decode_seconds
 
 
+def e2e_window(model, n: int, b: int, pred: int, window: int, budget_s: float, row: dict) -> None:
+    """End-to-end decode at powers of two around the predicted T, widened (up to 3 more steps) while the fastest
+    point sits on an edge of the window that is not T = 1 or T = N."""
+    top = int(math.log2(n))
+    lo, hi = max(0, int(math.log2(pred)) - window), min(top, int(math.log2(pred)) + window)
+    times: dict[int, float] = {}
+
+    def run(i: int) -> bool:
+        T = 2**i
+        if T not in times:
+            times[T] = e2e_seconds(model, n, b, T)
+            print(f"N={n:5d} B={b:3d} T={T:5d} e2e_decode_s={times[T]:.2f}", flush=True)
+        return times[T] <= budget_s
+
+    if not run(int(math.log2(pred))):
+        row["e2e_skipped"] = f"one point took {times[pred]:.0f}s > --e2e-budget-s"
+        row["e2e_points"] = [{"T": T, "e2e_decode_s": v} for T, v in sorted(times.items())]
+        return
+    for i in range(lo, hi + 1):
+        run(i)
+    for _ in range(3):
+        best = min(times, key=times.get)
+        if best == 2**lo and lo > 0:
+            lo -= 1
+            run(lo)
+        elif best == 2**hi and hi < top:
+            hi += 1
+            run(hi)
+        else:
+            break
+    row["e2e_points"] = [{"T": T, "e2e_decode_s": v} for T, v in sorted(times.items())]
+
+
+def summarise(row: dict, points: list[dict], key: str) -> dict | None:
+    timed = [p for p in points if key in p]
+    if not timed:
+        return None
+    pred = row["predicted_T"]
+    best = min(timed, key=lambda p: p[key])
+    at_pred = next((p for p in timed if p["T"] == pred), None)
+    return {"best_T": best["T"], "ratio_at_predicted": at_pred[key] / best[key] if at_pred else None,
+            "within_one_pow2": abs(math.log2(pred) - math.log2(best["T"])) <= 1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--N", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--B", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--budget-s", type=float, default=30.0, help="skip points predicted to take longer")
+    ap.add_argument("--budget-s", type=float, default=30.0, help="skip attention-block points predicted longer")
     ap.add_argument("--e2e", action="store_true", help="also time end-to-end decode of the real model")
+    ap.add_argument("--e2e-window", type=int, default=2, help="powers of two each side of the predicted T")
+    ap.add_argument("--e2e-budget-s", type=float, default=240.0, help="skip a configuration whose first point is longer")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -73,77 +134,77 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = bmc.load() if args.e2e else None
-    L = model.config.num_layers if model else 1
+    if model is not None:
+        e2e_seconds(model, 64, 1, 1)  # warm-up: first-call costs stay out of the first point
     results = []
     for n in args.N:
         for b in args.B:
             shape = Shape(batch=b, layers=1, **SMOLLM2)
             pred = best_T(n, shape, consts)
-            Ts = [2**i for i in range(int(math.log2(n)) + 1)]
             row = {"N": n, "B": b, "predicted_T": pred, "points": []}
-            for T in Ts:
+            for T in [2**i for i in range(int(math.log2(n)) + 1)]:
                 est = predicted_time(T, n, shape, consts)
                 point = {"T": T, "predicted_s": est}
                 if est > args.budget_s:
                     point["skipped"] = f"predicted {est:.0f}s > budget"
                 else:
                     point["attention_block_s"] = attention_block_seconds(n, b, T, dtype)
-                    if model is not None and n <= model.max_context:
-                        est_e2e = est * L
-                        if est_e2e <= 10 * args.budget_s:
-                            point["e2e_decode_s"] = e2e_seconds(model, n, b, T)
                 row["points"].append(point)
                 print(f"N={n:5d} B={b:3d} T={T:5d} " + "  ".join(
                     f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items() if k != "T"),
                     flush=True)
-            for key in ("attention_block_s", "e2e_decode_s"):
-                timed = [p for p in row["points"] if key in p]
-                if timed:
-                    best = min(timed, key=lambda p: p[key])
-                    at_pred = next((p for p in timed if p["T"] == pred), None)
-                    row[key.replace("_s", "")] = {
-                        "best_T": best["T"],
-                        "ratio_at_predicted": at_pred[key] / best[key] if at_pred else None,
-                        "within_one_pow2": abs(math.log2(pred) - math.log2(best["T"])) <= 1,
-                    }
+            row["attention_block"] = summarise(row, row["points"], "attention_block_s")
+            if model is not None and n <= model.max_context:
+                e2e_window(model, n, b, pred, args.e2e_window, args.e2e_budget_s, row)
+                row["e2e_decode"] = summarise(row, row["e2e_points"], "e2e_decode_s")
             results.append(row)
-    report = {"machine": {"threads": args.threads, "dtype": "float32", "device": "cpu", "torch": torch.__version__},
-              "shapes": SMOLLM2, "constants": vars(consts), "results": results}
-    (out_dir / "sweep_T.json").write_text(json.dumps(report, indent=2))
+            (out_dir / "sweep_T.json").write_text(json.dumps(report(args, consts, results), indent=2))  # so far
+    (out_dir / "sweep_T.json").write_text(json.dumps(report(args, consts, results), indent=2))
     plot(results, out_dir / "sweep_T.png")
     print(f"wrote {out_dir / 'sweep_T.json'} and {out_dir / 'sweep_T.png'}")
-    print(f"{'N':>6} {'B':>4} {'best T':>7} {'pred T':>7} {'latency at pred / best':>24}")
+    print(f"{'N':>6} {'B':>4} {'pred T':>7} {'block best T':>13} {'block pred/best':>16} {'e2e best T':>11} "
+          f"{'e2e pred/best':>14}")
     for r in results:
-        a = r.get("attention_block") or {}
-        ratio = a.get("ratio_at_predicted")
-        print(f"{r['N']:>6} {r['B']:>4} {a.get('best_T', '-')!s:>7} {r['predicted_T']:>7} "
-              f"{(f'{ratio:.3f}' if ratio else '-'):>24}")
+        a, e = r.get("attention_block") or {}, r.get("e2e_decode") or {}
+        fmt = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
+        print(f"{r['N']:>6} {r['B']:>4} {r['predicted_T']:>7} {a.get('best_T', '-')!s:>13} "
+              f"{fmt(a.get('ratio_at_predicted')):>16} {e.get('best_T', '-')!s:>11} {fmt(e.get('ratio_at_predicted')):>14}")
+
+
+def report(args: argparse.Namespace, consts, results: list[dict]) -> dict:
+    return {"machine": {"threads": args.threads, "dtype": "float32", "device": "cpu", "torch": torch.__version__,
+                        "attention_kernel": attention_kernel(torch.device("cpu"), torch.float32)},
+            "shapes": SMOLLM2, "constants": vars(consts), "results": results}
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Latency / best vs T per N (columns): the attention block on top, end-to-end decode below when measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ns = sorted({r["N"] for r in results})
-    fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 4), squeeze=False)
-    for ax, n in zip(axes[0], ns):
-        for r in [r for r in results if r["N"] == n]:
-            pts = [p for p in r["points"] if "attention_block_s" in p]
-            if not pts:
-                continue
-            best = min(p["attention_block_s"] for p in pts)
-            line, = ax.plot([p["T"] for p in pts], [p["attention_block_s"] / best for p in pts], "o-",
-                            label=f"B={r['B']}")
-            ax.axvline(r["predicted_T"], color=line.get_color(), ls=":", alpha=0.7)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("allocations T (T = N is iterative)")
-        ax.set_ylabel("attention-block latency / best")
-        ax.set_title(f"N = {n} (dotted: predicted T)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.suptitle("BMC: one layer, SmolLM2 shapes (H=9, H_kv=3, d=64), fp32, CPU")
+    parts = [("points", "attention_block_s", "attention block (one layer)")]
+    if any(r.get("e2e_points") for r in results):
+        parts.append(("e2e_points", "e2e_decode_s", "end-to-end decode (real model)"))
+    fig, axes = plt.subplots(len(parts), len(ns), figsize=(5 * len(ns), 4 * len(parts)), squeeze=False)
+    for row_axes, (field, key, what) in zip(axes, parts):
+        for ax, n in zip(row_axes, ns):
+            for r in [r for r in results if r["N"] == n]:
+                pts = [p for p in r.get(field, []) if key in p]
+                if not pts:
+                    continue
+                best = min(p[key] for p in pts)
+                line, = ax.plot([p["T"] for p in pts], [p[key] / best for p in pts], "o-", label=f"B={r['B']}")
+                ax.axvline(r["predicted_T"], color=line.get_color(), ls=":", alpha=0.7)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("allocations T (T = N is iterative)")
+            ax.set_ylabel("latency / best")
+            ax.set_title(f"{what}, N = {n} (dotted: predicted T)", fontsize=9)
+            ax.legend()
+            ax.grid(alpha=0.3)
+    fig.suptitle("BMC's T on this CPU: SmolLM2 shapes (H=9, H_kv=3, d=64), fp32")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

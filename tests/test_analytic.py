@@ -93,6 +93,7 @@ def test_calibrate_quick_writes_a_profile_that_generate_uses(cache_dir, tmp_path
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["torch"] == torch.__version__ and data["dtype"] == "float32"
     k = data["constants"]
+    assert data["attention_kernel"] == profile_mod.attention_kernel(torch.device("cpu"), torch.float32)
     assert k["copy_bw_bytes_per_s"] > 0 and k["attn_flops_per_s"] > 0 and k["alloc_s"] >= 0
     stored = cache_dir / "profile-cpu-float32.json"
     assert json.loads(stored.read_text()) == data
@@ -122,6 +123,7 @@ def _write(path, **changes):
     ({"device_name": "Some Other CPU"}, "measured elsewhere"),
     ({"torch": "1.0.0"}, "measured elsewhere"),
     ({"device": "cuda"}, "measured elsewhere"),
+    ({"attention_kernel": "some-other-kernel"}, "measured elsewhere"),  # e.g. timed with BMC_NATIVE=0
     ({"version": 99}, "unreadable"),
     ({"constants": {"copy_bw_bytes_per_s": -1, "alloc_s": 0, "attn_flops_per_s": 1}}, "unreadable"),
     ({"constants": {}}, "unreadable"),

@@ -2,9 +2,10 @@
 
 - alpha*BW and C0: KVCache._reallocate (allocate + copy + zero the new rows) at several cache sizes, fitted as
   time = C0 + bytes / alpha*BW;
-- beta*C: dense_attention of one query row (decode) and of t rows (verify) over several capacities, fitted as
-  time = overhead + n * seconds_per_row, beta*C = FLOPs per row / seconds_per_row (the fixed per-call overhead
-  is paid every step whatever T is, so it does not move T_opt)."""
+- beta*C: the attention kernel decode runs here, of one query row (decode) and of t rows (verify) over several
+  capacities: the native CPU step's attention on a CPU in float32 (NativeDecoder.attention_step), else
+  dense_attention (SDPA). Fitted as time = overhead + n * seconds_per_row, beta*C = FLOPs per row /
+  seconds_per_row (the fixed per-call overhead is paid every step whatever T is, so it does not move T_opt)."""
 from __future__ import annotations
 
 import math
@@ -17,8 +18,10 @@ from typing import Any, Callable
 import torch
 
 from ..attention import dense_attention
+from ..kernels.native import native_module
 from ..kv import BMCCache
 from .model import Constants
+from .profile import attention_kernel
 
 Progress = Callable[[str], None]
 
@@ -59,7 +62,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
+    """Fastest of `repeats` calls of fn() after one warm-up call: on a shared VM the noise (page reclaim, other
+    tenants) only ever adds time, and a median of a few calls still caught it."""
     fn()
     _sync(device)
     times = []
@@ -68,7 +72,7 @@ def _time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -104,6 +108,28 @@ def measure_copy(cfg: tuple[int, int, int, int], grid: Grid, device: torch.devic
             "copy_bw_bytes_per_s": 1 / s_per_byte if s_per_byte > 0 else float("inf")}
 
 
+AttentionStep = Callable[[], torch.Tensor]
+
+
+def attention_step(cfg: tuple[int, int, int, int], t: int, n: int, device: torch.device,
+                   dtype: torch.dtype) -> AttentionStep:
+    """One decode (t = 1) or verify step's attention over capacity n on the kernel the runtime uses here, its last
+    eighth masked as padding by the additive bias."""
+    B, h, kvh, d = cfg
+    kv = torch.randn(1, 2, B, kvh, n, d, dtype=dtype, device=device)
+    min_value = torch.finfo(dtype).min
+    if attention_kernel(device, dtype) == "native-cpu":
+        dec = native_module().NativeDecoder(h * d, h, kvh, d, 1, True, True, "silu", 1e-5, d**-0.5)
+        q = torch.randn(B, t, h * d, dtype=dtype, device=device)
+        bias = torch.zeros(B, 1, t, n, dtype=dtype, device=device)
+        bias[..., n - n // 8 :] = min_value
+        return lambda: dec.attention_step(q, kv, 0, bias, [], [], [])
+    q = torch.randn(B, h, t, d, dtype=dtype, device=device)
+    bias = torch.zeros(B, 1, t * (h // kvh) if t > 1 else 1, n, dtype=dtype, device=device)
+    bias[..., n - n // 8 :] = min_value
+    return lambda: dense_attention(q, kv[0, 0], kv[0, 1], bias, d**-0.5)
+
+
 def measure_attention(cfg: tuple[int, int, int, int], t: int, grid: Grid, device: torch.device,
                       dtype: torch.dtype) -> dict:
     """Attention of t query rows over capacities n (padding rows masked by the bias, as the runtime runs it)."""
@@ -112,11 +138,7 @@ def measure_attention(cfg: tuple[int, int, int, int], t: int, grid: Grid, device
     for n in grid.attn_rows:
         if 2 * B * kvh * n * d * torch.finfo(dtype).bits // 8 > grid.max_bytes:
             continue
-        q = torch.randn(B, h, t, d, dtype=dtype, device=device)
-        k, v = (torch.randn(B, kvh, n, d, dtype=dtype, device=device) for _ in range(2))
-        bias = torch.zeros(B, 1, t * (h // kvh) if t > 1 else 1, n, dtype=dtype, device=device)
-        bias[..., n - n // 8 :] = torch.finfo(dtype).min
-        seconds = _time(lambda: dense_attention(q, k, v, bias, d**-0.5), device, grid.repeats)
+        seconds = _time(attention_step(cfg, t, n, device, dtype), device, 4 * grid.repeats)  # cheap calls
         points.append({"rows": n, "seconds": seconds})
     overhead, s_per_row = fit_line([p["rows"] for p in points], [p["seconds"] for p in points])
     flops_per_row = 4 * B * h * d * t

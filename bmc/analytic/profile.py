@@ -40,10 +40,18 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention kernel decode steps run on this device and dtype: the native CPU step's, or PyTorch's SDPA."""
+    from ..kernels.native import native_supported
+
+    return "native-cpu" if native_supported(device, dtype) else "torch"
+
+
 def identity(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """What a profile must match to be used: the device, its model, torch's version and the KV dtype."""
+    """What a profile must match to be used: the device, its model, torch's version, the KV dtype and the attention
+    kernel that was timed (BMC_NATIVE=0 or a failed kernel build changes it)."""
     return {"device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-            "dtype": dtype_name(dtype)}
+            "dtype": dtype_name(dtype), "attention_kernel": attention_kernel(device, dtype)}
 
 
 def cache_dir() -> Path:

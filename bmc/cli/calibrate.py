@@ -40,7 +40,8 @@ def summary(profile: dict, dtype: torch.dtype) -> str:
         f"torch {profile['torch']}, {profile['dtype']}",
         f"alpha*BW     {consts.copy_bw / 1e9:8.2f} GB/s   (chunk-boundary allocate + copy)",
         f"C0           {consts.alloc_s * 1e6:8.1f} us     (per allocation)",
-        f"beta*C       {consts.attn_flops / 1e9:8.2f} GFLOP/s (decode attention, 1 query row)",
+        f"beta*C       {consts.attn_flops / 1e9:8.2f} GFLOP/s (decode attention, 1 query row, "
+        f"{profile['attention_kernel']} kernel)",
         f"beta'*C      {consts.verify_flops / 1e9:8.2f} GFLOP/s (verify attention, {k['verify_rows']} rows)",
     ]
     for batch in (1, 8, 32):
