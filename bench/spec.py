@@ -2,9 +2,10 @@
 Table I (attention-block latency over T under speculative decoding) on this machine.
 
 Part 1: per task, plain greedy decoding vs prompt-lookup speculative decoding with the tree verified in the BMC
-cache's padding rows (trimmed to the chunk, or growing it) and on iterative / upfront caches; every run must
-give the plain run's tokens. Reports tokens/s, ratios, mean accepted length, tree size, T and padding-row use.
-Part 2: one layer with SmolLM2 shapes: each verify step writes k tree rows, attends with k queries, keeps m.
+cache's padding rows (trimmed to the chunk, or growing it) and on iterative / upfront caches, and vs a draft
+model (the target's int8 copy) on the BMC cache; every run must give the plain run's tokens. Reports tokens/s, ratios, mean accepted length, tree size, T and padding-row use.
+Part 2: one layer with SmolLM2 shapes: each verify step writes k tree rows, attends with k queries (on the
+runtime's attention kernel: the native CPU step's on a CPU in float32), keeps m.
 
     python bench/spec.py                      # writes bench/out/spec.json and bench/out/spec.png
 """
@@ -21,7 +22,7 @@ import torch
 
 import bmc
 from bmc.analytic import Shape, best_T, default_profile_path, load_profile
-from bmc.attention import dense_attention, group_bias
+from bmc.bench.layer import layer_attention
 from bmc.kv import BMCCache, IterativeCache, r_from_T
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -47,6 +48,7 @@ CONFIGS = {  # name -> generate() kwargs
     "sd bmc (grow)": dict(kv="bmc", speculative="ngram", spec_grow=True),
     "sd iterative": dict(kv="iterative", speculative="ngram"),
     "sd upfront": dict(kv="upfront", speculative="ngram"),
+    "sd bmc (int8-self)": dict(kv="bmc", speculative="int8-self"),  # a draft model: the target's int8 copy
 }
 
 
@@ -84,15 +86,15 @@ def sd_attention_block_seconds(n: int, batch: int, T: int, k: int, m: int) -> fl
     h, kvh, d = 9, 3, 64
     kw = dict(num_layers=1, batch_size=batch, num_kv_heads=kvh, head_dim=d, max_length=n + k)
     cache = IterativeCache(**kw) if T >= n else BMCCache(r=r_from_T(n, T), **kw)
-    q = torch.randn(batch, h, k, d)
+    attend = layer_attention(cache, h, k)
     kv = torch.randn(batch, kvh, k, d)
     keep = [list(range(m))] * batch
     with torch.inference_mode():
         t0 = time.perf_counter()
         while cache.length < n:
             cache.reserve(k)
-            K, V = cache.update(0, kv, kv)
-            dense_attention(q, K, V, group_bias(cache.attention_bias(k), h // kvh), d**-0.5)
+            cache.update(0, kv, kv)
+            attend(k)
             cache.accept(keep, k)
         return time.perf_counter() - t0
 

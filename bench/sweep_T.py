@@ -29,8 +29,7 @@ import torch
 import bmc
 from bmc.analytic import Shape, best_T, default_profile_path, load_profile, predicted_time
 from bmc.analytic.profile import attention_kernel
-from bmc.attention import dense_attention
-from bmc.kernels.native import native_module
+from bmc.bench.layer import layer_attention
 from bmc.kv import BMCCache, IterativeCache, r_from_T
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -42,23 +41,14 @@ def attention_block_seconds(n: int, batch: int, T: int, dtype: torch.dtype) -> f
     h, kvh, d = SMOLLM2["heads"], SMOLLM2["kv_heads"], SMOLLM2["head_dim"]
     kw = dict(num_layers=1, batch_size=batch, num_kv_heads=kvh, head_dim=d, max_length=n, dtype=dtype)
     cache = IterativeCache(**kw) if T >= n else BMCCache(r=r_from_T(n, T), **kw)
+    attend = layer_attention(cache, h)
     k = torch.randn(batch, kvh, 1, d, dtype=dtype)
-    if attention_kernel(cache.device, dtype) == "native-cpu":
-        dec = native_module().NativeDecoder(h * d, h, kvh, d, 1, True, True, "silu", 1e-5, d**-0.5)
-        qn = torch.randn(batch, 1, h * d, dtype=dtype)
-
-        def attend(K: torch.Tensor, V: torch.Tensor) -> None:
-            dec.attention_step(qn, cache.kv, 0, cache.bias, [], [], [])
-    else:
-        q = torch.randn(batch, h, 1, d, dtype=dtype)
-
-        def attend(K: torch.Tensor, V: torch.Tensor) -> None:
-            dense_attention(q, K, V, cache.bias, d**-0.5)
     with torch.inference_mode():
         t0 = time.perf_counter()
         for _ in range(n):
             cache.reserve(1)
-            attend(*cache.update(0, k, k))
+            cache.update(0, k, k)
+            attend(1)
             cache.commit(1)
         return time.perf_counter() - t0
 

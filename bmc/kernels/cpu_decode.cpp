@@ -34,6 +34,9 @@ constexpr int64_t PREFETCH_ROWS = 64;
 // to SEG_QUERY_ROWS query rows at once.
 constexpr int64_t SEG_KEYS = 64;
 constexpr int64_t SEG_QUERY_ROWS = 48;
+// A row's own cache is walked in chunks of OWN_KEYS keys with the same online softmax: its query rows read each
+// chunk from DRAM once and again from L1/L2, and the score buffer stays small at any capacity.
+constexpr int64_t OWN_KEYS = 128;
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
@@ -458,7 +461,8 @@ class NativeDecoder {
     }
     at::parallel_for(0, B * kvh_, 1, [&](int64_t begin, int64_t end) {
       Rows rows(R);
-      std::vector<float> p(R * cap);
+      std::vector<float> p(R * OWN_KEYS);
+      std::vector<const float*> bias0(R);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kh = task / B, b = task % B;
         for (int64_t g = 0; g < G; ++g)
@@ -466,12 +470,16 @@ class NativeDecoder {
             const int64_t r = g * t + i, state = (b * t + i) * h_ + kh * G + g;
             rows.q[r] = qkv + (b * t + i) * nq + (kh * G + g) * hd_;
             rows.o[r] = out + state * hd_;
-            rows.bias[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
+            bias0[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
             rows.m[r] = prior ? run_m[state] : -FLT_MAX;
             rows.s[r] = prior ? run_s[state] : 0.0f;
           }
         const int64_t own = (b * kvh_ + kh) * cap * hd_;
-        attend_keys(rows, R, kc + own, vc + own, cap, scale, p.data(), cap, prior);
+        for (int64_t c0 = 0; c0 < cap; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
+          const int64_t nc = std::min<int64_t>(OWN_KEYS, cap - c0);
+          for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
+          attend_keys(rows, R, kc + own + c0 * hd_, vc + own + c0 * hd_, nc, scale, p.data(), OWN_KEYS, prior || c0 > 0);
+        }
         for (int64_t r = 0; r < R; ++r) {
           const float inv = 1.0f / rows.s[r];
           for (int64_t j = 0; j < hd_; ++j) rows.o[r][j] *= inv;
