@@ -77,6 +77,14 @@ def make_opt(path: Path, variant: str, seed: int = 0, safe: bool = True) -> Path
     return save_tiny(path, model, 320, safe)
 
 
+@pytest.fixture(autouse=True)
+def _isolated_profile_dir(tmp_path_factory, monkeypatch):
+    """Tests never read the user's calibration profile (~/.cache/bmc): T comes from the stated default unless a
+    test writes its own profile (tests/test_analytic.py's cache_dir overrides this)."""
+    monkeypatch.setenv("BMC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "bmc-cache"))
+    monkeypatch.delenv("BMC_PROFILE", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Every tiny variant saved once per test session, keyed 'llama-gqa', 'opt-post_norm', ..."""
