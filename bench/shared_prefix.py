@@ -21,7 +21,7 @@ import torch
 
 import bmc
 from bmc.attention import SharedPrefix, dense_attention, group_bias
-from bmc.kernels.native import native_module
+from bmc.kernels.native import attention_decoder
 
 OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
@@ -55,9 +55,8 @@ def attention_step(batch: int, prefix: int, suffix: int) -> dict:
         t_shared = best_of(lambda: shared.attention(q, sk, sv, sbias, D**-0.5))
     row = {"batch": batch, "prefix": prefix, "suffix": suffix, "torch_dense_ms": 1e3 * t_dense,
            "torch_shared_ms": 1e3 * t_shared, "torch_speedup": t_dense / t_shared}
-    mod = native_module()
-    if mod is not None:  # the native step's attention: q [B, 1, H*D], caches [L=1, 2, B, H_kv, n, D]
-        dec = mod.NativeDecoder(H * D, H, KVH, D, 1, True, True, "silu", 1e-5, D**-0.5)
+    dec = attention_decoder(H, KVH, D)
+    if dec is not None:  # the native step's attention: q [B, 1, H*D], caches [L=1, 2, B, H_kv, n, D]
         qn = q.reshape(batch, 1, H * D)
         own = torch.stack([sk, sv])[None].contiguous()
         rep = torch.stack([K, V])[None].contiguous()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..attention import dense_attention
-from ..kernels.native import native_module
+from ..kernels.native import attention_decoder
 from ..kv import BMCCache
 from .model import Constants
 from .profile import attention_kernel
@@ -119,7 +119,7 @@ def attention_step(cfg: tuple[int, int, int, int], t: int, n: int, device: torch
     kv = torch.randn(1, 2, B, kvh, n, d, dtype=dtype, device=device)
     min_value = torch.finfo(dtype).min
     if attention_kernel(device, dtype) == "native-cpu":
-        dec = native_module().NativeDecoder(h * d, h, kvh, d, 1, True, True, "silu", 1e-5, d**-0.5)
+        dec = attention_decoder(h, kvh, d)
         q = torch.randn(B, t, h * d, dtype=dtype, device=device)
         bias = torch.zeros(B, 1, t, n, dtype=dtype, device=device)
         bias[..., n - n // 8 :] = min_value

@@ -59,6 +59,16 @@ class NativeDecoders:
         return entry[1]
 
 
+def attention_decoder(heads: int, kv_heads: int, head_dim: int) -> Any:
+    """A NativeDecoder with no layers, for its attention_step alone (bmc-calibrate and the benchmarks time the
+    kernel a decode step runs with it); None when the native kernel is unavailable. The MLP settings are unused."""
+    mod = native_module()
+    if mod is None:
+        return None
+    return mod.NativeDecoder(heads * head_dim, heads, kv_heads, head_dim, 1, True, True, "silu", 1e-5,
+                             head_dim**-0.5)
+
+
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:
     """An optional tensor for the C++ side, where an empty tensor means absent."""
     return torch.empty(0) if t is None else t
