@@ -3,8 +3,9 @@ this CPU), at the default model's head shapes (9 query heads, 3 KV heads, d = 64
 
 One "step" is one decode query per row through `layers` distinct layers' caches (so the KV is not cache-resident,
 as in a real model), each a BMC buffer with masked padding rows beyond the context. SparQ reads its
-dimension-major K copy (kept by the runtime) for step 1, and runs steps 1-2 in the fused C++ kernel when it
-builds (bmc/attention/sparq_kernel.py). Output is checked against dense at r = d, k = S first.
+dimension-major K copy (kept by the runtime) for step 1, and runs in one fused C++ call per layer when it builds
+(bmc/kernels/sparq.cpp). Dense is the kernel a dense decode step runs here (the native CPU step's attention;
+SDPA is reported beside it). Output is checked against dense at r = d, k = S first.
 
     python bench/sparq_speed.py             # writes bench/out/sparq_speed.json and .png
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from bmc.attention import dense_attention, sparq_attention, sparq_budget
+from bmc.kernels.native import attention_decoder
 
 OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
@@ -48,8 +50,14 @@ def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[fl
     full, _ = sparq_attention(q, kv[0][0][:, :, :S], kv[0][1][:, :, :S], bias[..., :S], scale, D, S, Kt[0][..., :S])
     torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)  # r = d, k = S is dense
 
-    # dense reads the chunk's whole capacity (as the runtime's dense path does: padding is masked, not skipped)
-    t_dense = median_ms(lambda: [dense_attention(q, x[0], x[1], bias, scale) for x in kv], repeats) / layers
+    # dense reads the chunk's whole capacity (as the runtime's dense path does: padding is masked, not skipped),
+    # on the kernel a dense decode step runs here (the native step's attention on CPU float32), and on SDPA
+    t_sdpa = median_ms(lambda: [dense_attention(q, x[0], x[1], bias, scale) for x in kv], repeats) / layers
+    dec = attention_decoder(H, KVH, D)
+    t_dense = t_sdpa
+    if dec is not None:
+        qn, kv6 = q.reshape(batch, 1, H * D), [x[None] for x in kv]  # [1 layer, 2, B, kvh, cap, d]
+        t_dense = median_ms(lambda: [dec.attention_step(qn, x, 0, bias, [], [], []) for x in kv6], repeats) / layers
     rows = []
     for c in compressions:
         r, k = sparq_budget(c, S, D)
@@ -60,7 +68,7 @@ def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[fl
                                 window=k // 4)
 
         t = median_ms(step, repeats) / layers
-        rows.append({"batch": batch, "context": S, "compression": c, "r": r, "k": k, "dense_ms": t_dense,
+        rows.append({"batch": batch, "context": S, "compression": c, "r": r, "k": k, "dense_ms": t_dense, "dense_sdpa_ms": t_sdpa,
                      "sparq_ms": t, "speedup": t_dense / t, "ideal_speedup": 1 / c})
         print(f"B={batch:3d} S={S:5d} 1/{round(1 / c)}: r={r:2d} k={k:3d} dense {t_dense:7.3f} ms  "
               f"sparq {t:7.3f} ms  {t_dense / t:5.2f}x", flush=True)
@@ -105,10 +113,11 @@ def main() -> None:
     comps = [float(c) for c in args.compressions.split(",")]
     rows = [row for b in map(int, args.batches.split(",")) for S in map(int, args.contexts.split(","))
             for row in measure(b, S, args.layers, args.repeats, comps)]
-    from bmc.attention.sparq_kernel import fused_select
+    from bmc.attention.sparq_kernel import fused_decode
 
     meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "device": "cpu",
-            "steps_1_2": "fused C++ kernel" if fused_select() is not None else "PyTorch ops",
+            "sparq": "fused C++ kernel (steps 1-3)" if fused_decode() is not None else "PyTorch ops",
+            "dense": "native CPU step's attention" if attention_decoder(H, KVH, D) is not None else "SDPA",
             "threads": torch.get_num_threads(), "layers_per_step": args.layers, "torch": torch.__version__}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -186,34 +186,43 @@ def test_no_bias_means_all_visible():
     torch.testing.assert_close(a, b)
 
 
+def visible_sets(i2: torch.Tensor, bias: torch.Tensor) -> list[list[int]]:
+    """Per (row, KV head): the chosen positions that are not masked, sorted."""
+    return [sorted(j for j in heads_row if bias[b, 0, 0, j] == 0) for b, rows in enumerate(i2.tolist())
+            for heads_row in rows]
+
+
 def test_fused_cpu_kernel_matches_the_reference_path():
-    """The C++ steps 1-2 (built on first use) choose the same positions and give the same output as the PyTorch
-    path, on capacity-sliced K mirrors with masked columns, for MHA/GQA/MQA, windows and step 3."""
+    """The C++ steps 1-3 (built on first use) choose the same positions and give the same output as the PyTorch
+    path, on capacity-sliced K/V and K mirrors with masked columns, for MHA/GQA/MQA, windows, step 3, contexts that
+    span several of the kernel's column blocks, and k beyond the visible positions."""
     import shutil
 
-    from bmc.attention.sparq_kernel import fused_select
+    from bmc.attention.sparq import bias_none
+    from bmc.attention.sparq_kernel import fused_decode
 
-    kernel = fused_select()
+    kernel = fused_decode()
     if kernel is None:
         if shutil.which("g++") and shutil.which("ninja"):
             pytest.fail("g++ and ninja are here but the SparQ kernel did not build")
         pytest.skip("no C++ toolchain: SparQ runs its PyTorch path")
+    cases = [(50, 60, 16), (700, 720, 64)]  # (written columns S, capacity, head dim): 1 and 3 column blocks
     for seed, (heads, kv_heads) in enumerate(SHAPES):
-        q, K, V, bias = random_case(seed, heads, kv_heads, S=60)
-        S, d = 50, K.shape[-1]  # the cache holds 60 columns, 50 written: the mirror is cut to its first 50
-        Kt = K.transpose(-1, -2).contiguous()[..., :S]
-        G = heads // kv_heads
-        for r, k, window, mean in [(4, 8, 0, False), (8, 20, 5, True), (d, S, 0, True)]:
-            v_mean = V[:, :, :S].mean(2, keepdim=True) if mean else None
-            args = (q, K[:, :, :S], V[:, :, :S], bias[..., :S], 0.3, r, k, Kt, v_mean, window)
-            fast, moved_fast = sparq_attention(*args, fused=True)
-            ref, moved_ref = sparq_attention(*args, fused=False)
-            torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
-            assert moved_fast == moved_ref
-            qg = q.reshape(q.shape[0], kv_heads, G, d)
-            i1, _, i2 = sparq_select(qg, Kt, bias[..., :S], 0.3, r, k, window)
-            absq = qg.abs()
-            picked = absq.gather(-1, i1[:, :, None, :].expand(-1, -1, G, -1)).sum(-1)
-            i2_fast, _ = kernel(qg, Kt, i1, 0.3 / (picked / absq.sum(-1)).sqrt(), bias[:, 0, 0, :S].contiguous(), S,
-                                k, window)
-            assert [sorted(x) for x in i2_fast.flatten(0, 1).tolist()] == [sorted(x) for x in i2.flatten(0, 1).tolist()]
+        for S, cap, d in cases:
+            q, K, V, bias = random_case(seed, heads, kv_heads, S=cap, d=d)
+            bias[2, ..., S - 3 : S] = MIN  # masked rows inside the written span too
+            Kt = K.transpose(-1, -2).contiguous()[..., :S]  # the runtime's mirror, cut to the written columns
+            G = heads // kv_heads
+            for r, k, window, mean in [(4, 8, 0, False), (8, 20, 5, True), (d, S, 0, True), (2, S - 1, 3, False)]:
+                v_mean = V[:, :, :S].mean(2, keepdim=True) if mean else None
+                args = (q, K[:, :, :S], V[:, :, :S], bias[..., :S], 0.3, r, k, Kt, v_mean, window)
+                fast, moved_fast = sparq_attention(*args, fused=True)
+                ref, moved_ref = sparq_attention(*args, fused=False)
+                torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+                assert moved_fast == moved_ref
+                qg = q.reshape(q.shape[0], kv_heads, G, d)
+                _, _, i2 = sparq_select(qg, Kt, bias[..., :S], 0.3, r, k, window)
+                mean_arg = bias_none(q.device) if v_mean is None else v_mean[:, :, 0, :]
+                _, i2_fast = kernel(qg, K[:, :, :S], V[:, :, :S], Kt, bias[:, 0, 0, :S], mean_arg, S, r, k, window, 0.3)
+                # the same visible positions (k beyond them takes some masked ones, which are interchangeable)
+                assert visible_sets(i2_fast, bias) == visible_sets(i2, bias)

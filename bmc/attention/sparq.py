@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
 from .dense import dense_attention
-from .sparq_kernel import fused_select
+from .sparq_kernel import fused_decode
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,30 +130,29 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
     [B, 1, 1, S] or None (nothing masked); Kt: K dimension-major ([B, H_kv, d, S]; made here when not kept); v_mean [B, H_kv, 1, d] turns
     on step 3. With r = d and k >= S this is dense attention (alpha = 1). Returns the output [B, H, 1, d] and the
     elements moved (the K rows and K/V positions gathered, plus the new k, v and the mean vector's traffic).
-    fused=True runs steps 1-2 in the C++ kernel (sparq_kernel.py) on CPU float32 when it builds."""
+    fused=True runs steps 1-3 in one C++ call (sparq_kernel.py) on CPU float32 when it builds."""
     B, H, t, d = q.shape
     kvh = K.shape[1]
     G = H // kvh
     qg = q.reshape(B, kvh, G, d)
     if Kt is None:
         Kt = K.transpose(-1, -2)
-    kernel = fused_select() if fused and q.device.type == "cpu" and q.dtype == torch.float32 and \
-        Kt.stride(-1) == 1 else None
+    S = Kt.shape[-1]
+    moved = B * kvh * sparq_transfers(S, r, k, d, v_mean is not None)
+    kernel = fused_decode() if fused and q.device.type == "cpu" and q.dtype == torch.float32 and \
+        Kt.stride(-1) == 1 and K.stride(-1) == 1 and K.stride() == V.stride() else None
+    if kernel is not None:  # steps 1-3 in one C++ call: same arithmetic as below
+        flat_bias = bias_none(q.device) if bias is None else bias[:, 0, 0, :]
+        if flat_bias.numel() and flat_bias.stride(-1) != 1:
+            flat_bias = flat_bias.contiguous()
+        mean = bias_none(q.device) if v_mean is None else v_mean[:, :, 0, :]
+        y, _ = kernel(qg, K, V, Kt, flat_bias, mean, S, r, k, window, scale)
+        return y.reshape(B, H, t, d), moved
     alpha = None
-    if kernel is not None:  # steps 1-2 in one C++ pass per (row, KV head): same arithmetic as sparq_select
-        absq = qg.abs()
-        i1 = absq.sum(2).topk(r, dim=-1, sorted=False).indices
-        picked = absq.gather(-1, i1[:, :, None, :].expand(B, kvh, G, r)).sum(-1)
-        qscale = scale / (picked / absq.sum(-1).clamp_min(torch.finfo(q.dtype).tiny)).sqrt()
-        flat_bias = bias[:, 0, 0, :] if bias is not None else bias_none(q.device)
-        i2, alpha = kernel(qg, Kt, i1, qscale, flat_bias, Kt.shape[-1], k, window)
-        alpha = alpha[..., None]
-    else:
-        i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
-        if v_mean is not None:
-            alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)
+    i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
+    if v_mean is not None:
+        alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)
     K_k, V_k = take_rows(K, i2), take_rows(V, i2)
-    moved = i1.numel() * Kt.shape[-1] + K_k.numel() + V_k.numel() + B * kvh * (4 if v_mean is not None else 2) * d
     bias_k = None if bias is None else bias[:, :, 0, :].expand(B, kvh, -1).gather(-1, i2)[:, :, None, :]
     y = F.scaled_dot_product_attention(qg, K_k, V_k, attn_mask=bias_k, scale=scale)
     if v_mean is not None:
