@@ -56,7 +56,9 @@ def prefill(model, ids: list[int], extra: int):
     cache = make_cache(model, gen, 1, len(ids) + extra, [0], GenerationStats())
     P = len(ids)
     cache.reserve(P)
-    logits = model.net(torch.tensor([ids]), torch.arange(P)[None], cache, dense_attention, cache.attention_bias(P))
+    dev = model.device
+    logits = model.net(torch.tensor([ids], device=dev), torch.arange(P, device=dev)[None], cache, dense_attention,
+                       cache.attention_bias(P))
     cache.commit(P)
     return cache, logits[0, -1]
 
@@ -73,7 +75,8 @@ def decode(model, cache, attn_name: str, opts: AttentionOptions, first: torch.Te
     pos = cache.length
     for i in range(1, steps):
         cache.reserve(1)
-        logits = model.net(torch.tensor([[tok]]), torch.tensor([[pos]]), cache, attn, cache.bias)
+        logits = model.net(torch.tensor([[tok]], device=cache.device), torch.tensor([[pos]], device=cache.device), cache,
+                           attn, cache.bias)
         cache.commit(1)
         pos += 1
         logp = logits[0, -1].log_softmax(-1)
@@ -126,6 +129,7 @@ def run(model, args) -> dict:
         "needle": needle_examples(model, ids, args.examples, args.context, rng),
         "repetition": repetition_examples(model, ids, args.examples, args.context, rng),
     }
+    tasks = {t: ex for t, ex in tasks.items() if t in args.tasks}  # examples are the same whichever tasks run
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
 
@@ -155,7 +159,8 @@ def run(model, args) -> dict:
             print(f"[{time.perf_counter() - t0:6.0f}s] {task} {i + 1}/{len(examples)} ({len(ex['prompt'])} tokens)",
                   flush=True)
 
-    for i in range(args.ppl_texts):  # perplexity: context then held-out tokens, teacher-forced through decode
+    # perplexity: context then held-out tokens, teacher-forced through decode
+    for i in range(args.ppl_texts if "perplexity" in args.tasks else 0):
         start = rng.randrange(0, len(ids) - args.context - args.ppl_tokens)
         ctx, held = ids[start : start + args.context], ids[start + args.context : start + args.context + args.ppl_tokens]
         cache, first = prefill(model, ctx, len(held))
@@ -196,8 +201,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4))
-    for ax, (task, rows) in zip(axes, results.items()):
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (task, rows) in zip(axes[0], results.items()):
         key = "perplexity" if task == "perplexity" else "accuracy"
         dense = rows["dense"][key]
         for kind, style in (("sparq", "o-"), ("window", "s--")):
@@ -222,18 +227,21 @@ def main() -> None:
     ap.add_argument("--ppl-texts", type=int, default=3)
     ap.add_argument("--ppl-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tasks", default="needle,repetition,perplexity", help="comma list of the tasks to run")
+    ap.add_argument("--device", default="cpu", help="accuracy does not depend on it; a GPU affords more examples")
     ap.add_argument("--quick", action="store_true", help="2 examples per task, short contexts")
     ap.add_argument("--out", default=str(OUT / "sparq_eval.json"))
     args = ap.parse_args()
     if args.quick:
         args.examples, args.context, args.ppl_texts, args.ppl_tokens = 2, 600, 1, 32
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    model = bmc.load(args.model)
+    model = bmc.load(args.model, device=args.device)
+    args.tasks = [t for t in args.tasks.split(",") if t]
     results = run(model, args)
     meta = {"model": str(model.path), "dtype": str(model.dtype), "device": str(model.device),
             "threads": torch.get_num_threads(), "batch": 1, "context_tokens": args.context,
             "examples_per_task": args.examples, "perplexity_texts": args.ppl_texts, "ppl_tokens": args.ppl_tokens,
-            "compressions": COMPRESSIONS, "torch": torch.__version__}
+            "compressions": COMPRESSIONS, "tasks": args.tasks, "torch": torch.__version__}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
