@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -118,7 +119,9 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
   auto out = torch::empty({sh.B, sh.kvh, G, d}, torch::kFloat);
   auto i2 = torch::empty({sh.B, sh.kvh, sh.kk}, torch::kLong);
   std::vector<int64_t> comps(BH * r);
-  std::vector<float> w(BH * G * r), e(BH * G * S), stats(BH * sh.blocks * G * 2);
+  std::vector<float> w(BH * G * r);
+  // scratch written before it is read: left uninitialised (a zero fill of e is 2.4 MB at B = 8, S = 8K)
+  std::unique_ptr<float[]> e(new float[BH * G * S]), stats(new float[BH * sh.blocks * G * 2]);
   const float* qp = qc.data_ptr<float>();
   const float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>(), *Ktp = Kt.data_ptr<float>();
   const float* bp = masked ? bias.data_ptr<float>() : nullptr;
@@ -151,7 +154,7 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
       const int64_t bh = t / sh.blocks, blk = t % sh.blocks, b = bh / sh.kvh, h = bh % sh.kvh;
       approx_block(sh, w.data() + bh * G * r, comps.data() + bh * r,
                    Ktp + b * Kt.stride(0) + h * Kt.stride(1), Kt.stride(2), bp ? bp + b * bias.stride(0) : nullptr,
-                   e.data() + bh * G * S, stats.data() + (bh * sh.blocks + blk) * G * 2, blk * BLOCK);
+                   e.get() + bh * G * S, stats.get() + (bh * sh.blocks + blk) * G * 2, blk * BLOCK);
     }
   });
 
@@ -161,7 +164,7 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
     std::vector<int64_t> pos(sh.kk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / sh.kvh, h = bh % sh.kvh;
-      const float* st = stats.data() + bh * sh.blocks * G * 2;
+      const float* st = stats.get() + bh * sh.blocks * G * 2;
       const float* brow = bp ? bp + b * bias.stride(0) : nullptr;
       for (int64_t g = 0; g < G; ++g) {  // softmax normaliser from the block maxima and sums
         float m = -BIG, z = 0.0f;
@@ -169,7 +172,7 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
         for (int64_t blk = 0; blk < sh.blocks; ++blk) z += st[(blk * G + g) * 2 + 1] * expf(st[(blk * G + g) * 2] - m);
         for (int64_t blk = 0; blk < sh.blocks; ++blk) factor[blk * G + g] = expf(st[(blk * G + g) * 2] - m) / z;
       }
-      const float* eh = e.data() + bh * G * S;
+      const float* eh = e.get() + bh * G * S;
       for (int64_t s = 0; s < S; ++s) {
         float v = 0.0f;
         for (int64_t g = 0; g < G; ++g) v += eh[g * S + s] * factor[(s / BLOCK) * G + g];
