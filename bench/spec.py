@@ -3,7 +3,10 @@ Table I (attention-block latency over T under speculative decoding) on this mach
 
 Part 1: per task, plain greedy decoding vs prompt-lookup speculative decoding with the tree verified in the BMC
 cache's padding rows (trimmed to the chunk, or growing it) and on iterative / upfront caches, and vs a draft
-model (the target's int8 copy) on the BMC cache; every run must give the plain run's tokens. Reports tokens/s, ratios, mean accepted length, tree size, T and padding-row use.
+model (the target's int8 copy) on the BMC cache; every run must give the plain run's tokens. Reports tokens/s,
+ratios, mean accepted length, tree size, T and padding-row use. Short tasks (a ~100-token text or code) and long
+ones (a ~3000-token document to extract from or continue): with a long context an iterative cache copies ~140 MB
+per verify step, which is where the cache strategy matters under speculation.
 Part 2: one layer with SmolLM2 shapes: each verify step writes k tree rows, attends with k queries (on the
 runtime's attention kernel: the native CPU step's on a CPU in float32), keeps m.
 
@@ -42,6 +45,27 @@ TASKS = {  # (prompt, chat): texts where the answer copies from the context
                   + CODE, True),
     "continue-code": (CODE + "\n\ndef save_config(path, data):\n", False),
 }
+DOC_TASKS = ("extract-from-document", "continue-document")  # long contexts: where the cache strategy matters
+
+
+def document_tasks(tok, tokens: int) -> dict[str, tuple[str, bool]]:
+    """A ~`tokens`-token document (Python's own docs, shipped with CPython as pydoc_data.topics: deterministic,
+    no download), then (a) a request to copy one of its paragraphs, (b) the start of that paragraph to continue."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))[: 8 * tokens]  # ~4 characters per token: enough text
+    ids = tok.encode(text, add_special_tokens=False)
+    doc = tok.decode(ids[:tokens])
+    paras = [p for p in doc.split("\n\n") if len(p) > 300 and len(p.split("\n")[0]) > 40]
+    para = paras[len(paras) // 2]  # one from the middle of the document
+    head = para.split("\n")[0]  # its first line
+    return {
+        "extract-from-document": (f"{doc}\n\nCopy the paragraph of the text above that begins with \"{head}\", "
+                                  "word for word.", True),
+        "continue-document": (f"{doc}\n\n{head}", False),
+    }
+
+
 CONFIGS = {  # name -> generate() kwargs
     "plain (bmc)": dict(kv="bmc"),
     "sd bmc (trim)": dict(kv="bmc", speculative="ngram"),
@@ -52,9 +76,12 @@ CONFIGS = {  # name -> generate() kwargs
 }
 
 
-def end_to_end(model, gen_len: int, tree: str) -> list[dict]:
+def end_to_end(model, gen_len: int, tree: str, doc_tokens: int, only: list[str] | None) -> list[dict]:
     rows = []
-    for task, (prompt, chat) in TASKS.items():
+    tasks = {**TASKS, **document_tasks(model.tokenizer, doc_tokens)}
+    for task, (prompt, chat) in tasks.items():
+        if only and task not in only:
+            continue
         bmc.generate(model, [prompt], max_new_tokens=8, chat=chat)  # warm-up
         ref = None
         row = {"task": task, "runs": {}}
@@ -70,6 +97,7 @@ def end_to_end(model, gen_len: int, tree: str) -> list[dict]:
                 sp = st.speculative
                 run.update(mean_accepted_length=sp.mean_accepted_length, padding_use=sp.padding_use,
                            tree_nodes_per_step=sp.drafted / max(sp.verify_steps, 1))
+            run["prompt_tokens"] = st.prompt_tokens
             row["runs"][name] = run
             print(f"{task:22s} {name:15s} {run['tokens_per_s']:6.1f} tok/s  identical={run['identical_to_plain']}"
                   + (f"  m={run['mean_accepted_length']:.2f} tree={run['tree_nodes_per_step']:.1f}"
@@ -147,6 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--tree", default="dynamic:4x6")
+    ap.add_argument("--doc-tokens", type=int, default=3000, help="document length of the long-context tasks")
+    ap.add_argument("--tasks", default="", help=f"comma list (default: all of {', '.join([*TASKS, *DOC_TASKS])})")
     ap.add_argument("--table-n", type=int, default=4096)
     ap.add_argument("--table-b", type=int, default=8)
     ap.add_argument("--k", type=int, default=26, help="tree nodes per verify step (the paper's 26)")
@@ -157,7 +187,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = bmc.load()
     report = {"model": model.path, "batch": 1, "dtype": "float32", "threads": args.threads, "device": "cpu",
-              "gen_len": args.gen_len, "tree": args.tree, "tasks": end_to_end(model, args.gen_len, args.tree)}
+              "gen_len": args.gen_len, "tree": args.tree, "doc_tokens": args.doc_tokens,
+              "tasks": end_to_end(model, args.gen_len, args.tree, args.doc_tokens,
+                                  [t for t in args.tasks.split(",") if t])}
     report["table_one"] = table_one(args.table_n, args.table_b, args.k, args.m)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
