@@ -152,7 +152,7 @@ def plot(report: dict, path: Path) -> None:
         a1.bar([i + j * w for i in range(len(tasks))], [r["runs"][name]["tokens_per_s"] for r in report["tasks"]],
                w, label=name)
     a1.set_xticks([i + 0.4 - w / 2 for i in range(len(tasks))])
-    a1.set_xticklabels(tasks, fontsize=7)
+    a1.set_xticklabels(tasks, fontsize=7, rotation=20, ha="right")
     a1.set_ylabel("decode tokens/s (B=1)")
     a1.legend(fontsize=7)
     a1.set_title(f"speculative decoding, tree {report['tree']}, {report['gen_len']} tokens", fontsize=9)

@@ -22,5 +22,5 @@ _SOURCE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels
 def fused_decode() -> Any:
     """The compiled `sparq_decode`, or None (BMC_SPARQ_KERNEL=0, or the build failed: logged once)."""
     with open(_SOURCE_FILE) as f:
-        mod = build("bmc_sparq_v5", f.read(), None, "BMC_SPARQ_KERNEL")
+        mod = build("bmc_sparq_v7", f.read(), None, "BMC_SPARQ_KERNEL")
     return None if mod is None else mod.sparq_decode
