@@ -148,7 +148,6 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
         mean = bias_none(q.device) if v_mean is None else v_mean[:, :, 0, :]
         y, _ = kernel(qg, K, V, Kt, flat_bias, mean, S, r, k, window, scale)
         return y.reshape(B, H, t, d), moved
-    alpha = None
     i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
     if v_mean is not None:
         alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)

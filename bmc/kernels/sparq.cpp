@@ -3,8 +3,9 @@
 // Why one call: at 8K context the PyTorch version's ~30 op dispatches, the [B, H, G, S] score tensors it builds
 // and its indirect top-k cost more than the reads SparQ saves. Here step 1 streams the r chosen rows of the
 // dimension-major K in column blocks that stay in L1 (parallel over rows, KV heads and blocks, so batch 1 uses
-// every thread), the softmax is folded per block (a block max and sum, rescaled once), the top-k is one
-// nth_element over the scores themselves, and step 2 reads only the k chosen K/V rows.
+// every thread), the softmax is folded per block (a block max and sum, rescaled once), the top-k threshold comes
+// from a histogram of the scores' bits plus nth_element within one bucket, and step 2 reads only the k chosen K/V
+// rows.
 //
 // Arithmetic is that of sparq_select + exact attention over the chosen positions (bmc/attention/sparq.py); the
 // tests compare both. Masked columns carry finfo.min in `bias`; with -ffast-math only finite sentinels are used.
@@ -159,12 +160,13 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
   const float* vmp = mean ? vm.data_ptr<float>() : nullptr;
 
   // the r components per (row, KV head): largest |q| summed over the group; Eq. 9's temperature per query head
+  std::vector<float> mag(d);
+  std::vector<int64_t> order(d);
   for (int64_t bh = 0; bh < BH; ++bh) {
     const float* qh = qp + bh * G * d;
-    std::vector<float> mag(d, 0.0f);
+    std::fill(mag.begin(), mag.end(), 0.0f);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t c = 0; c < d; ++c) mag[c] += std::fabs(qh[g * d + c]);
-    std::vector<int64_t> order(d);
     for (int64_t c = 0; c < d; ++c) order[c] = c;
     std::nth_element(order.begin(), order.begin() + (r - 1), order.end(),
                      [&](int64_t a, int64_t b) { return mag[a] > mag[b]; });
