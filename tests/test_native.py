@@ -131,8 +131,8 @@ def test_native_greedy_tokens_equal_eager(tiny_dirs, eager, kv, speculative):
     assert got.stats.decode_kernel == "native-cpu" and ref.stats.decode_kernel == "torch"
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 20])
-@pytest.mark.parametrize("K,N", [(16, 16), (37, 50), (64, 3)])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 20])
+@pytest.mark.parametrize("K,N", [(16, 16), (37, 50), (64, 3), (40, 150)])
 def test_panel_linear_equals_matmul(M, K, N):
     require_native()
     mod = native_module()
@@ -191,6 +191,31 @@ def test_attention_step_equals_brute_force(hd, t):
         torch.testing.assert_close(got, reference_attention(q, own, bias, used, hd**-0.5), atol=2e-5, rtol=1e-4)
     with pytest.raises(RuntimeError, match="reads group"):
         dec.attention_step(q, own, 0, bias, [segs[1][0]], [segs[1][1]], [torch.tensor([0, 1, 2, 0, 1])])
+
+
+@pytest.mark.parametrize("kvh", [1, 2, 6])
+@pytest.mark.parametrize("hd,t", [(64, 1), (64, 5), (24, 5)])
+def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):
+    """Batch 1 over a capacity of several key chunks: the capacity is split into spans attended in parallel and
+    merged by their maxima and sums; from 8 query rows per KV head (a verify step's tree under GQA/MQA) the scores
+    are one matrix product over transposed key panels, with a partial last panel. Masked padding, a left-padded
+    start, a tree mask, and a shared segment in front."""
+    require_native()
+    mod = native_module()
+    g = torch.Generator().manual_seed(kvh * 100 + hd + t)
+    h, cap, fmin = 6, 300, torch.finfo(torch.float32).min
+    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    q = torch.randn(1, t, h * hd, generator=g)
+    own = torch.randn(1, 2, 1, kvh, cap, hd, generator=g)
+    bias = torch.zeros(1, 1, t, cap)
+    bias[..., 290:] = fmin
+    bias[..., :5] = fmin
+    for i in range(t - 1):
+        bias[0, 0, i, 285 + i + 1: 290] = fmin  # query i sees the tree nodes up to itself
+    seg = (torch.randn(1, 2, 1, kvh, 90, hd, generator=g), torch.zeros(1, 1, 1, 90), torch.tensor([0]))
+    for used in ([], [seg]):
+        got = dec.attention_step(q, own, 0, bias, [s[0] for s in used], [s[1] for s in used], [s[2] for s in used])
+        torch.testing.assert_close(got, reference_attention(q, own, bias, used, hd**-0.5), atol=2e-5, rtol=1e-4)
 
 
 def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):

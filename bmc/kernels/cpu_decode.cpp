@@ -37,6 +37,8 @@ constexpr int64_t SEG_QUERY_ROWS = 48;
 // A row's own cache is walked in chunks of OWN_KEYS keys with the same online softmax: its query rows read each
 // chunk from DRAM once and again from L1/L2, and the score buffer stays small at any capacity.
 constexpr int64_t OWN_KEYS = 128;
+// From this many query rows per (row, KV head) on, scores are computed as a matrix product (wide_scores).
+constexpr int64_t WIDE_ROWS = 8;
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
@@ -75,6 +77,31 @@ inline v16 sum16(const v16* v) {
   for (int i = 0; i < 4; ++i) d[i] = fold2(c[2 * i], c[2 * i + 1]);
   for (int i = 0; i < 2; ++i) e[i] = fold4(d[2 * i], d[2 * i + 1]);
   return fold8(e[0], e[1]);
+}
+
+// In-place transpose of a 16 x 16 block held in 16 registers: four stages, each swapping one bit of the row index
+// with the same bit of the column index through the two-source shuffles of fold1..fold8 (without their add).
+inline void transpose16(v16* x) {
+  for (int r = 0; r < 16; r += 2) {
+    const v16 a = x[r], b = x[r + 1];
+    x[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    x[r + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  for (int r = 0; r < 16; r += (r % 4 == 1) ? 3 : 1) {
+    const v16 a = x[r], b = x[r + 2];
+    x[r] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    x[r + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int r = 0; r < 16; r += (r % 8 == 3) ? 5 : 1) {
+    const v16 a = x[r], b = x[r + 4];
+    x[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    x[r + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int r = 0; r < 8; ++r) {
+    const v16 a = x[r], b = x[r + 8];
+    x[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    x[r + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
 }
 
 inline v16 load_part(const float* p, int64_t n) {  // n < P lanes, the rest zero
@@ -129,12 +156,72 @@ void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64
   }
 }
 
+// y[MB rows][NB panels] (+)= x @ NB consecutive panels (+ bias), 6 x 4 at most: 24 accumulators, and per k one
+// load per panel and one broadcast per row feed MB * NB FMAs (panel_kernel's 8 x 1 needs 9 loads for 8). For
+// steps with more than 8 rows (a verify step's tree, a batch of shared-prefix samples), where the GEMMs are bound
+// by FMAs rather than by the weight stream. nw: valid columns of the last panel.
+template <int MB, int NB>
+void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y, int64_t ldy,
+                  int64_t nw, bool accumulate) {
+  v16 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load16(wp + (j * K + k) * P);
+    for (int i = 0; i < MB; ++i) {
+      const float xi = x[i * ldx + k];
+      for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t width = j == NB - 1 ? nw : P;
+    const v16 b = bias == nullptr ? v16{} : width == P ? load16(bias + j * P) : load_part(bias + j * P, width);
+    for (int i = 0; i < MB; ++i) {
+      const v16 r = acc[i][j] + b;
+      float* out = y + i * ldy + j * P;
+      if (width == P) {
+        store16(out, accumulate ? load16(out) + r : r);
+      } else {
+        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + r[c] : r[c];
+      }
+    }
+  }
+}
+
+using BlockKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool);
+constexpr BlockKernel BLOCK_KERNELS[24] = {
+    block_kernel<1, 1>, block_kernel<1, 2>, block_kernel<1, 3>, block_kernel<1, 4>,
+    block_kernel<2, 1>, block_kernel<2, 2>, block_kernel<2, 3>, block_kernel<2, 4>,
+    block_kernel<3, 1>, block_kernel<3, 2>, block_kernel<3, 3>, block_kernel<3, 4>,
+    block_kernel<4, 1>, block_kernel<4, 2>, block_kernel<4, 3>, block_kernel<4, 4>,
+    block_kernel<5, 1>, block_kernel<5, 2>, block_kernel<5, 3>, block_kernel<5, 4>,
+    block_kernel<6, 1>, block_kernel<6, 2>, block_kernel<6, 3>, block_kernel<6, 4>};
+
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
-// panels, so each streams its own contiguous part of W.
+// panels, so each streams its own contiguous part of W. Up to 8 rows, each panel is streamed once with all rows
+// in registers (bound by the weight stream); beyond, groups of 4 panels are walked by blocks of <= 6 rows of
+// near-equal size (bound by FMAs: the group stays in L2 between row blocks).
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias, float* y,
           bool accumulate) {
   const int64_t np = wp.size(0);
   const float* w = wp.data_ptr<float>();
+  if (M > 8) {
+    const int64_t groups = (np + 3) / 4, blocks = (M + 5) / 6;
+    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * 4, nb = std::min<int64_t>(4, np - p0), n0 = p0 * P;
+        const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
+        for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
+          const int64_t mb = (M - m0) / (blocks - blk);  // near-equal blocks: 17 rows -> 5, 6, 6
+          BLOCK_KERNELS[(mb - 1) * 4 + nb - 1](x + m0 * ldx, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
+                                               y + m0 * N + n0, N, nw, accumulate);
+          m0 += mb;
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
@@ -459,31 +546,80 @@ class NativeDecoder {
       std::fill(out, out + B * t * h_ * hd_, 0.0f);
       for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
     }
-    at::parallel_for(0, B * kvh_, 1, [&](int64_t begin, int64_t end) {
-      Rows rows(R);
+    // Tasks are (row, KV head, span of the capacity). A step at batch 1 has only H_kv (row, KV head) pairs, fewer
+    // than twice the threads: the capacity is then split into spans (flash-decoding's split-K), each attended into
+    // its own partial state, and the partials are merged exactly by their maxima and sums. Each key is still read
+    // once; one span per pair writes straight into the output.
+    const int64_t pairs = B * kvh_, threads = at::get_num_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
+    const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(chunks, (2 * threads + pairs - 1) / pairs));
+    const int64_t span_chunks = (chunks + spans - 1) / spans;
+    std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
+    if (spans > 1) {
+      part_m.resize(pairs * spans * R);
+      part_s.resize(pairs * spans * R);
+      part_o.resize(pairs * spans * R * hd_);
+    }
+    auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
+    at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
+      Rows rows(R, OWN_KEYS * hd_);
       std::vector<float> p(R * OWN_KEYS);
       std::vector<const float*> bias0(R);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t kh = task / B, b = task % B;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < t; ++i) {
-            const int64_t r = g * t + i, state = (b * t + i) * h_ + kh * G + g;
-            rows.q[r] = qkv + (b * t + i) * nq + (kh * G + g) * hd_;
-            rows.o[r] = out + state * hd_;
-            bias0[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
-            rows.m[r] = prior ? run_m[state] : -FLT_MAX;
-            rows.s[r] = prior ? run_s[state] : 0.0f;
-          }
+        const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
+        const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
+        const bool direct = spans == 1;  // else the span's partial state goes to part_*
+        for (int64_t r = 0; r < R; ++r) {  // row r = g * t + i: query i of the KV head's g-th query head
+          const int64_t state = state_of(b, kh, r), i = r % t;
+          rows.q[r] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
+          rows.o[r] = direct ? out + state * hd_ : part_o.data() + (task * R + r) * hd_;
+          bias0[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
+          rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
+          rows.s[r] = direct && prior ? run_s[state] : 0.0f;
+        }
         const int64_t own = (b * kvh_ + kh) * cap * hd_;
-        for (int64_t c0 = 0; c0 < cap; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
-          const int64_t nc = std::min<int64_t>(OWN_KEYS, cap - c0);
+        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
+          const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
           for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
-          attend_keys(rows, R, kc + own + c0 * hd_, vc + own + c0 * hd_, nc, scale, p.data(), OWN_KEYS, prior || c0 > 0);
+          attend_keys(rows, R, kc + own + c0 * hd_, vc + own + c0 * hd_, nc, scale, p.data(), OWN_KEYS,
+                      (direct && prior) || c0 > k0);
+        }
+        if (k0 >= k1) {  // an empty span (more spans than the rounding left chunks for)
+          for (int64_t r = 0; r < R; ++r) std::fill(rows.o[r], rows.o[r] + hd_, 0.0f);
         }
         for (int64_t r = 0; r < R; ++r) {
-          const float inv = 1.0f / rows.s[r];
-          for (int64_t j = 0; j < hd_; ++j) rows.o[r][j] *= inv;
+          if (direct) {
+            const float inv = 1.0f / rows.s[r];
+            for (int64_t e = 0; e < hd_; ++e) rows.o[r][e] *= inv;
+          } else {
+            part_m[task * R + r] = rows.m[r];
+            part_s[task * R + r] = rows.s[r];
+          }
         }
+      }
+    });
+    if (spans == 1) return;
+    at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the exact merge of the spans
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t pair = n / R, r = n % R, state = state_of(pair % B, pair / B, r);
+        float mx = prior ? run_m[state] : -FLT_MAX;
+        for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, part_m[(pair * spans + sp) * R + r]);
+        float* o = out + state * hd_;
+        float sum = 0.0f;
+        if (prior) {
+          const float w = std::exp(run_m[state] - mx);
+          sum = run_s[state] * w;
+          for (int64_t e = 0; e < hd_; ++e) o[e] *= w;
+        } else {
+          std::fill(o, o + hd_, 0.0f);
+        }
+        for (int64_t sp = 0; sp < spans; ++sp) {
+          const int64_t at = (pair * spans + sp) * R + r;
+          const float w = std::exp(part_m[at] - mx);
+          sum += part_s[at] * w;
+          axpy(o, w, part_o.data() + at * hd_, hd_);
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
       }
     });
   }
@@ -492,7 +628,8 @@ class NativeDecoder {
     std::vector<const float*> q, bias;
     std::vector<float*> o;
     std::vector<float> m, s, alpha;
-    explicit Rows(int64_t n) : q(n), bias(n), o(n), m(n), s(n), alpha(n) {}
+    std::vector<float> kt;  // a chunk's keys transposed into 16-key panels [n/16][d][16] (the wide path)
+    Rows(int64_t n, int64_t kt_floats) : q(n), bias(n), o(n), m(n), s(n), alpha(n), kt(kt_floats) {}
   };
 
   // Tasks are (KV head, group, a slice of the group's rows); slices are sized for about 4 tasks per thread,
@@ -511,7 +648,7 @@ class NativeDecoder {
         for (int64_t first = 0; first < static_cast<int64_t>(members[grp].size()); first += slice)
           tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      Rows rows(slice * G * t);
+      Rows rows(slice * G * t, SEG_KEYS * hd_);
       std::vector<float> p(slice * G * t * SEG_KEYS);
       std::vector<int64_t> state(slice * G * t);
       for (int64_t n = begin; n < end; ++n) {
@@ -548,13 +685,17 @@ class NativeDecoder {
   // state of R query rows. Without `prior` the state is empty and the output rows are not read.
   void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
                    int64_t ldp, bool prior) const {
+    if (R >= WIDE_ROWS && hd_ % P == 0)
+      wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
-      switch (hd_) {
-        case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
-        case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
-        default:
-          for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + rows.bias[r][j];
+      if (R < WIDE_ROWS || hd_ % P != 0) {
+        switch (hd_) {
+          case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
+          case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
+          default:
+            for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + rows.bias[r][j];
+        }
       }
       float mx = rows.m[r];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
@@ -567,8 +708,9 @@ class NativeDecoder {
       rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
       rows.m[r] = mx;
     }
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rc = std::min<int64_t>(4, R - r0);
+    const int64_t rstep = hd_ == 64 ? 6 : 4;  // rows per pass: rstep * d/16 accumulators + d/16 value registers
+    for (int64_t r0 = 0; r0 < R; r0 += rstep) {
+      const int64_t rc = std::min<int64_t>(rstep, R - r0);
       const float* pr = p + r0 * ldp;
       float* const* o = rows.o.data() + r0;
       const float* alpha = rows.alpha.data() + r0;
@@ -578,7 +720,9 @@ class NativeDecoder {
           case 1: wide ? weigh<8, 1>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 1>(pr, ldp, V, n, alpha, prior, o); break;
           case 2: wide ? weigh<8, 2>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 2>(pr, ldp, V, n, alpha, prior, o); break;
           case 3: wide ? weigh<8, 3>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 3>(pr, ldp, V, n, alpha, prior, o); break;
-          default: wide ? weigh<8, 4>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 4>(pr, ldp, V, n, alpha, prior, o);
+          case 4: wide ? weigh<8, 4>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 4>(pr, ldp, V, n, alpha, prior, o); break;
+          case 5: weigh<4, 5>(pr, ldp, V, n, alpha, prior, o); break;
+          default: weigh<4, 6>(pr, ldp, V, n, alpha, prior, o);
         }
       } else {
         for (int64_t r = 0; r < rc; ++r) {
@@ -591,6 +735,71 @@ class NativeDecoder {
       }
     }
   }
+
+  // Scores of R >= WIDE_ROWS query rows against n keys as a matrix product (a verify step's tree, a shared
+  // segment's group): the chunk's keys are transposed once into 16-key panels, then blocks of up to 6 query rows x
+  // 4 panels (24 accumulators) take one broadcast per row and one load per panel for every FMA row -- instead of
+  // one dot product per (row, key) and a reduction across lanes.
+  void wide_scores(Rows& rows, int64_t R, const float* K, int64_t n, float scale, float* p, int64_t ldp) const {
+    const int64_t panels = (n + P - 1) / P;
+    float* kt = rows.kt.data();
+    for (int64_t j = 0; j < panels; ++j) {
+      float* panel = kt + j * hd_ * P;
+      const int64_t nk = std::min<int64_t>(P, n - j * P);
+      if (nk == P) {  // 16 x 16 blocks through registers
+        for (int64_t e0 = 0; e0 < hd_; e0 += P) {
+          v16 x[P];
+          for (int kk = 0; kk < P; ++kk) x[kk] = load16(K + (j * P + kk) * hd_ + e0);
+          transpose16(x);
+          for (int e = 0; e < P; ++e) store16(panel + (e0 + e) * P, x[e]);
+        }
+        continue;
+      }
+      for (int64_t kk = 0; kk < nk; ++kk) {
+        const float* key = K + (j * P + kk) * hd_;
+        for (int64_t e = 0; e < hd_; ++e) panel[e * P + kk] = key[e];
+      }
+      for (int64_t kk = nk; kk < P; ++kk)
+        for (int64_t e = 0; e < hd_; ++e) panel[e * P + kk] = 0.0f;
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 6)
+      for (int64_t j0 = 0; j0 < panels; j0 += 4) {
+        const int64_t mb = std::min<int64_t>(6, R - r0), nb = std::min<int64_t>(4, panels - j0);
+        SCORE_BLOCKS[(mb - 1) * 4 + nb - 1](rows.q.data() + r0, kt + j0 * hd_ * P, hd_, p + r0 * ldp + j0 * P, ldp);
+      }
+    for (int64_t r = 0; r < R; ++r) {  // scale and bias, over the n valid keys only
+      float* pr = p + r * ldp;
+      const float* br = rows.bias[r];
+      int64_t j = 0;
+      for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
+      for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
+    }
+  }
+
+  template <int MB, int NB>
+  static void score_block(const float* const* q, const float* kt, int64_t hd, float* p, int64_t ldp) {
+    v16 acc[MB][NB];
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = v16{};
+    for (int64_t e = 0; e < hd; ++e) {
+      v16 w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = load16(kt + (j * hd + e) * P);
+      for (int r = 0; r < MB; ++r) {
+        const float x = q[r][e];
+        for (int j = 0; j < NB; ++j) acc[r][j] += x * w[j];
+      }
+    }
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < NB; ++j) store16(p + r * ldp + j * P, acc[r][j]);
+  }
+  using ScoreBlock = void (*)(const float* const*, const float*, int64_t, float*, int64_t);
+  static constexpr ScoreBlock SCORE_BLOCKS[24] = {
+      score_block<1, 1>, score_block<1, 2>, score_block<1, 3>, score_block<1, 4>,
+      score_block<2, 1>, score_block<2, 2>, score_block<2, 3>, score_block<2, 4>,
+      score_block<3, 1>, score_block<3, 2>, score_block<3, 3>, score_block<3, 4>,
+      score_block<4, 1>, score_block<4, 2>, score_block<4, 3>, score_block<4, 4>,
+      score_block<5, 1>, score_block<5, 2>, score_block<5, 3>, score_block<5, 4>,
+      score_block<6, 1>, score_block<6, 2>, score_block<6, 3>, score_block<6, 4>};
 
   // out[j] = q . K[j] * scale + bias[j] for n keys of head_dim 16 * NV: q in NV registers, 16 keys' partial
   // products summed by one transposing reduction
@@ -678,7 +887,8 @@ class NativeDecoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "[in, out] float32 -> [ceil(out/16), in, 16] panels");
   m.def("panel_linear", &panel_linear, "x @ W (+ b) with W packed by pack_panels");
-  pybind11::class_<NativeDecoder>(m, "NativeDecoder")
+  // module_local: two builds of this file (an A/B of a kernel change) can be loaded into one process
+  pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, std::string, double, double>())
       .def("add_layer", &NativeDecoder::add_layer)
       .def("set_head", &NativeDecoder::set_head)
