@@ -160,13 +160,15 @@ void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64
 // load per panel and one broadcast per row feed MB * NB FMAs (panel_kernel's 8 x 1 needs 9 loads for 8). For
 // steps with more than 8 rows (a verify step's tree, a batch of shared-prefix samples), where the GEMMs are bound
 // by FMAs rather than by the weight stream. nw: valid columns of the last panel.
-template <int MB, int NB>
+template <int MB, int NB, bool PF>
 void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y, int64_t ldy,
                   int64_t nw, bool accumulate) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
+    if (PF)  // the first row block pulls the panels from DRAM: four streams, each a page apart
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(wp + (j * K + k + PREFETCH_ROWS) * P);
     v16 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load16(wp + (j * K + k) * P);
     for (int i = 0; i < MB; ++i) {
@@ -190,13 +192,14 @@ void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
 }
 
 using BlockKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool);
+template <bool PF>
 constexpr BlockKernel BLOCK_KERNELS[24] = {
-    block_kernel<1, 1>, block_kernel<1, 2>, block_kernel<1, 3>, block_kernel<1, 4>,
-    block_kernel<2, 1>, block_kernel<2, 2>, block_kernel<2, 3>, block_kernel<2, 4>,
-    block_kernel<3, 1>, block_kernel<3, 2>, block_kernel<3, 3>, block_kernel<3, 4>,
-    block_kernel<4, 1>, block_kernel<4, 2>, block_kernel<4, 3>, block_kernel<4, 4>,
-    block_kernel<5, 1>, block_kernel<5, 2>, block_kernel<5, 3>, block_kernel<5, 4>,
-    block_kernel<6, 1>, block_kernel<6, 2>, block_kernel<6, 3>, block_kernel<6, 4>};
+    block_kernel<1, 1, PF>, block_kernel<1, 2, PF>, block_kernel<1, 3, PF>, block_kernel<1, 4, PF>,
+    block_kernel<2, 1, PF>, block_kernel<2, 2, PF>, block_kernel<2, 3, PF>, block_kernel<2, 4, PF>,
+    block_kernel<3, 1, PF>, block_kernel<3, 2, PF>, block_kernel<3, 3, PF>, block_kernel<3, 4, PF>,
+    block_kernel<4, 1, PF>, block_kernel<4, 2, PF>, block_kernel<4, 3, PF>, block_kernel<4, 4, PF>,
+    block_kernel<5, 1, PF>, block_kernel<5, 2, PF>, block_kernel<5, 3, PF>, block_kernel<5, 4, PF>,
+    block_kernel<6, 1, PF>, block_kernel<6, 2, PF>, block_kernel<6, 3, PF>, block_kernel<6, 4, PF>};
 
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
 // panels, so each streams its own contiguous part of W. Up to 8 rows, each panel is streamed once with all rows
@@ -214,7 +217,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
         for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
           const int64_t mb = (M - m0) / (blocks - blk);  // near-equal blocks: 17 rows -> 5, 6, 6
-          BLOCK_KERNELS[(mb - 1) * 4 + nb - 1](x + m0 * ldx, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
+          (blk == 0 ? BLOCK_KERNELS<true> : BLOCK_KERNELS<false>)[(mb - 1) * 4 + nb - 1](x + m0 * ldx, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
                                                y + m0 * N + n0, N, nw, accumulate);
           m0 += mb;
         }
