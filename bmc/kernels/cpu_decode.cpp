@@ -31,9 +31,9 @@ constexpr int P = 16;  // panel width: one AVX-512 register of float32 (GCC spli
 // that the hardware prefetcher falls behind; 4 KiB ahead measured 12 vs 10 GB/s here (M = 1: 15 either way).
 constexpr int64_t PREFETCH_ROWS = 64;
 // Shared segments are attended in chunks of SEG_KEYS keys (16 KiB of K and of V at head_dim 64, L1-sized) by up
-// to SEG_QUERY_ROWS query rows at once.
+// to SEG_QUERY_ROWS query rows at once (32 samples x 3 heads of a GQA group: the chunk is transposed once for all).
 constexpr int64_t SEG_KEYS = 64;
-constexpr int64_t SEG_QUERY_ROWS = 48;
+constexpr int64_t SEG_QUERY_ROWS = 96;
 // A row's own cache is walked in chunks of OWN_KEYS keys with the same online softmax: its query rows read each
 // chunk from DRAM once and again from L1/L2, and the score buffer stays small at any capacity.
 constexpr int64_t OWN_KEYS = 128;
@@ -604,22 +604,17 @@ class NativeDecoder {
     at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the exact merge of the spans
       for (int64_t n = begin; n < end; ++n) {
         const int64_t pair = n / R, r = n % R, state = state_of(pair % B, pair / B, r);
-        float mx = prior ? run_m[state] : -FLT_MAX;
-        for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, part_m[(pair * spans + sp) * R + r]);
         float* o = out + state * hd_;
-        float sum = 0.0f;
+        float m = -FLT_MAX, sum = 0.0f;
         if (prior) {
-          const float w = std::exp(run_m[state] - mx);
-          sum = run_s[state] * w;
-          for (int64_t e = 0; e < hd_; ++e) o[e] *= w;
+          m = run_m[state];
+          sum = run_s[state];
         } else {
           std::fill(o, o + hd_, 0.0f);
         }
         for (int64_t sp = 0; sp < spans; ++sp) {
           const int64_t at = (pair * spans + sp) * R + r;
-          const float w = std::exp(part_m[at] - mx);
-          sum += part_s[at] * w;
-          axpy(o, w, part_o.data() + at * hd_, hd_);
+          fold_state(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
         }
         const float inv = 1.0f / sum;
         for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
@@ -635,53 +630,96 @@ class NativeDecoder {
     Rows(int64_t n, int64_t kt_floats) : q(n), bias(n), o(n), m(n), s(n), alpha(n), kt(kt_floats) {}
   };
 
-  // Tasks are (KV head, group, a slice of the group's rows); slices are sized for about 4 tasks per thread,
-  // each slice reading the segment once.
+  // Tasks are (KV head, group, a slice of up to SEG_QUERY_ROWS of the group's query rows, a span of the segment):
+  // the rows of a slice read each chunk of their span once, and with few (KV head, group, slice) triples the
+  // segment is split into spans so every thread has work; spans are merged by fold_state.
   void attend_segment(int64_t l, const float* qkv, int64_t nq, int64_t B, int64_t t, const Segment& sg, float scale,
                       float* run_m, float* run_s, float* out) const {
     const int64_t G = h_ / kvh_;
     std::vector<std::vector<int64_t>> members(sg.groups);
     for (int64_t b = 0; b < B; ++b) members[sg.group[b]].push_back(b);
-    const int64_t want = 4 * at::get_num_threads();
-    const int64_t slice = std::max<int64_t>(1, std::min<int64_t>(SEG_QUERY_ROWS / (G * t), (B * kvh_ + want - 1) / want));
+    const int64_t slice = std::max<int64_t>(1, SEG_QUERY_ROWS / (G * t)), rmax = slice * G * t;
     struct Task { int64_t kh, grp, first, count; };
-    std::vector<Task> tasks;
+    std::vector<Task> row_tasks;
     for (int64_t kh = 0; kh < kvh_; ++kh)
       for (int64_t grp = 0; grp < sg.groups; ++grp)
         for (int64_t first = 0; first < static_cast<int64_t>(members[grp].size()); first += slice)
-          tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      Rows rows(slice * G * t, SEG_KEYS * hd_);
-      std::vector<float> p(slice * G * t * SEG_KEYS);
-      std::vector<int64_t> state(slice * G * t);
+          row_tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
+    const int64_t nrt = static_cast<int64_t>(row_tasks.size()), chunks = (sg.len + SEG_KEYS - 1) / SEG_KEYS;
+    const int64_t spans = std::max<int64_t>(1, std::min(chunks, (2 * at::get_num_threads() + nrt - 1) / nrt));
+    const int64_t span_chunks = (chunks + spans - 1) / spans;
+    std::vector<float> part_m, part_s, part_o;  // [row task, span, row] (and [.., d]) when spans > 1
+    if (spans > 1) {
+      part_m.assign(nrt * spans * rmax, -FLT_MAX);
+      part_s.assign(nrt * spans * rmax, 0.0f);
+      part_o.assign(nrt * spans * rmax * hd_, 0.0f);
+    }
+    auto state_of = [&](const Task& task, int64_t r) {  // row r = (member c, head g, query i)
+      const int64_t b = members[task.grp][task.first + r / (G * t)], g = r / t % G, i = r % t;
+      return (b * t + i) * h_ + task.kh * G + g;
+    };
+    at::parallel_for(0, nrt * spans, 1, [&](int64_t begin, int64_t end) {
+      Rows rows(rmax, SEG_KEYS * hd_);
+      std::vector<float> p(rmax * SEG_KEYS);
       for (int64_t n = begin; n < end; ++n) {
-        const Task& task = tasks[n];
-        int64_t R = 0;
-        for (int64_t c = 0; c < task.count; ++c) {
-          const int64_t b = members[task.grp][task.first + c];
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t i = 0; i < t; ++i, ++R) {
-              state[R] = (b * t + i) * h_ + task.kh * G + g;
-              rows.q[R] = qkv + (b * t + i) * nq + (task.kh * G + g) * hd_;
-              rows.o[R] = out + state[R] * hd_;
-              rows.m[R] = run_m[state[R]];
-              rows.s[R] = run_s[state[R]];
-            }
+        const Task& task = row_tasks[n / spans];
+        const int64_t span = n % spans, R = task.count * G * t;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t state = state_of(task, r), b = state / h_ / t, i = state / h_ % t;
+          rows.q[r] = qkv + (b * t + i) * nq + (state % h_) * hd_;
+          if (spans == 1) {
+            rows.o[r] = out + state * hd_;
+            rows.m[r] = run_m[state];
+            rows.s[r] = run_s[state];
+          } else {
+            rows.o[r] = part_o.data() + (n * rmax + r) * hd_;
+            rows.m[r] = -FLT_MAX;
+            rows.s[r] = 0.0f;
+          }
         }
         const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
         const float* K = sg.kv + ((head + task.grp * kvh_ + task.kh) * sg.len) * hd_;
         const float* V = K + sg.groups * kvh_ * sg.len * hd_;
-        for (int64_t c0 = 0; c0 < sg.len; c0 += SEG_KEYS) {
-          const int64_t nc = std::min<int64_t>(SEG_KEYS, sg.len - c0);
+        const int64_t k1 = std::min(sg.len, (span + 1) * span_chunks * SEG_KEYS);
+        for (int64_t c0 = span * span_chunks * SEG_KEYS; c0 < k1; c0 += SEG_KEYS) {
+          const int64_t nc = std::min<int64_t>(SEG_KEYS, k1 - c0);
           for (int64_t r = 0; r < R; ++r) rows.bias[r] = sg.bias + task.grp * sg.len + c0;
           attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
         }
         for (int64_t r = 0; r < R; ++r) {
-          run_m[state[r]] = rows.m[r];
-          run_s[state[r]] = rows.s[r];
+          if (spans == 1) {
+            const int64_t state = state_of(task, r);
+            run_m[state] = rows.m[r];
+            run_s[state] = rows.s[r];
+          } else {
+            part_m[n * rmax + r] = rows.m[r];
+            part_s[n * rmax + r] = rows.s[r];
+          }
         }
       }
     });
+    if (spans == 1) return;
+    at::parallel_for(0, nrt * rmax, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const Task& task = row_tasks[n / rmax];
+        const int64_t r = n % rmax;
+        if (r >= task.count * G * t) continue;
+        const int64_t state = state_of(task, r);
+        for (int64_t sp = 0; sp < spans; ++sp) {
+          const int64_t at = ((n / rmax) * spans + sp) * rmax + r;
+          fold_state(run_m[state], run_s[state], out + state * hd_, part_m[at], part_s[at], part_o.data() + at * hd_);
+        }
+      }
+    });
+  }
+
+  // (m, s, o) := the softmax state over the keys of both (m, s, o) and (m2, s2, o2): running maxima, sums of
+  // exp(score - max), and unnormalised outputs. Empty states are (-FLT_MAX, 0, 0).
+  void fold_state(float& m, float& s, float* o, float m2, float s2, const float* o2) const {
+    const float mx = std::max(m, m2), a = std::exp(m - mx), b = std::exp(m2 - mx);
+    s = s * a + s2 * b;
+    for (int64_t e = 0; e < hd_; ++e) o[e] = o[e] * a + o2[e] * b;
+    m = mx;
   }
 
   // Merges keys [0, n) (K/V rows of hd floats; rows.bias[r][j] added to query r's score of key j) into the running
