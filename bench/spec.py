@@ -76,7 +76,12 @@ CONFIGS = {  # name -> generate() kwargs
 }
 
 
-def end_to_end(model, gen_len: int, tree: str, doc_tokens: int, only: list[str] | None) -> list[dict]:
+CONFIG_KEYS = {"plain (bmc)": "plain", "sd bmc (trim)": "trim", "sd bmc (grow)": "grow", "sd iterative": "iterative",
+               "sd upfront": "upfront", "sd bmc (int8-self)": "int8-self"}  # the names --configs takes
+
+
+def end_to_end(model, gen_len: int, tree: str, doc_tokens: int, only: list[str] | None,
+               configs: list[str] | None = None) -> list[dict]:
     rows = []
     tasks = {**TASKS, **document_tasks(model.tokenizer, doc_tokens)}
     for task, (prompt, chat) in tasks.items():
@@ -86,6 +91,8 @@ def end_to_end(model, gen_len: int, tree: str, doc_tokens: int, only: list[str] 
         ref = None
         row = {"task": task, "runs": {}}
         for name, kw in CONFIGS.items():
+            if configs and CONFIG_KEYS[name] not in configs:
+                continue
             extra = dict(tree=tree) if "speculative" in kw else {}
             out = bmc.generate(model, [prompt], max_new_tokens=gen_len, chat=chat, **kw, **extra)
             st = out.stats
@@ -146,7 +153,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     tasks = [r["task"] for r in report["tasks"]]
-    names = list(CONFIGS)
+    names = [n for n in CONFIGS if all(n in r["runs"] for r in report["tasks"])]
     w = 0.8 / len(names)
     for j, name in enumerate(names):
         a1.bar([i + j * w for i in range(len(tasks))], [r["runs"][name]["tokens_per_s"] for r in report["tasks"]],
@@ -157,6 +164,11 @@ def plot(report: dict, path: Path) -> None:
     a1.legend(fontsize=7)
     a1.set_title(f"speculative decoding, tree {report['tree']}, {report['gen_len']} tokens", fontsize=9)
     t1 = report["table_one"]
+    if t1 is None:
+        a2.set_axis_off()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     Ts = [p["T"] for p in t1["points"]]
     best = min(p["attention_block_s"] for p in t1["points"])
     a2.plot(Ts, [p["attention_block_s"] / best for p in t1["points"]], "o-")
@@ -177,7 +189,9 @@ def main() -> None:
     ap.add_argument("--tree", default="dynamic:4x6")
     ap.add_argument("--doc-tokens", type=int, default=3000, help="document length of the long-context tasks")
     ap.add_argument("--tasks", default="", help=f"comma list (default: all of {', '.join([*TASKS, *DOC_TASKS])})")
-    ap.add_argument("--table-n", type=int, default=4096)
+    ap.add_argument("--configs", default="", help="comma list of plain,trim,grow,iterative,upfront,int8-self "
+                    "(default: all; plain, trim and iterative are always run: the ratios need them)")
+    ap.add_argument("--table-n", type=int, default=4096, help="N of the Table I analog; 0 skips it")
     ap.add_argument("--table-b", type=int, default=8)
     ap.add_argument("--k", type=int, default=26, help="tree nodes per verify step (the paper's 26)")
     ap.add_argument("--m", type=int, default=4, help="accepted tokens per verify step (the paper's 4)")
@@ -189,8 +203,10 @@ def main() -> None:
     report = {"model": model.path, "batch": 1, "dtype": "float32", "threads": args.threads, "device": "cpu",
               "gen_len": args.gen_len, "tree": args.tree, "doc_tokens": args.doc_tokens,
               "tasks": end_to_end(model, args.gen_len, args.tree, args.doc_tokens,
-                                  [t for t in args.tasks.split(",") if t])}
-    report["table_one"] = table_one(args.table_n, args.table_b, args.k, args.m)
+                                  [t for t in args.tasks.split(",") if t],
+                                  [c for c in args.configs.split(",") if c] + ["plain", "trim", "iterative"]
+                                  if args.configs else None)}
+    report["table_one"] = table_one(args.table_n, args.table_b, args.k, args.m) if args.table_n else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(report, indent=1))
@@ -201,7 +217,8 @@ def main() -> None:
         print(f"{r['task']:22s} {r['sd_vs_plain']:9.2f} {r['bmc_sd_vs_iterative_sd']:15.2f} "
               f"{sd['mean_accepted_length']:5.2f}")
     t1 = report["table_one"]
-    print(f"Table I analog: best T={t1['best_T']}, predicted T={t1['predicted_T']}")
+    if t1 is not None:
+        print(f"Table I analog: best T={t1['best_T']}, predicted T={t1['predicted_T']}")
     print(f"wrote {out / 'spec.json'} and {out / 'spec.png'}")
 
 

@@ -73,6 +73,28 @@ def test_writes_are_in_place_between_chunk_boundaries():
     assert cache.kv.data_ptr() != ptr and cache.allocations == 2
 
 
+def test_iterative_drops_rejected_draft_rows_like_hf_crop_and_cat():
+    """After a verify step keeps 2 of 5 rows, an iterative cache has no padding to offer a tree; its next step
+    allocates exactly what it needs and copies only the kept rows (HF DynamicCache: crop, then cat)."""
+    it = IterativeCache(batch_size=1, max_length=64, **SHAPE)
+    fill(it, steps=0, first=6)
+    context = it.kv[..., :6, :].clone()
+    it.reserve(5)  # a verify step: 5 tree rows written at columns 6..10, then 2 of them accepted
+    block = torch.randn(1, SHAPE["num_kv_heads"], 5, SHAPE["head_dim"])
+    for layer in range(SHAPE["num_layers"]):
+        it.update(layer, block, -block)
+    it.accept([[0, 3]], 5)
+    assert it.length == 8 and it.capacity == 11 and not it.keeps_padding
+    allocations = it.allocations
+    fill(it, steps=0, first=4)  # the next step's 4 rows would fit the 3 rejected ones plus 1: it copies anyway
+    assert it.allocations == allocations + 1 and it.capacity == it.length == 12
+    assert torch.equal(it.kv[..., :6, :], context)
+    for layer in range(SHAPE["num_layers"]):
+        assert torch.equal(it.kv[layer, 0, :, :, 6:8], block[:, :, [0, 3]])
+        assert torch.equal(it.kv[layer, 1, :, :, 6:8], -block[:, :, [0, 3]])
+    assert BMCCache.keeps_padding and UpfrontCache.keeps_padding
+
+
 def test_growth_preserves_contents_and_zero_fills_padding():
     cache = BMCCache(r=4, batch_size=1, max_length=12, **SHAPE)
     fill(cache, steps=0, first=4)

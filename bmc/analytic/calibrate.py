@@ -94,6 +94,7 @@ def measure_copy(cfg: tuple[int, int, int, int], grid: Grid, device: torch.devic
                          max_length=10 * n, dtype=dtype, device=device)
         cache._reallocate(n)
         cache.kv.normal_()
+        cache.length = n  # full: a chunk boundary copies every written row
         full_kv, full_bias = cache.kv, cache.bias
 
         def grow() -> None:

@@ -22,6 +22,9 @@ import torch
 
 class KVCache(ABC):
     name: ClassVar[str]
+    # Whether the capacity beyond `length` is padding a speculative tree may use (bmc's chunk, upfront's buffer).
+    # An iterative cache has none: HF DynamicCache crops rejected draft rows and concatenates the next step's.
+    keeps_padding: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -175,13 +178,15 @@ class KVCache(ABC):
 
     # ---- internals -----------------------------------------------------------------------------
     def _reallocate(self, new_capacity: int) -> None:
-        old, cap = self.kv, self.capacity
+        """A new tensor of `new_capacity` columns holding the `length` written ones: columns beyond `length` are
+        masked padding or rejected draft rows, never read unmasked, so they are not copied."""
+        old, keep = self.kv, self.length
         L, _, B, H, _, d = old.shape
         new = torch.empty((L, 2, B, H, new_capacity, d), dtype=self.dtype, device=self.device)
-        new[:, :, :, :, :cap].copy_(old)
-        new[:, :, :, :, cap:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
+        new[:, :, :, :, :keep].copy_(old[:, :, :, :, :keep])
+        new[:, :, :, :, keep:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
-        bias[..., :cap].copy_(self.bias)
+        bias[..., :keep].copy_(self.bias[..., :keep])
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
         self.kv, self.bias = new, bias
         self.allocations += 1

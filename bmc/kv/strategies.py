@@ -10,6 +10,12 @@ class IterativeCache(KVCache):
     """Allocate exactly what is needed: a new tensor and a full copy every token (HF DynamicCache's concat)."""
 
     name = "iterative"
+    keeps_padding = False
+
+    def reserve(self, num_new: int) -> None:
+        if self.capacity > self.length:  # rows a verify step rejected: crop them, then concatenate (HF crop + cat)
+            self._reallocate(self.length + num_new)
+        super().reserve(num_new)
 
     def _grow_to(self, needed: int) -> int:
         return needed

@@ -61,7 +61,7 @@ class SpeculativeStep:
         proposals = self.drafter.propose_batch(rows, [self.spec.capped(left - 1) for left in remaining])
         self.stats.draft_seconds += time.perf_counter() - t0
         tree = DraftTree.from_lists([(p.tokens, p.parents) for p in proposals], cache.device)
-        free = cache.capacity - cache.length
+        free = cache.capacity - cache.length if cache.keeps_padding else 0
         if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
             tree = tree.truncate(free - 1)
         t = 1 + tree.num_nodes
