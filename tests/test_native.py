@@ -131,7 +131,7 @@ def test_native_greedy_tokens_equal_eager(tiny_dirs, eager, kv, speculative):
     assert got.stats.decode_kernel == "native-cpu" and ref.stats.decode_kernel == "torch"
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 20])
+@pytest.mark.parametrize("M", [1, 3, 6, 8, 9, 17, 20])
 @pytest.mark.parametrize("K,N", [(16, 16), (37, 50), (64, 3), (40, 150)])
 def test_panel_linear_equals_matmul(M, K, N):
     require_native()

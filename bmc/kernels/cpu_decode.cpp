@@ -156,10 +156,11 @@ void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64
   }
 }
 
-// y[MB rows][NB panels] (+)= x @ NB consecutive panels (+ bias), 6 x 4 at most: 24 accumulators, and per k one
-// load per panel and one broadcast per row feed MB * NB FMAs (panel_kernel's 8 x 1 needs 9 loads for 8). For
-// steps with more than 8 rows (a verify step's tree, a batch of shared-prefix samples), where the GEMMs are bound
-// by FMAs rather than by the weight stream. nw: valid columns of the last panel.
+// y[MB rows][NB panels] (+)= x @ NB consecutive panels (+ bias), MB * NB <= 24 accumulators: per k one load per
+// panel and one broadcast per row feed MB * NB FMAs (panel_kernel's 8 x 1 needs 9 loads for 8). For steps of 5 or
+// more rows (a batch of 8, a verify step's tree, 32 shared-prefix samples), where the FMAs slow the weight stream
+// or bound the GEMM. nw: valid columns of the last panel. PF: prefetch the panels ahead (the block that streams
+// them from DRAM).
 template <int MB, int NB, bool PF>
 void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y, int64_t ldy,
                   int64_t nw, bool accumulate) {
@@ -201,10 +202,17 @@ constexpr BlockKernel BLOCK_KERNELS[24] = {
     block_kernel<5, 1, PF>, block_kernel<5, 2, PF>, block_kernel<5, 3, PF>, block_kernel<5, 4, PF>,
     block_kernel<6, 1, PF>, block_kernel<6, 2, PF>, block_kernel<6, 3, PF>, block_kernel<6, 4, PF>};
 
+constexpr BlockKernel WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, streaming (first-block prefetch)
+    block_kernel<5, 1, true>, block_kernel<5, 2, true>, block_kernel<5, 3, true>,
+    block_kernel<6, 1, true>, block_kernel<6, 2, true>, block_kernel<6, 3, true>,
+    block_kernel<7, 1, true>, block_kernel<7, 2, true>, block_kernel<7, 3, true>,
+    block_kernel<8, 1, true>, block_kernel<8, 2, true>, block_kernel<8, 3, true>};
+
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
-// panels, so each streams its own contiguous part of W. Up to 8 rows, each panel is streamed once with all rows
-// in registers (bound by the weight stream); beyond, groups of 4 panels are walked by blocks of <= 6 rows of
-// near-equal size (bound by FMAs: the group stays in L2 between row blocks).
+// panels, so each streams its own contiguous part of W. Up to 4 rows, each panel is streamed once with all rows in
+// registers; 5-8 rows, groups of 3 panels with all rows in registers (bound by the weight stream: at 8 rows on
+// one panel the FMAs slowed it, 60 -> 56 ms per step with the default model); beyond, groups of 4 panels are
+// walked by blocks of <= 6 rows of near-equal size (bound by FMAs: the group stays in L2 between row blocks).
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias, float* y,
           bool accumulate) {
   const int64_t np = wp.size(0);
@@ -221,6 +229,18 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
                                                y + m0 * N + n0, N, nw, accumulate);
           m0 += mb;
         }
+      }
+    });
+    return;
+  }
+  if (M >= 5) {  // 5-8 rows: all of them against 3 panels at a time (24 accumulators at 8 rows)
+    const int64_t groups = (np + 2) / 3;
+    at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * 3, nb = std::min<int64_t>(3, np - p0), n0 = p0 * P;
+        const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
+        WIDE_ROW_KERNELS[(M - 5) * 3 + nb - 1](x, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
+                                               y + n0, N, nw, accumulate);
       }
     });
     return;
