@@ -142,17 +142,14 @@ void panel_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
   }
 }
 
+// 1-4 rows, each panel streamed once with the rows in registers (5 and more: block_kernel)
 void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y,
                  int64_t ldy, int64_t nw, bool acc) {
   switch (mb) {
     case 1: return panel_kernel<1>(x, ldx, wp, K, bias, y, ldy, nw, acc);
     case 2: return panel_kernel<2>(x, ldx, wp, K, bias, y, ldy, nw, acc);
     case 3: return panel_kernel<3>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 4: return panel_kernel<4>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 5: return panel_kernel<5>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 6: return panel_kernel<6>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 7: return panel_kernel<7>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    default: return panel_kernel<8>(x, ldx, wp, K, bias, y, ldy, nw, acc);
+    default: return panel_kernel<4>(x, ldx, wp, K, bias, y, ldy, nw, acc);
   }
 }
 
@@ -248,9 +245,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
   at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += 8)
-        rows_kernel(std::min<int64_t>(8, M - m0), x + m0 * ldx, ldx, w + p * K * P, K,
-                    bias == nullptr ? nullptr : bias + n0, y + m0 * N + n0, N, nw, accumulate);
+      rows_kernel(M, x, ldx, w + p * K * P, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate);
     }
   });
 }
