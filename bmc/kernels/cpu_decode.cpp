@@ -741,11 +741,11 @@ class NativeDecoder {
   // state of R query rows. Without `prior` the state is empty and the output rows are not read.
   void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
                    int64_t ldp, bool prior) const {
-    if (R >= WIDE_ROWS && hd_ % P == 0)
-      wide_scores(rows, R, K, n, scale, p, ldp);
+    const bool wide = R >= WIDE_ROWS && hd_ % P == 0;
+    if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
-      if (R < WIDE_ROWS || hd_ % P != 0) {
+      if (!wide) {
         switch (hd_) {
           case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
           case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr); break;
