@@ -218,6 +218,30 @@ def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):
         torch.testing.assert_close(got, reference_attention(q, own, bias, used, hd**-0.5), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kvh,t", [(2, 1), (1, 1), (1, 19)])
+def test_attention_step_many_rows_on_a_shared_segment(kvh, t):
+    """A shared segment read by many rows of one group (32 samples of a prompt; a tree of 19 nodes under MQA): the
+    rows of a group and KV head are attended together with their queries transposed into 16-row panels (slices of
+    up to 96 rows, a partial last panel, more than 6 panels per slice at t = 19); the group's first chunk is wholly
+    masked and its last is partial."""
+    require_native()
+    mod = native_module()
+    g = torch.Generator().manual_seed(kvh + t)
+    h, hd, B, cap, fmin = 6, 64, 37 if t == 1 else 2, 9, torch.finfo(torch.float32).min
+    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    q = torch.randn(B, t, h * hd, generator=g)
+    own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
+    bias = torch.zeros(B, 1, t if t > 1 else 1, cap)
+    bias[..., 4 + t:] = fmin
+    groups, length = 2, 203
+    sb = torch.zeros(groups, 1, 1, length)
+    sb[0, ..., :70] = fmin  # more than a whole chunk of left padding
+    grp = torch.tensor([b % 3 // 2 for b in range(B)])  # two groups of different sizes
+    seg = (torch.randn(1, 2, groups, kvh, length, hd, generator=g), sb, grp)
+    got = dec.attention_step(q, own, 0, bias, [seg[0]], [seg[1]], [seg[2]])
+    torch.testing.assert_close(got, reference_attention(q, own, bias, [seg], hd**-0.5), atol=2e-5, rtol=1e-4)
+
+
 def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):
     """Chunks longer than NATIVE_MAX_T (prefill) run on torch's GEMMs; the decode after them is native."""
     require_native()

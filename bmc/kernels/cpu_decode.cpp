@@ -31,7 +31,7 @@ constexpr int P = 16;  // panel width: one AVX-512 register of float32 (GCC spli
 // that the hardware prefetcher falls behind; 4 KiB ahead measured 12 vs 10 GB/s here (M = 1: 15 either way).
 constexpr int64_t PREFETCH_ROWS = 64;
 // Shared segments are attended in chunks of SEG_KEYS keys (16 KiB of K and of V at head_dim 64, L1-sized) by up
-// to SEG_QUERY_ROWS query rows at once (32 samples x 3 heads of a GQA group: the chunk is transposed once for all).
+// to SEG_QUERY_ROWS query rows at once (32 samples x 3 heads of a GQA group), their queries transposed once per step.
 constexpr int64_t SEG_KEYS = 64;
 constexpr int64_t SEG_QUERY_ROWS = 96;
 // A row's own cache is walked in chunks of OWN_KEYS keys with the same online softmax: its query rows read each
@@ -642,7 +642,8 @@ class NativeDecoder {
     std::vector<float*> o;
     std::vector<float> m, s, alpha;
     std::vector<float> kt;  // a chunk's keys transposed into 16-key panels [n/16][d][16] (the wide path)
-    Rows(int64_t n, int64_t kt_floats) : q(n), bias(n), o(n), m(n), s(n), alpha(n), kt(kt_floats) {}
+    std::vector<float> col;  // new maxima and sums of the column path
+    Rows(int64_t n, int64_t kt_floats) : q(n), bias(n), o(n), m(n), s(n), alpha(n), kt(kt_floats), col(2 * n) {}
   };
 
   // Tasks are (KV head, group, a slice of up to SEG_QUERY_ROWS of the group's query rows, a span of the segment):
@@ -654,6 +655,7 @@ class NativeDecoder {
     std::vector<std::vector<int64_t>> members(sg.groups);
     for (int64_t b = 0; b < B; ++b) members[sg.group[b]].push_back(b);
     const int64_t slice = std::max<int64_t>(1, SEG_QUERY_ROWS / (G * t)), rmax = slice * G * t;
+    const int64_t rpad = (rmax + P - 1) / P * P;
     struct Task { int64_t kh, grp, first, count; };
     std::vector<Task> row_tasks;
     for (int64_t kh = 0; kh < kvh_; ++kh)
@@ -674,11 +676,12 @@ class NativeDecoder {
       return (b * t + i) * h_ + task.kh * G + g;
     };
     at::parallel_for(0, nrt * spans, 1, [&](int64_t begin, int64_t end) {
-      Rows rows(rmax, SEG_KEYS * hd_);
-      std::vector<float> p(rmax * SEG_KEYS);
+      Rows rows(rpad, 0);
+      std::vector<float> p(rpad * SEG_KEYS), qt(hd_ * rpad);
       for (int64_t n = begin; n < end; ++n) {
         const Task& task = row_tasks[n / spans];
-        const int64_t span = n % spans, R = task.count * G * t;
+        const int64_t span = n % spans, R = task.count * G * t, Rp = (R + P - 1) / P * P;
+        const bool cols = R >= WIDE_ROWS && hd_ % P == 0;
         for (int64_t r = 0; r < R; ++r) {
           const int64_t state = state_of(task, r), b = state / h_ / t, i = state / h_ % t;
           rows.q[r] = qkv + (b * t + i) * nq + (state % h_) * hd_;
@@ -692,14 +695,26 @@ class NativeDecoder {
             rows.s[r] = 0.0f;
           }
         }
+        if (cols) {
+          for (int64_t r = R; r < Rp; ++r) {  // padding rows of the 16-row panels: an empty state, never read back
+            rows.m[r] = -FLT_MAX;
+            rows.s[r] = 0.0f;
+          }
+          transpose_queries(rows, R, Rp, scale, qt.data());
+        }
         const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
         const float* K = sg.kv + ((head + task.grp * kvh_ + task.kh) * sg.len) * hd_;
         const float* V = K + sg.groups * kvh_ * sg.len * hd_;
         const int64_t k1 = std::min(sg.len, (span + 1) * span_chunks * SEG_KEYS);
         for (int64_t c0 = span * span_chunks * SEG_KEYS; c0 < k1; c0 += SEG_KEYS) {
           const int64_t nc = std::min<int64_t>(SEG_KEYS, k1 - c0);
-          for (int64_t r = 0; r < R; ++r) rows.bias[r] = sg.bias + task.grp * sg.len + c0;
-          attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
+          const float* bias = sg.bias + task.grp * sg.len + c0;
+          if (cols) {
+            attend_columns(rows, R, Rp, qt.data(), K + c0 * hd_, V + c0 * hd_, nc, bias, p.data());
+          } else {
+            for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
+            attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
+          }
         }
         for (int64_t r = 0; r < R; ++r) {
           if (spans == 1) {
@@ -727,6 +742,80 @@ class NativeDecoder {
       }
     });
   }
+
+  // The shared-segment path for R >= WIDE_ROWS rows of one group and KV head (all reading the same keys with the
+  // same bias): the queries are transposed once per task into qt [d][Rp] (pre-scaled, Rp = R rounded up to 16),
+  // so a chunk's scores come out as st [key][row] -- one broadcast per key, one load per 16 rows, no transpose of
+  // the keys per chunk -- and the softmax runs down the columns, 16 rows per instruction.
+  void transpose_queries(const Rows& rows, int64_t R, int64_t Rp, float scale, float* qt) const {
+    for (int64_t e = 0; e < hd_; ++e) {
+      float* dst = qt + e * Rp;
+      for (int64_t r = 0; r < R; ++r) dst[r] = rows.q[r][e] * scale;
+      std::fill(dst + R, dst + Rp, 0.0f);
+    }
+  }
+
+  // Merges keys [0, n) into the running state of the R rows whose queries are qt: scores into st [n][Rp], the
+  // online softmax per column, then the value rows weighed by columns of st.
+  void attend_columns(Rows& rows, int64_t R, int64_t Rp, const float* qt, const float* K, const float* V, int64_t n,
+                      const float* bias, float* st) const {
+    const int64_t panels = Rp / P;
+    for (int64_t i0 = 0; i0 < panels; i0 += COL_PANELS) {
+      const int64_t np = std::min<int64_t>(COL_PANELS, panels - i0), nk = COL_KEYS[np - 1];
+      int64_t j = 0;
+      for (; j + nk <= n; j += nk) COL_BLOCKS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+      for (; j < n; ++j) COL_TAILS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+    }
+    float* m = rows.m.data();
+    float* s = rows.s.data();
+    float* alpha = rows.alpha.data();
+    float* mx = rows.col.data();
+    float* sum = mx + Rp;
+    std::copy(m, m + Rp, mx);
+    std::fill(sum, sum + Rp, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = st + j * Rp;
+      for (int64_t r = 0; r < Rp; ++r) mx[r] = std::max(mx[r], row[r]);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float* row = st + j * Rp;
+      for (int64_t r = 0; r < Rp; ++r) {
+        row[r] = std::exp(row[r] - mx[r]);
+        sum[r] += row[r];
+      }
+    }
+    for (int64_t r = 0; r < Rp; ++r) {
+      alpha[r] = std::exp(m[r] - mx[r]);  // rescales what earlier keys contributed
+      s[r] = s[r] * alpha[r] + sum[r];
+      m[r] = mx[r];
+    }
+    weigh_rows(rows, R, st, Rp, true, V, n, true);
+  }
+
+  // st[j][r] = qt[.][r] . K[j] + bias[j] for NK keys x NP 16-row panels (NK * NP accumulators)
+  template <int NK, int NP>
+  static void column_block(const float* K, const float* bias, int64_t hd, const float* qt, int64_t Rp, float* st) {
+    v16 acc[NK][NP];
+    for (int j = 0; j < NK; ++j)
+      for (int i = 0; i < NP; ++i) acc[j][i] = v16{};
+    for (int64_t e = 0; e < hd; ++e) {
+      v16 q[NP];
+      for (int i = 0; i < NP; ++i) q[i] = load16(qt + e * Rp + i * P);
+      for (int j = 0; j < NK; ++j) {
+        const float k = K[j * hd + e];
+        for (int i = 0; i < NP; ++i) acc[j][i] += k * q[i];
+      }
+    }
+    for (int j = 0; j < NK; ++j)
+      for (int i = 0; i < NP; ++i) store16(st + j * Rp + i * P, acc[j][i] + bias[j]);
+  }
+  using ColumnBlock = void (*)(const float*, const float*, int64_t, const float*, int64_t, float*);
+  static constexpr int64_t COL_PANELS = 6;
+  static constexpr int64_t COL_KEYS[COL_PANELS] = {8, 8, 8, 6, 4, 4};  // keys per block: <= 24 accumulators
+  static constexpr ColumnBlock COL_BLOCKS[COL_PANELS] = {column_block<8, 1>, column_block<8, 2>, column_block<8, 3>,
+                                                         column_block<6, 4>, column_block<4, 5>, column_block<4, 6>};
+  static constexpr ColumnBlock COL_TAILS[COL_PANELS] = {column_block<1, 1>, column_block<1, 2>, column_block<1, 3>,
+                                                        column_block<1, 4>, column_block<1, 5>, column_block<1, 6>};
 
   // (m, s, o) := the softmax state over the keys of both (m, s, o) and (m2, s2, o2): running maxima, sums of
   // exp(score - max), and unnormalised outputs. Empty states are (-FLT_MAX, 0, 0).
@@ -764,29 +853,30 @@ class NativeDecoder {
       rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
       rows.m[r] = mx;
     }
+    weigh_rows(rows, R, p, ldp, false, V, n, prior);
+  }
+
+  // o[r] = alpha[r] * o[r] (or 0 without prior) + sum_j p[r][j] V[j] for R rows, a few rows per register pass;
+  // p is [row][key] with row stride ldp, or with `cols` [key][row] with key stride ldp (the shared-segment path)
+  void weigh_rows(Rows& rows, int64_t R, const float* p, int64_t ldp, bool cols, const float* V, int64_t n,
+                  bool prior) const {
     const int64_t rstep = hd_ == 64 ? 6 : 4;  // rows per pass: rstep * d/16 accumulators + d/16 value registers
     for (int64_t r0 = 0; r0 < R; r0 += rstep) {
       const int64_t rc = std::min<int64_t>(rstep, R - r0);
-      const float* pr = p + r0 * ldp;
+      const float* pr = cols ? p + r0 : p + r0 * ldp;
       float* const* o = rows.o.data() + r0;
       const float* alpha = rows.alpha.data() + r0;
-      if (hd_ == 64 || hd_ == 128) {
-        const bool wide = hd_ == 128;
-        switch (rc) {
-          case 1: wide ? weigh<8, 1>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 1>(pr, ldp, V, n, alpha, prior, o); break;
-          case 2: wide ? weigh<8, 2>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 2>(pr, ldp, V, n, alpha, prior, o); break;
-          case 3: wide ? weigh<8, 3>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 3>(pr, ldp, V, n, alpha, prior, o); break;
-          case 4: wide ? weigh<8, 4>(pr, ldp, V, n, alpha, prior, o) : weigh<4, 4>(pr, ldp, V, n, alpha, prior, o); break;
-          case 5: weigh<4, 5>(pr, ldp, V, n, alpha, prior, o); break;
-          default: weigh<4, 6>(pr, ldp, V, n, alpha, prior, o);
-        }
+      if (hd_ == 64) {
+        WEIGH_64[cols][rc - 1](pr, ldp, V, n, alpha, prior, o);
+      } else if (hd_ == 128) {
+        WEIGH_128[cols][rc - 1](pr, ldp, V, n, alpha, prior, o);
       } else {
         for (int64_t r = 0; r < rc; ++r) {
           if (prior)
             for (int64_t j = 0; j < hd_; ++j) o[r][j] *= alpha[r];
           else
             std::fill(o[r], o[r] + hd_, 0.0f);
-          for (int64_t j = 0; j < n; ++j) axpy(o[r], pr[r * ldp + j], V + j * hd_, hd_);
+          for (int64_t j = 0; j < n; ++j) axpy(o[r], cols ? pr[j * ldp + r] : pr[r * ldp + j], V + j * hd_, hd_);
         }
       }
     }
@@ -882,7 +972,7 @@ class NativeDecoder {
   }
 
   // o[r] = alpha[r] * o[r] (or 0 without prior) + sum_j p[r][j] V[j] for RC rows, head_dim 16 * NV, in registers
-  template <int NV, int RC>
+  template <int NV, int RC, bool COLS>
   static void weigh(const float* p, int64_t ldp, const float* V, int64_t n, const float* alpha, bool prior,
                     float* const* o) {
     v16 acc[RC][NV];
@@ -892,13 +982,23 @@ class NativeDecoder {
       v16 v[NV];
       for (int j = 0; j < NV; ++j) v[j] = load16(V + s * P * NV + P * j);
       for (int r = 0; r < RC; ++r) {
-        const float w = p[r * ldp + s];
+        const float w = COLS ? p[s * ldp + r] : p[r * ldp + s];
         for (int j = 0; j < NV; ++j) acc[r][j] += w * v[j];
       }
     }
     for (int r = 0; r < RC; ++r)
       for (int j = 0; j < NV; ++j) store16(o[r] + P * j, acc[r][j]);
   }
+
+  using Weigh = void (*)(const float*, int64_t, const float*, int64_t, const float*, bool, float* const*);
+  static constexpr Weigh WEIGH_64[2][6] = {
+      {weigh<4, 1, false>, weigh<4, 2, false>, weigh<4, 3, false>, weigh<4, 4, false>, weigh<4, 5, false>,
+       weigh<4, 6, false>},
+      {weigh<4, 1, true>, weigh<4, 2, true>, weigh<4, 3, true>, weigh<4, 4, true>, weigh<4, 5, true>,
+       weigh<4, 6, true>}};
+  static constexpr Weigh WEIGH_128[2][4] = {
+      {weigh<8, 1, false>, weigh<8, 2, false>, weigh<8, 3, false>, weigh<8, 4, false>},
+      {weigh<8, 1, true>, weigh<8, 2, true>, weigh<8, 3, true>, weigh<8, 4, true>}};
 
   void activate(float* mid, int64_t M) const {
     const int64_t n = gated_ ? 2 * I_ : I_;
