@@ -175,10 +175,11 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ns = sorted({r["N"] for r in results})
-    parts = [("points", "attention_block_s", "attention block (one layer)")]
-    if any(r.get("e2e_points") for r in results):
-        parts.append(("e2e_points", "e2e_decode_s", "end-to-end decode (real model)"))
-    fig, axes = plt.subplots(len(parts), len(ns), figsize=(5 * len(ns), 4 * len(parts)), squeeze=False)
+    parts = [(field, key, what) for field, key, what in (
+        ("points", "attention_block_s", "attention block (one layer)"),
+        ("e2e_points", "e2e_decode_s", "end-to-end decode (real model)"))
+        if any(key in p for r in results for p in r.get(field, []))]
+    fig, axes = plt.subplots(len(parts), len(ns), figsize=(max(6, 5 * len(ns)), 4 * len(parts)), squeeze=False)
     for row_axes, (field, key, what) in zip(axes, parts):
         for ax, n in zip(row_axes, ns):
             for r in [r for r in results if r["N"] == n]:
@@ -194,7 +195,7 @@ def plot(results: list[dict], path: Path) -> None:
             ax.set_title(f"{what}, N = {n} (dotted: predicted T)", fontsize=9)
             ax.legend()
             ax.grid(alpha=0.3)
-    fig.suptitle("BMC's T on this CPU: SmolLM2 shapes (H=9, H_kv=3, d=64), fp32")
+    fig.suptitle("BMC's T on this CPU: SmolLM2 shapes (H=9, H_kv=3, d=64), fp32", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
