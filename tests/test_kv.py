@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import bmc
-from bmc.kv import KV_STRATEGIES, BMCCache, IterativeCache, UpfrontCache, r_from_T
+from bmc.kv import KV_STRATEGIES, BMCCache, IterativeCache, KVCache, UpfrontCache, r_from_T
 
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=4)
 
@@ -118,6 +118,13 @@ def test_crop_and_reorder():
         cache.crop(6)
 
 
+@pytest.mark.parametrize("name", list(KV_STRATEGIES))
+def test_left_pad_length_must_match_batch_size(name):
+    extra = dict(r=4) if name == "bmc" else {}
+    with pytest.raises(ValueError, match="left_pad has 2 entries for batch size 3"):
+        KV_STRATEGIES[name](batch_size=3, max_length=8, left_pad=[0, 1], **SHAPE, **extra)
+
+
 def test_integrity_check_catches_unmasked_padding():
     cache = BMCCache(r=4, batch_size=1, max_length=8, **SHAPE)
     fill(cache, steps=0, first=2)
@@ -163,3 +170,140 @@ def test_update_through_device_index_equals_slice_write():
         b.update(layer, k, v)
     assert torch.equal(a.kv, b.kv)
     assert torch.equal(a.kv[:, 0, :, :, 5:6], k.expand(2, 2, 3, 1, 4)) and torch.equal(a.kv[:, 1, :, :, 5:6], v.expand(2, 2, 3, 1, 4))
+
+
+# ---- check_integrity, crop and reorder on known K/V, across strategies ------------------------------------------------
+
+def make(name: str, **kwargs) -> KVCache:
+    """A cache of strategy `name`; bmc with r=4, so a 16-column run crosses chunk boundaries."""
+    cls = KV_STRATEGIES[name]
+    return cls(r=4, **SHAPE, **kwargs) if cls is BMCCache else cls(**SHAPE, **kwargs)
+
+
+def known(cache: KVCache, n: int) -> torch.Tensor:
+    """K/V for n columns, [L, 2, B, H, n, d]; every element distinct (arange), so a misplaced row or column cannot match."""
+    shape = (cache.num_layers, 2, cache.batch_size, cache.num_kv_heads, n, cache.head_dim)
+    return torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+
+
+def write(cache: KVCache, ref: torch.Tensor, t: int) -> None:
+    """One forward of t tokens whose K/V are ref's columns [length, length + t)."""
+    s = cache.length
+    cache.reserve(t)
+    for layer in range(cache.num_layers):
+        cache.update(layer, ref[layer, 0, :, :, s : s + t], ref[layer, 1, :, :, s : s + t])
+    cache.commit(t)
+
+
+def expected_bias(pads: list[int], length: int, capacity: int) -> torch.Tensor:
+    """The bias of a hole-free cache: 0 on each row's written columns, min on its left padding and from `length` on."""
+    c = torch.arange(capacity)[None, :]
+    visible = (c >= torch.tensor(pads)[:, None]) & (c < length)
+    mask = torch.full((len(pads), capacity), torch.finfo(torch.float32).min).masked_fill_(visible, 0.0)
+    return mask.view(len(pads), 1, 1, capacity)
+
+
+# One corruption per check, on a valid cache of length 5, capacity 8, left_pad [0, 2]. Each breaks only its own
+# invariant (the checks run in order, so an earlier one would otherwise fire first).
+CORRUPTIONS = [
+    ("kv shape", lambda c: setattr(c, "kv", c.kv[..., :-1])),  # head_dim 3, not 4
+    ("bias shape", lambda c: setattr(c, "bias", c.bias[..., :-1])),  # one column short of kv's capacity
+    ("length within capacity", lambda c: setattr(c, "length", c.capacity + 1)),
+    ("padding rows beyond length are masked", lambda c: c.bias[0, ..., 6].fill_(0.0)),
+    ("bias holds only 0", lambda c: c.bias[0, ..., 3].fill_(-1.0)),  # a soft mask: the column leaks with weight e^-1
+    ("bias holds only 0", lambda c: c.bias[1, ..., 0].fill_(-1e9)),  # padding masked by -1e9, not finfo.min
+    ("prompt padding is masked", lambda c: c.bias[1, ..., 1].fill_(0.0)),
+    ("written columns are visible", lambda c: c.bias[1, ..., 4].fill_(c.min_value)),
+    ("no NaN/inf", lambda c: c.kv[1, 1, 1, 1, 2].fill_(float("nan"))),  # a written column
+    ("no NaN/inf", lambda c: c.kv[0, 0, 0, 0, 7].fill_(float("inf"))),  # a padding column: 0 weight * inf is NaN
+]
+
+
+@pytest.mark.parametrize("message, corrupt", CORRUPTIONS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CORRUPTIONS)])
+def test_integrity_check_names_each_broken_invariant(message: str, corrupt) -> None:
+    cache = BMCCache(r=4, batch_size=2, max_length=12, left_pad=[0, 2], **SHAPE)
+    fill(cache, steps=0, first=5)
+    assert (cache.length, cache.capacity) == (5, 8)  # the corruptions' columns assume this layout
+    cache.check_integrity()  # the uncorrupted cache passes
+    corrupt(cache)
+    with pytest.raises(AssertionError, match=message):
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("name", sorted(KV_STRATEGIES))
+def test_crop_then_write_keeps_prefix_and_masks_the_rest(name: str) -> None:
+    """A verify step crops rejected draft columns; the next writes must land right after the crop, the kept prefix
+    must survive (in place, or through a reallocation that copies only `length` columns), and the cropped columns that
+    are not rewritten must be masked again."""
+    pads = [0, 2]
+    cache = make(name, batch_size=2, max_length=16, left_pad=pads)
+    ref = known(cache, 16)
+    new = -ref - 1  # distinct from every original value: a stale column cannot pass for a new one
+    for t in [5, 1, 1, 1, 1, 1]:
+        write(cache, ref, t)
+    cache.crop(5)
+    assert cache.get_seq_length() == 5
+    cache.check_integrity()
+    for t, length in [(1, 6), (2, 8), (6, 14)]:  # stale visible columns 8, 9 first; then growth past bmc's chunk
+        write(cache, new, t)
+        assert cache.get_seq_length() == length
+        assert torch.equal(cache.kv[..., :5, :], ref[..., :5, :])
+        assert torch.equal(cache.kv[..., 5:length, :], new[..., 5:length, :])
+        assert torch.equal(cache.bias, expected_bias(pads, length, cache.capacity))  # incl. columns >= length masked
+        cache.check_integrity()
+    with pytest.raises(ValueError, match="outside"):
+        cache.crop(15)
+
+
+@pytest.mark.parametrize("name", sorted(KV_STRATEGIES))
+@pytest.mark.parametrize("index", [[2, 0], [1, 0]])
+def test_reorder_shrinking_batch_follows_index(name: str, index: list[int]) -> None:
+    """engine.generate drops finished rows with cache.reorder(smaller index). K/V, bias rows and the padding
+    bookkeeping must follow it; [1, 0] drops the most-padded row, so the max pad must shrink (sparq skips the bias
+    when it is 0)."""
+    pads = [0, 1, 3]
+    cache = make(name, batch_size=3, max_length=16, left_pad=pads)
+    ref = known(cache, 16)
+    for t in [5, 1]:
+        write(cache, ref, t)
+    cache.reorder(torch.tensor(index))
+    kept = [pads[i] for i in index]
+    assert cache.batch_size == 2 and cache.left_pad.tolist() == kept and cache._max_pad == max(kept)
+    assert torch.equal(cache.kv[..., :6, :], ref[:, :, index, :, :6])
+    assert torch.equal(cache.bias, expected_bias(kept, 6, cache.capacity))
+    cache.check_integrity()
+    nxt = known(cache, 16) + 10_000  # the shrunk batch's next forward (3 columns: bmc crosses its chunk boundary)
+    write(cache, nxt, 3)
+    assert torch.equal(cache.kv[..., :6, :], ref[:, :, index, :, :6])
+    assert torch.equal(cache.kv[..., 6:9, :], nxt[..., 6:9, :])
+    assert torch.equal(cache.bias, expected_bias(kept, 9, cache.capacity))
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("strategy", ["bmc", "iterative", "upfront"])
+def test_prefill_bias_is_causal_and_finite_where_padding_and_future_overlap(strategy):
+    """A left-padded prefill's bias: 0 where a query may look, finfo.min elsewhere -- never min + min = -inf, so a
+    padding query (which sees nothing) still has a finite softmax."""
+    kw = dict(r=4) if strategy == "bmc" else {}
+    cache = KV_STRATEGIES[strategy](num_layers=1, batch_size=2, num_kv_heads=1, head_dim=2, max_length=8,
+                                    left_pad=[0, 3], **kw)
+    cache.reserve(5)
+    bias = cache.attention_bias(5)
+    assert bias.shape == (2, 1, 5, cache.capacity) and torch.isfinite(bias).all()
+    pads = [0, 3]
+    want = torch.full_like(bias, cache.min_value)
+    for b in range(2):
+        for q in range(5):
+            want[b, 0, q, pads[b]: q + 1] = 0.0
+    assert torch.equal(bias, want)
+
+
+def test_reorder_counts_the_old_and_the_new_tensor_in_the_peak():
+    """Forking samples copies the rows into a new tensor while the old one is alive: the peak the stats report
+    includes both (growth copies are counted the same way)."""
+    cache = KV_STRATEGIES["upfront"](batch_size=1, max_length=8, **SHAPE)
+    fill(cache, 0)
+    one = cache.nbytes
+    assert cache.peak_bytes == one
+    cache.reorder(torch.tensor([0, 0, 0]))
+    assert cache.nbytes == 3 * one and cache.peak_bytes == 4 * one and cache.allocations == 1

@@ -53,7 +53,7 @@ class KVCache(ABC):
         self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
         self.write_at: torch.Tensor | None = None  # CUDA graphs: the write column as a device index (see graphs.py)
         self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
-        self.allocations = 0  # number of times a new KV tensor was allocated (and the old one copied)
+        self.allocations = 0  # times the cache grew: a new KV tensor allocated and the old one copied (the T)
         self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
 
     # ---- growth policy -------------------------------------------------------------------------
@@ -131,7 +131,9 @@ class KVCache(ABC):
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep / permute batch rows (finished rows dropped, samples forked); `rows` indexes the batch."""
         rows = rows.to(self.device)
+        old = self.nbytes
         self.kv = self.kv.index_select(2, rows)
+        self.peak_bytes = max(self.peak_bytes, old + self.nbytes)  # both alive while the rows are copied
         self.bias = self.bias.index_select(0, rows)
         self.left_pad = self.left_pad.index_select(0, rows)
         self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
@@ -152,9 +154,8 @@ class KVCache(ABC):
         q = torch.arange(num_new, device=self.device)[:, None]
         c = torch.arange(self.capacity, device=self.device)[None, :] - start
         future = (c > q) & (c < num_new)  # later tokens of the same block; columns >= start+num_new already masked
-        causal = torch.zeros((num_new, self.capacity), dtype=self.dtype, device=self.device)
-        causal.masked_fill_(future, self.min_value)
-        return self.bias + causal
+        # masked_fill, not bias + causal: a padding column that is also a future one must stay finfo.min, not -inf
+        return self.bias.repeat(1, 1, num_new, 1).masked_fill_(future, self.min_value)
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +165,8 @@ class KVCache(ABC):
         """Invariants every strategy must keep; raises AssertionError naming the broken one."""
         L, two, B, H, cap, d = self.kv.shape
         assert (L, two, B, H, d) == (self.num_layers, 2, self.batch_size, self.num_kv_heads, self.head_dim), "kv shape"
+        assert self.left_pad.shape == (B,), "one left_pad per row"
+        assert self._max_pad == (int(self.left_pad.max()) if B else 0), "max pad matches left_pad"
         assert self.bias.shape == (B, 1, 1, cap), "bias shape"
         assert 0 <= self.length <= cap, "length within capacity"
         assert torch.all(self.bias[..., self.length :] == self.min_value), "padding rows beyond length are masked"
