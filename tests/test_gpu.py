@@ -62,8 +62,10 @@ def test_cuda_half_precision_tracks_float32(gqa_dir, dtype):
     a = bmc.generate(f32, PROMPTS, max_new_tokens=6, ignore_eos=True)
     b = bmc.generate(half, PROMPTS, max_new_tokens=6, ignore_eos=True, kv="bmc", r=2)
     assert all(len(c.token_ids) == 6 for c in b)
-    same = sum(x == y for ca, cb in zip(a, b) for x, y in zip(ca.token_ids, cb.token_ids))
-    assert same >= 0.5 * 18  # low precision may flip late near-ties on random weights, not most tokens
+    # the first tokens of every row as fp32's (the H100 gave all 18 equal for this model); a near-tie on random
+    # weights may flip a later one, a precision bug (e.g. softmax or a norm in half) the first ones
+    assert all(ca.token_ids[:2] == cb.token_ids[:2] for ca, cb in zip(a, b))
+    assert sum(x == y for ca, cb in zip(a, b) for x, y in zip(ca.token_ids, cb.token_ids)) >= 15
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
@@ -81,9 +83,16 @@ def test_cuda_graph_buckets_give_identical_tokens(tiny_dirs, variant, kv):
     cpu = bmc.generate(bmc.load(path), PROMPTS, max_new_tokens=70, ignore_eos=True, **kv)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]
     # rows that stop at EOS leave the batch mid-bucket: a new graph for the smaller batch
-    stops = bmc.generate(gpu, PROMPTS, max_new_tokens=70, stop=None, **kv)
-    stops_eager = bmc.generate(gpu, PROMPTS, max_new_tokens=70, cuda_graphs=False, **kv)
+    eos = eager[0].token_ids[20]  # row 0 ends by its 21st token
+    gpu.tokenizer.eos_token_ids.append(eos)
+    try:
+        stops = bmc.generate(gpu, PROMPTS, max_new_tokens=70, **kv)
+        stops_eager = bmc.generate(gpu, PROMPTS, max_new_tokens=70, cuda_graphs=False, **kv)
+    finally:
+        gpu.tokenizer.eos_token_ids.remove(eos)
     assert [c.token_ids for c in stops] == [c.token_ids for c in stops_eager]
+    assert stops[0].finish_reason == "stop" and len(stops[0].token_ids) <= 21
+    assert max(len(c.token_ids) for c in stops) > len(stops[0].token_ids)  # the others ran on, fewer rows
 
 
 def test_cuda_sparq_matches_cpu(tiny_dirs):

@@ -86,12 +86,15 @@ def test_sharded_safetensors(tmp_path):
     assert_logits_match(ref, tmp_path, PROMPTS[2], "iterative", split=len(PROMPTS[2]))
 
 
-def test_bfloat16_runs_and_tracks_float32(gqa_dir):
-    ids = PROMPTS[0]
-    f32 = bmc_logits_incremental(bmc.load(str(gqa_dir)), ids, "bmc", split=4)
-    bf16 = bmc_logits_incremental(bmc.load(str(gqa_dir), dtype="bfloat16"), ids, "bmc", split=4)
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-projected"])
+def test_bfloat16_runs_and_tracks_float32(tiny_dirs, variant):
+    ids, path = PROMPTS[0], str(tiny_dirs[variant])
+    f32 = bmc_logits_incremental(bmc.load(path), ids, "bmc", split=4)
+    bf16 = bmc_logits_incremental(bmc.load(path, dtype="bfloat16"), ids, "bmc", split=4)
     assert bf16.dtype == torch.float32  # logits are always returned in float32
-    assert (bf16 - f32).abs().max() < 0.1 * f32.abs().max()
+    # bf16 keeps 8 bits of mantissa (0.4 %): the tiny models measured 0.3-0.7 % of the largest logit; 2 % leaves
+    # about 3x room
+    assert (bf16 - f32).abs().max() < 0.02 * f32.abs().max()
 
 
 @pytest.mark.skipif(not bmc.models.ops.mkl_packing_available(torch.device("cpu"), torch.float32),

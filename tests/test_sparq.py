@@ -168,6 +168,31 @@ def test_window_keeps_first_and_recent(tiny_dirs):
     assert short.stats.attention_compression < 1
 
 
+def test_window_attends_exactly_the_first_and_the_most_recent_positions():
+    """Against a brute-force softmax over the chosen positions only: each row's first `sink` visible positions
+    (after its left padding) and the last k - sink; a row shorter than the window attends to all it has, once."""
+    from bmc.attention.sparq import WindowAttention
+    from bmc.kv import KV_STRATEGIES
+
+    torch.manual_seed(0)
+    B, H, kvh, d, k, sink, pads = 2, 4, 2, 8, 6, 2, [0, 11]  # row 1 has 5 positions: fewer than k
+    cache = KV_STRATEGIES["bmc"](r=8, num_layers=1, batch_size=B, num_kv_heads=kvh, head_dim=d, max_length=32,
+                                 left_pad=pads)
+    cache.reserve(15)
+    cache.update(0, torch.randn(B, kvh, 15, d), torch.randn(B, kvh, 15, d))
+    cache.commit(15)
+    cache.reserve(1)
+    K, V = cache.update(0, torch.randn(B, kvh, 1, d), torch.randn(B, kvh, 1, d))
+    q, S, scale = torch.randn(B, H, 1, d), 16, d ** -0.5
+    got = WindowAttention(cache, k, sink)(q, K, V, cache.attention_bias(1), scale)
+    for b in range(B):
+        cols = sorted(set(range(pads[b], pads[b] + sink)) | set(range(S - (k - sink), S)))
+        for h in range(H):
+            kh = h // (H // kvh)
+            p = torch.softmax(K[b, kh, cols] @ q[b, h, 0] * scale, dim=0)
+            torch.testing.assert_close(got[b, h, 0], p @ V[b, kh, cols], atol=1e-5, rtol=1e-5)
+
+
 def test_sparq_errors(tiny_dirs):
     model = bmc.load(str(tiny_dirs["llama-gqa"]))
     with pytest.raises(InvalidRequestError, match="sparq r"):
