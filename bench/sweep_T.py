@@ -5,7 +5,9 @@ runtime's own cache and attention kernel (the native CPU step's attention on a C
 T = 1, 2, 4, ... up to T = N (iterative).
 Part 2 (--e2e): end-to-end greedy decode of the real model (prompt N/4, generating to N) over T in a window of
 powers of two around the predicted T (--e2e-window each side), widened while the fastest point is at an edge, so
-that the measured best is bracketed. A full T range end to end takes hours at large N*B on 2 cores.
+that the measured best is bracketed. A full T range end to end takes hours at large N*B on 2 cores. With
+--e2e-repeats K the window runs in K alternating rounds; each T keeps its fastest run, and the spread of the runs
+says which T this machine's noise cannot tell apart from the best.
 
 Points whose predicted time exceeds --budget-s are skipped and listed as such (the iterative end at large N*B
 copies hundreds of GB); end-to-end points predicted over --e2e-budget-s likewise. Writes sweep_T.json and
@@ -13,6 +15,7 @@ sweep_T.png under --out (bench/out by default).
 
     python bench/sweep_T.py                        # N in {512, 2048, 8192}, B in {1, 8, 32}
     python bench/sweep_T.py --N 512 2048 --B 8 --e2e
+    python bench/sweep_T.py --N 512 --B 1 8 --e2e --e2e-repeats 3
 """
 from __future__ import annotations
 
@@ -61,48 +64,69 @@ def e2e_seconds(model, n: int, batch: int, T: int) -> float:
     return out.stats.decode_seconds
 
 
-def e2e_window(model, n: int, b: int, pred: int, window: int, budget_s: float, row: dict) -> None:
+def e2e_window(model, n: int, b: int, pred: int, window: int, budget_s: float, repeats: int, row: dict) -> None:
     """End-to-end decode at powers of two around the predicted T, widened (up to 3 more steps) while the fastest
-    point sits on an edge of the window that is not T = 1 or T = N."""
+    point sits on an edge of the window that is not T = 1 or T = N. With repeats > 1 the window is run in that
+    many rounds (each round visits every T, in an order that turns each round) and each T keeps its fastest run."""
     top = int(math.log2(n))
     lo, hi = max(0, int(math.log2(pred)) - window), min(top, int(math.log2(pred)) + window)
-    times: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
 
     def run(i: int) -> bool:
         T = 2**i
-        if T not in times:
-            times[T] = e2e_seconds(model, n, b, T)
-            print(f"N={n:5d} B={b:3d} T={T:5d} e2e_decode_s={times[T]:.2f}", flush=True)
-        return times[T] <= budget_s
+        times.setdefault(T, []).append(e2e_seconds(model, n, b, T))
+        print(f"N={n:5d} B={b:3d} T={T:5d} e2e_decode_s={times[T][-1]:.2f}", flush=True)
+        return times[T][-1] <= budget_s
+
+    def best() -> int:
+        return min(times, key=lambda T: min(times[T]))
 
     if not run(int(math.log2(pred))):
-        row["e2e_skipped"] = f"one point took {times[pred]:.0f}s > --e2e-budget-s"
-        row["e2e_points"] = [{"T": T, "e2e_decode_s": v} for T, v in sorted(times.items())]
+        row["e2e_skipped"] = f"one point took {times[pred][0]:.0f}s > --e2e-budget-s"
+        row["e2e_points"] = points(times)
         return
-    for i in range(lo, hi + 1):
-        run(i)
+    span = list(range(lo, hi + 1))
+    for k in range(repeats):
+        turned = span[k % len(span):] + span[:k % len(span)]
+        for i in (turned if k % 2 == 0 else turned[::-1]):
+            if len(times.get(2**i, [])) <= k:
+                run(i)
     for _ in range(3):
-        best = min(times, key=times.get)
-        if best == 2**lo and lo > 0:
+        if best() == 2**lo and lo > 0:
             lo -= 1
-            run(lo)
-        elif best == 2**hi and hi < top:
+            edge = lo
+        elif best() == 2**hi and hi < top:
             hi += 1
-            run(hi)
+            edge = hi
         else:
             break
-    row["e2e_points"] = [{"T": T, "e2e_decode_s": v} for T, v in sorted(times.items())]
+        for _ in range(repeats):
+            run(edge)
+    row["e2e_points"] = points(times)
+
+
+def points(times: dict[int, list[float]]) -> list[dict]:
+    return [{"T": T, "e2e_decode_s": min(v), "e2e_runs_s": v} for T, v in sorted(times.items())]
 
 
 def summarise(row: dict, points: list[dict], key: str) -> dict | None:
+    """Best T and the time at the predicted T over the best. Where each T was run more than once, the spread of
+    its runs (slowest / fastest - 1, the median over T) is this machine's noise, and `T_within_noise` lists the T
+    whose fastest run is within that much of the best: the curve cannot tell them apart."""
     timed = [p for p in points if key in p]
     if not timed:
         return None
     pred = row["predicted_T"]
     best = min(timed, key=lambda p: p[key])
     at_pred = next((p for p in timed if p["T"] == pred), None)
-    return {"best_T": best["T"], "ratio_at_predicted": at_pred[key] / best[key] if at_pred else None,
-            "within_one_pow2": abs(math.log2(pred) - math.log2(best["T"])) <= 1}
+    out = {"best_T": best["T"], "ratio_at_predicted": at_pred[key] / best[key] if at_pred else None,
+           "within_one_pow2": abs(math.log2(pred) - math.log2(best["T"])) <= 1}
+    spreads = sorted(max(p["e2e_runs_s"]) / min(p["e2e_runs_s"]) - 1 for p in timed if len(p.get("e2e_runs_s", [])) > 1)
+    if spreads:
+        noise = spreads[len(spreads) // 2]
+        out["noise"] = noise
+        out["T_within_noise"] = [p["T"] for p in timed if p[key] <= best[key] * (1 + noise)]
+    return out
 
 
 def main() -> None:
@@ -113,6 +137,7 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also time end-to-end decode of the real model")
     ap.add_argument("--e2e-window", type=int, default=2, help="powers of two each side of the predicted T")
     ap.add_argument("--e2e-budget-s", type=float, default=240.0, help="skip a configuration whose first point is longer")
+    ap.add_argument("--e2e-repeats", type=int, default=1, help="rounds over the window; each T keeps its fastest")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -145,7 +170,7 @@ def main() -> None:
                     flush=True)
             row["attention_block"] = summarise(row, row["points"], "attention_block_s")
             if model is not None and n <= model.max_context:
-                e2e_window(model, n, b, pred, args.e2e_window, args.e2e_budget_s, row)
+                e2e_window(model, n, b, pred, args.e2e_window, args.e2e_budget_s, args.e2e_repeats, row)
                 row["e2e_decode"] = summarise(row, row["e2e_points"], "e2e_decode_s")
             results.append(row)
             (out_dir / "sweep_T.json").write_text(json.dumps(report(args, consts, results), indent=2))  # so far
@@ -153,12 +178,13 @@ def main() -> None:
     plot(results, out_dir / "sweep_T.png")
     print(f"wrote {out_dir / 'sweep_T.json'} and {out_dir / 'sweep_T.png'}")
     print(f"{'N':>6} {'B':>4} {'pred T':>7} {'block best T':>13} {'block pred/best':>16} {'e2e best T':>11} "
-          f"{'e2e pred/best':>14}")
+          f"{'e2e pred/best':>14}  e2e T within noise")
     for r in results:
         a, e = r.get("attention_block") or {}, r.get("e2e_decode") or {}
         fmt = lambda x: f"{x:.3f}" if x else "-"  # noqa: E731
         print(f"{r['N']:>6} {r['B']:>4} {r['predicted_T']:>7} {a.get('best_T', '-')!s:>13} "
-              f"{fmt(a.get('ratio_at_predicted')):>16} {e.get('best_T', '-')!s:>11} {fmt(e.get('ratio_at_predicted')):>14}")
+              f"{fmt(a.get('ratio_at_predicted')):>16} {e.get('best_T', '-')!s:>11} {fmt(e.get('ratio_at_predicted')):>14}  "
+              + (f"{e['T_within_noise']} (noise {100 * e['noise']:.1f}%)" if "noise" in e else "-"))
 
 
 def report(args: argparse.Namespace, consts, results: list[dict]) -> dict:

@@ -51,3 +51,27 @@ def test_unknown_engine_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--engines", "bmc,nope", "--model", "opt-tiny-random"])
     assert e.value.code == 2 and "unknown engine" in capsys.readouterr().err
+
+
+def test_rounds_alternate_engines_and_keep_each_ones_fastest_run(tmp_path):
+    rc = main(["--model", "opt-tiny-random", "--batch", "1", "--prompt-len", "4", "--gen-len", "6", "--rounds", "3",
+               "--engines", "bmc,bmc-iterative,hf-dynamic", "--no-split", "--out", str(tmp_path / "r"), "--threads", "1"])
+    assert rc == 0
+    res = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert res["rounds"] == 3 and res["tokens_identical"] is True
+    assert set(res["first_divergence"]) == {"bmc", "bmc-iterative", "hf-dynamic"}  # bmc's later rounds checked too
+    for name, r in res["engines"].items():
+        assert len(r["rounds_tokens_per_s"]) == 3, name
+        assert r["decode_tokens_per_s"] == max(r["rounds_tokens_per_s"]), name
+    by_round = res["ratios_by_round"]["bmc"]["hf-dynamic"]
+    assert len(by_round) == 3
+    tps = {n: r["rounds_tokens_per_s"] for n, r in res["engines"].items()}
+    assert by_round == [a / b for a, b in zip(tps["bmc"], tps["hf-dynamic"])]
+    assert res["ratios"]["bmc"]["hf-dynamic"] == max(tps["bmc"]) / max(tps["hf-dynamic"])
+
+
+def test_rounds_must_be_positive(capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        main(["--rounds", "0", "--model", "opt-tiny-random"])
+    assert e.value.code == 2 and "--rounds" in capsys.readouterr().err

