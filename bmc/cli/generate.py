@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "int8). Greedy output is identical to plain greedy; sampling keeps the exact distribution")
     p.add_argument("--tree", default="dynamic:4x6",
                    help="draft tree: chain:K, dynamic:KxDEPTH or static:SIZE[xDEPTH][:p0,p1,...] (Sequoia's best "
-                   "shape for acceptance rates by child rank; default static:26) (default dynamic:4x6)")
+                   "shape for acceptance rates by child rank; plain 'static' is static:26) (default dynamic:4x6)")
     p.add_argument("--spec-grow", action="store_true",
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],
