@@ -109,9 +109,9 @@ def points(times: dict[int, list[float]]) -> list[dict]:
     return [{"T": T, "e2e_decode_s": min(v), "e2e_runs_s": v} for T, v in sorted(times.items())]
 
 
-def summarise(row: dict, points: list[dict], key: str) -> dict | None:
-    """Best T and the time at the predicted T over the best. Where each T was run more than once, the spread of
-    its runs (slowest / fastest - 1, the median over T) is this machine's noise, and `T_within_noise` lists the T
+def summarise(row: dict, points: list[dict], key: str, runs_key: str | None = None) -> dict | None:
+    """Best T and the time at the predicted T over the best. Where each T was run more than once (its times
+    under `runs_key`), the spread of its runs (slowest / fastest - 1, the median over T) is this machine's noise, and `T_within_noise` lists the T
     whose fastest run is within that much of the best: the curve cannot tell them apart."""
     timed = [p for p in points if key in p]
     if not timed:
@@ -121,7 +121,8 @@ def summarise(row: dict, points: list[dict], key: str) -> dict | None:
     at_pred = next((p for p in timed if p["T"] == pred), None)
     out = {"best_T": best["T"], "ratio_at_predicted": at_pred[key] / best[key] if at_pred else None,
            "within_one_pow2": abs(math.log2(pred) - math.log2(best["T"])) <= 1}
-    spreads = sorted(max(p["e2e_runs_s"]) / min(p["e2e_runs_s"]) - 1 for p in timed if len(p.get("e2e_runs_s", [])) > 1)
+    runs = [p[runs_key] for p in timed if runs_key is not None and len(p.get(runs_key, [])) > 1]
+    spreads = sorted(max(r) / min(r) - 1 for r in runs)
     if spreads:
         noise = spreads[len(spreads) // 2]
         out["noise"] = noise
@@ -171,7 +172,7 @@ def main() -> None:
             row["attention_block"] = summarise(row, row["points"], "attention_block_s")
             if model is not None and n <= model.max_context:
                 e2e_window(model, n, b, pred, args.e2e_window, args.e2e_budget_s, args.e2e_repeats, row)
-                row["e2e_decode"] = summarise(row, row["e2e_points"], "e2e_decode_s")
+                row["e2e_decode"] = summarise(row, row["e2e_points"], "e2e_decode_s", "e2e_runs_s")
             results.append(row)
             (out_dir / "sweep_T.json").write_text(json.dumps(report(args, consts, results), indent=2))  # so far
     (out_dir / "sweep_T.json").write_text(json.dumps(report(args, consts, results), indent=2))

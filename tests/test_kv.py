@@ -307,3 +307,32 @@ def test_reorder_counts_the_old_and_the_new_tensor_in_the_peak():
     assert cache.peak_bytes == one
     cache.reorder(torch.tensor([0, 0, 0]))
     assert cache.nbytes == 3 * one and cache.peak_bytes == 4 * one and cache.allocations == 1
+
+
+def test_holes_flag_cleared_once_crop_or_reorder_removes_them():
+    """Rows accepting different draft counts leave a masked hole; the flag (which relaxes one integrity check and
+    makes SparQ keep its bias) must drop again once a crop or a reorder removed every hole."""
+    def verify(cache, keep):
+        cache.reserve(4)
+        for layer in range(cache.num_layers):
+            k = torch.randn(cache.batch_size, cache.num_kv_heads, 4, cache.head_dim)
+            cache.update(layer, k, -k)
+        return cache.accept(keep, 4)
+
+    cache = BMCCache(r=8, batch_size=2, max_length=32, **SHAPE)
+    fill(cache, steps=0, first=3)
+    verify(cache, [[0, 1, 2], [0]])  # row 1 keeps 1 of 3: columns 4, 5 are a hole in it
+    assert cache.holes and cache.length == 6
+    cache.check_integrity()
+    fill(cache, steps=1, first=1)
+    cache.crop(4)  # the hole is gone with the columns it was in
+    assert not cache.holes
+    cache.check_integrity()  # now with the strict "written columns are visible" check
+
+    verify(cache, [[0], [0, 1]])  # row 0 has a hole now
+    assert cache.holes
+    cache.reorder(torch.tensor([0, 1]))  # both rows kept: the hole stays
+    assert cache.holes
+    cache.reorder(torch.tensor([1]))  # the row with the hole dropped
+    assert not cache.holes
+    cache.check_integrity()

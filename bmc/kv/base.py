@@ -127,6 +127,7 @@ class KVCache(ABC):
             raise ValueError(f"crop to {length} outside [0, {self.length}]")
         self.bias[:, :, :, length : self.length].fill_(self.min_value)
         self.length = length
+        self._recount_holes()
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep / permute batch rows (finished rows dropped, samples forked); `rows` indexes the batch."""
@@ -138,6 +139,7 @@ class KVCache(ABC):
         self.left_pad = self.left_pad.index_select(0, rows)
         self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
         self.batch_size = int(rows.numel())
+        self._recount_holes()
 
     def attention_bias(self, num_new: int, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
@@ -180,6 +182,15 @@ class KVCache(ABC):
         assert torch.isfinite(self.kv).all(), "no NaN/inf in KV rows (padding rows are zero-filled)"
 
     # ---- internals -----------------------------------------------------------------------------
+    def _recount_holes(self) -> None:
+        """After a crop or reorder that may have removed every hole: look again (only while the flag is set, so
+        the plain decode path never pays this host sync), so integrity keeps its strict check and SparQ drops
+        its bias once no written column is masked."""
+        if self.holes:
+            col = torch.arange(self.length, device=self.device)
+            pad = (col[None, :] < self.left_pad[:, None])[:, None, None, :]
+            self.holes = bool((self.bias[..., : self.length] != 0).logical_and_(~pad).any())
+
     def _reallocate(self, new_capacity: int) -> None:
         """A new tensor of `new_capacity` columns holding the `length` written ones: columns beyond `length` are
         masked padding or rejected draft rows, never read unmasked, so they are not copied."""
