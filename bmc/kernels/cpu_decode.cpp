@@ -516,16 +516,20 @@ class NativeDecoder {
     }
   }
 
-  // x*cos + roll(x, d/2)*sin_signed on every query and key head (values follow them in each row)
+  // x*cos + roll(x, d/2)*sin_signed on every query and key head (values follow them in each row). The two halves
+  // are separate loops so that both vectorise: with the roll as `(j + half) % d` in one loop this was 17 ms of a
+  // 150 ms step at batch 32 (4 of 46 at batch 8), now well under 1.
   void apply_rope(float* qkv, int64_t M, int64_t nq, const float* cos, const float* sin) const {
     const int64_t half = hd_ / 2;
-    std::vector<float> tmp(hd_);
+    std::vector<float> lo_buf(half);
+    float* lo = lo_buf.data();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t head = 0; head < h_ + kvh_; ++head) {
         float* v = qkv + m * nq + head * hd_;
-        std::memcpy(tmp.data(), v, hd_ * sizeof(float));
         const float *c = cos + m * hd_, *s = sin + m * hd_;
-        for (int64_t j = 0; j < hd_; ++j) v[j] = tmp[j] * c[j] + tmp[(j + half) % hd_] * s[j];
+        std::memcpy(lo, v, half * sizeof(float));
+        for (int64_t j = 0; j < half; ++j) v[j] = v[j] * c[j] + v[j + half] * s[j];
+        for (int64_t j = half; j < hd_; ++j) v[j] = v[j] * c[j] + lo[j - half] * s[j];
       }
   }
 
