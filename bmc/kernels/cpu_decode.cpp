@@ -39,10 +39,32 @@ constexpr int64_t SEG_QUERY_ROWS = 96;
 constexpr int64_t OWN_KEYS = 128;
 // From this many query rows per (row, KV head) on, scores are computed as a matrix product (wide_scores).
 constexpr int64_t WIDE_ROWS = 8;
+#ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));
+#else
+// Without AVX-512 GCC has no 64-byte vector mode: a vector_size(64) type lives in memory and every operation on it
+// goes through the stack (the GEMM ran 3-10x slower on an AVX2 EPYC). Two 8-wide halves stay in ymm registers.
+typedef float v8 __attribute__((vector_size(32)));
+struct v16 {
+  v8 lo, hi;
+  float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  v16& operator+=(const v16& o) { lo += o.lo; hi += o.hi; return *this; }
+};
+inline v16 operator+(const v16& a, const v16& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v16 operator-(const v16& a, const v16& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline v16 operator*(const v16& a, const v16& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v16 operator*(float s, const v16& b) { return {s * b.lo, s * b.hi}; }
+inline v16 operator*(const v16& b, float s) { return {b.lo * s, b.hi * s}; }
+inline v16 operator+(const v16& b, float s) { return {b.lo + s, b.hi + s}; }
+#endif
 
+#ifdef __AVX512F__
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+#else  // half by half: a memcpy of the whole struct went through the stack
+inline v16 load16(const float* p) { v8 a, b; std::memcpy(&a, p, 32); std::memcpy(&b, p + 8, 32); return {a, b}; }
+inline void store16(float* p, v16 v) { std::memcpy(p, &v.lo, 32); std::memcpy(p + 8, &v.hi, 32); }
+#endif
 inline float hsum(v16 v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
@@ -52,56 +74,63 @@ inline float hsum(v16 v) {
   return s;
 #endif
 }
+// Two-source lane shuffles for sum16 and transpose16: with h = 1, 2, 4, 8, pick_a<h> takes lane groups of width h
+// alternately from a and b starting with a's first group, pick_b<h> the groups that follow them (lanes h apart).
+#ifdef __AVX512F__
+template <int h> inline v16 pick_a(v16 a, v16 b);
+template <int h> inline v16 pick_b(v16 a, v16 b);
+template <> inline v16 pick_a<1>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); }
+template <> inline v16 pick_b<1>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); }
+template <> inline v16 pick_a<2>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); }
+template <> inline v16 pick_b<2>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); }
+template <> inline v16 pick_a<4>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); }
+template <> inline v16 pick_b<4>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31); }
+template <> inline v16 pick_a<8>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
+template <> inline v16 pick_b<8>(v16 a, v16 b) { return __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31); }
+#else  // groups of 1, 2, 4 lanes stay inside each 8-lane half; groups of 8 are the halves
+template <int h> inline v8 pick_a8(v8 a, v8 b);
+template <int h> inline v8 pick_b8(v8 a, v8 b);
+template <> inline v8 pick_a8<1>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14); }
+template <> inline v8 pick_b8<1>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15); }
+template <> inline v8 pick_a8<2>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13); }
+template <> inline v8 pick_b8<2>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15); }
+template <> inline v8 pick_a8<4>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11); }
+template <> inline v8 pick_b8<4>(v8 a, v8 b) { return __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15); }
+template <int h> inline v16 pick_a(v16 a, v16 b) {
+  if constexpr (h == 8) return {a.lo, b.lo}; else return {pick_a8<h>(a.lo, b.lo), pick_a8<h>(a.hi, b.hi)};
+}
+template <int h> inline v16 pick_b(v16 a, v16 b) {
+  if constexpr (h == 8) return {a.hi, b.hi}; else return {pick_b8<h>(a.lo, b.lo), pick_b8<h>(a.hi, b.hi)};
+}
+#endif
+
 // Sixteen dot-product partials v[0..15] (one per key) -> one vector of their sixteen sums: a transposing
 // reduction tree (15 shuffle pairs + adds) instead of sixteen horizontal sums. fold<h> adds lane pairs h apart,
 // taking keys from a where (lane mod 2h) < h and from b elsewhere.
-inline v16 fold1(v16 a, v16 b) {
-  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-inline v16 fold2(v16 a, v16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline v16 fold4(v16 a, v16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline v16 fold8(v16 a, v16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
+template <int h> inline v16 fold(v16 a, v16 b) { return pick_a<h>(a, b) + pick_b<h>(a, b); }
 inline v16 sum16(const v16* v) {
   v16 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i) c[i] = fold1(v[2 * i], v[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) d[i] = fold2(c[2 * i], c[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) e[i] = fold4(d[2 * i], d[2 * i + 1]);
-  return fold8(e[0], e[1]);
+  for (int i = 0; i < 8; ++i) c[i] = fold<1>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) d[i] = fold<2>(c[2 * i], c[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) e[i] = fold<4>(d[2 * i], d[2 * i + 1]);
+  return fold<8>(e[0], e[1]);
 }
 
 // In-place transpose of a 16 x 16 block held in 16 registers: four stages, each swapping one bit of the row index
-// with the same bit of the column index through the two-source shuffles of fold1..fold8 (without their add).
+// with the same bit of the column index through the two-source shuffles of fold (without its add).
+template <int h> inline void swap_stage(v16* x) {
+  for (int r = 0; r < 16; ++r)
+    if ((r & h) == 0) {
+      const v16 a = x[r], b = x[r + h];
+      x[r] = pick_a<h>(a, b);
+      x[r + h] = pick_b<h>(a, b);
+    }
+}
 inline void transpose16(v16* x) {
-  for (int r = 0; r < 16; r += 2) {
-    const v16 a = x[r], b = x[r + 1];
-    x[r] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    x[r + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
-  for (int r = 0; r < 16; r += (r % 4 == 1) ? 3 : 1) {
-    const v16 a = x[r], b = x[r + 2];
-    x[r] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-    x[r + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  }
-  for (int r = 0; r < 16; r += (r % 8 == 3) ? 5 : 1) {
-    const v16 a = x[r], b = x[r + 4];
-    x[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    x[r + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  }
-  for (int r = 0; r < 8; ++r) {
-    const v16 a = x[r], b = x[r + 8];
-    x[r] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    x[r + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
+  swap_stage<1>(x);
+  swap_stage<2>(x);
+  swap_stage<4>(x);
+  swap_stage<8>(x);
 }
 
 inline v16 load_part(const float* p, int64_t n) {  // n < P lanes, the rest zero
@@ -210,15 +239,25 @@ constexpr BlockKernel WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, stream
 // registers; 5-8 rows, groups of 3 panels with all rows in registers (bound by the weight stream: at 8 rows on
 // one panel the FMAs slowed it, 60 -> 56 ms per step with the default model); beyond, groups of 4 panels are
 // walked by blocks of <= 6 rows of near-equal size (bound by FMAs: the group stays in L2 between row blocks).
+// The register blocks above are sized for AVX-512's 32 registers, where a v16 is one register. With AVX2 a v16 is
+// two of 16: 8 rows x 3 panels (48) or 4 rows x 2 partial sums (16) spilled to the stack and the GEMM at 8 rows ran
+// 10x slower (425 vs 42 ms for the model's weights on an AVX2 EPYC). There, from 3 rows on, each panel alone takes
+// row blocks of <= 6 rows (12 accumulator registers), the later blocks reading it from L2.
+#ifdef __AVX512F__
+constexpr int64_t GROUP_PANELS = 4, BLOCKED_FROM_ROWS = 9;
+#else
+constexpr int64_t GROUP_PANELS = 1, BLOCKED_FROM_ROWS = 3;
+#endif
+
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias, float* y,
           bool accumulate) {
   const int64_t np = wp.size(0);
   const float* w = wp.data_ptr<float>();
-  if (M > 8) {
-    const int64_t groups = (np + 3) / 4, blocks = (M + 5) / 6;
-    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+  if (M >= BLOCKED_FROM_ROWS) {
+    const int64_t groups = (np + GROUP_PANELS - 1) / GROUP_PANELS, blocks = (M + 5) / 6;
+    at::parallel_for(0, groups, 8 / GROUP_PANELS, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = g * 4, nb = std::min<int64_t>(4, np - p0), n0 = p0 * P;
+        const int64_t p0 = g * GROUP_PANELS, nb = std::min<int64_t>(GROUP_PANELS, np - p0), n0 = p0 * P;
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
         for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
           const int64_t mb = (M - m0) / (blocks - blk);  // near-equal blocks: 17 rows -> 5, 6, 6
