@@ -240,20 +240,22 @@ constexpr BlockKernel WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, stream
 // one panel the FMAs slowed it, 60 -> 56 ms per step with the default model); beyond, groups of 4 panels are
 // walked by blocks of <= 6 rows of near-equal size (bound by FMAs: the group stays in L2 between row blocks).
 // The register blocks above are sized for AVX-512's 32 registers, where a v16 is one register. With AVX2 a v16 is
-// two of 16: 8 rows x 3 panels (48) or 4 rows x 2 partial sums (16) spilled to the stack and the GEMM at 8 rows ran
-// 10x slower (425 vs 42 ms for the model's weights on an AVX2 EPYC). There, from 3 rows on, each panel alone takes
-// row blocks of <= 6 rows (12 accumulator registers), the later blocks reading it from L2.
+// two of 16, so there each panel goes alone: 3-4 rows and more than 8 in row blocks of <= 6 (12 accumulator
+// registers; the later blocks read the panel from L2), 5-8 rows in one pass (16 at 8 rows, a register spilled, but
+// the panel is streamed once: the model's GEMMs at 8 rows 45 -> 32 ms against two blocks of 4 on an AVX2 EPYC).
 #ifdef __AVX512F__
-constexpr int64_t GROUP_PANELS = 4, BLOCKED_FROM_ROWS = 9;
+constexpr int64_t GROUP_PANELS = 4, WIDE_PANELS = 3;
+constexpr bool blocked(int64_t M) { return M > 8; }
 #else
-constexpr int64_t GROUP_PANELS = 1, BLOCKED_FROM_ROWS = 3;
+constexpr int64_t GROUP_PANELS = 1, WIDE_PANELS = 1;
+constexpr bool blocked(int64_t M) { return M > 8 || M == 3 || M == 4; }
 #endif
 
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias, float* y,
           bool accumulate) {
   const int64_t np = wp.size(0);
   const float* w = wp.data_ptr<float>();
-  if (M >= BLOCKED_FROM_ROWS) {
+  if (blocked(M)) {
     const int64_t groups = (np + GROUP_PANELS - 1) / GROUP_PANELS, blocks = (M + 5) / 6;
     at::parallel_for(0, groups, 8 / GROUP_PANELS, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
@@ -269,11 +271,11 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
     });
     return;
   }
-  if (M >= 5) {  // 5-8 rows: all of them against 3 panels at a time (24 accumulators at 8 rows)
-    const int64_t groups = (np + 2) / 3;
+  if (M >= 5) {  // 5-8 rows: all of them against WIDE_PANELS panels at a time (AVX-512: 24 accumulators at 8 rows)
+    const int64_t groups = (np + WIDE_PANELS - 1) / WIDE_PANELS;
     at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = g * 3, nb = std::min<int64_t>(3, np - p0), n0 = p0 * P;
+        const int64_t p0 = g * WIDE_PANELS, nb = std::min<int64_t>(WIDE_PANELS, np - p0), n0 = p0 * P;
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
         WIDE_ROW_KERNELS[(M - 5) * 3 + nb - 1](x, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
                                                y + n0, N, nw, accumulate);
