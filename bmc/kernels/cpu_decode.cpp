@@ -102,6 +102,13 @@ template <int h> inline v16 pick_a(v16 a, v16 b) {
 template <int h> inline v16 pick_b(v16 a, v16 b) {
   if constexpr (h == 8) return {a.hi, b.hi}; else return {pick_b8<h>(a.lo, b.lo), pick_b8<h>(a.hi, b.hi)};
 }
+inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, 32); return v; }
+// Eight 8-wide dot-product partials (one per key) -> the eight sums in key order (as sum16, three levels)
+template <int h> inline v8 fold8(v8 a, v8 b) { return pick_a8<h>(a, b) + pick_b8<h>(a, b); }
+inline v8 sum8(const v8* v) {
+  const v8 c0 = fold8<1>(v[0], v[1]), c1 = fold8<1>(v[2], v[3]), c2 = fold8<1>(v[4], v[5]), c3 = fold8<1>(v[6], v[7]);
+  return fold8<4>(fold8<2>(c0, c1), fold8<2>(c2, c3));
+}
 #endif
 
 // Sixteen dot-product partials v[0..15] (one per key) -> one vector of their sixteen sums: a transposing
@@ -817,6 +824,12 @@ class NativeDecoder {
       const int64_t np = std::min<int64_t>(COL_PANELS, panels - i0), nk = COL_KEYS[np - 1];
       int64_t j = 0;
       for (; j + nk <= n; j += nk) COL_BLOCKS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+#ifndef __AVX512F__
+      if (j < n) {  // the < 6 keys left in one block: one key alone is a chain of d dependent FMAs
+        COL_REST[n - j - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+        j = n;
+      }
+#endif
       for (; j < n; ++j) COL_TAILS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
     }
     float* m = rows.m.data();
@@ -863,12 +876,21 @@ class NativeDecoder {
       for (int i = 0; i < NP; ++i) store16(st + j * Rp + i * P, acc[j][i] + bias[j]);
   }
   using ColumnBlock = void (*)(const float*, const float*, int64_t, const float*, int64_t, float*);
+#ifdef __AVX512F__
   static constexpr int64_t COL_PANELS = 6;
   static constexpr int64_t COL_KEYS[COL_PANELS] = {8, 8, 8, 6, 4, 4};  // keys per block: <= 24 accumulators
   static constexpr ColumnBlock COL_BLOCKS[COL_PANELS] = {column_block<8, 1>, column_block<8, 2>, column_block<8, 3>,
                                                          column_block<6, 4>, column_block<4, 5>, column_block<4, 6>};
   static constexpr ColumnBlock COL_TAILS[COL_PANELS] = {column_block<1, 1>, column_block<1, 2>, column_block<1, 3>,
                                                         column_block<1, 4>, column_block<1, 5>, column_block<1, 6>};
+#else  // AVX2: a v16 is two of 16 registers, so one 16-row panel x 6 keys (6 * 2 accumulators + 2 for q)
+  static constexpr int64_t COL_PANELS = 1;
+  static constexpr int64_t COL_KEYS[COL_PANELS] = {6};
+  static constexpr ColumnBlock COL_BLOCKS[COL_PANELS] = {column_block<6, 1>};
+  static constexpr ColumnBlock COL_TAILS[COL_PANELS] = {column_block<1, 1>};
+  static constexpr ColumnBlock COL_REST[5] = {column_block<1, 1>, column_block<2, 1>, column_block<3, 1>,
+                                              column_block<4, 1>, column_block<5, 1>};
+#endif
 
   // (m, s, o) := the softmax state over the keys of both (m, s, o) and (m2, s2, o2): running maxima, sums of
   // exp(score - max), and unnormalised outputs. Empty states are (-FLT_MAX, 0, 0).
@@ -913,6 +935,23 @@ class NativeDecoder {
   // p is [row][key] with row stride ldp, or with `cols` [key][row] with key stride ldp (the shared-segment path)
   void weigh_rows(Rows& rows, int64_t R, const float* p, int64_t ldp, bool cols, const float* V, int64_t n,
                   bool prior, const float* V_next = nullptr) const {
+#ifndef __AVX512F__
+    // AVX2: the blocks below are 24-48 accumulators of 16 ymm registers (they spilled on every key). Instead 12
+    // accumulators a pass: 6 rows x 16 dims (a shared segment's columns, a verify tree), else 3 rows x 32 dims
+    // (decode's G = 3 query heads of a KV head); the value rows are re-read from L1 by the passes.
+    if (hd_ % 32 == 0) {
+      const bool many = R >= 6;
+      const int64_t rstep = many ? 6 : 3, dstep = many ? 16 : 32;
+      for (int64_t r0 = 0; r0 < R; r0 += rstep) {
+        const int64_t rc = std::min<int64_t>(rstep, R - r0);
+        for (int64_t d0 = 0; d0 < hd_; d0 += dstep)
+          (many ? WEIGH_PART16[cols][rc - 1] : WEIGH_PART32[cols][rc - 1])(
+              cols ? p + r0 : p + r0 * ldp, ldp, V + d0, hd_, n, rows.alpha.data() + r0, prior, rows.o.data() + r0,
+              d0, r0 == 0 && d0 == 0 ? V_next : nullptr, hd_ / 16);
+      }
+      return;
+    }
+#endif
     const int64_t rstep = hd_ == 64 ? 6 : 4;  // rows per pass: rstep * d/16 accumulators + d/16 value registers
     for (int64_t r0 = 0; r0 < R; r0 += rstep) {
       const int64_t rc = std::min<int64_t>(rstep, R - r0);
@@ -961,9 +1000,14 @@ class NativeDecoder {
       for (int64_t kk = nk; kk < P; ++kk)
         for (int64_t e = 0; e < hd_; ++e) panel[e * P + kk] = 0.0f;
     }
+#ifdef __AVX512F__
+    constexpr int64_t key_panels = 4;
+#else
+    constexpr int64_t key_panels = 1;  // AVX2: 6 rows x 1 panel, 12 accumulators of 16 registers
+#endif
     for (int64_t r0 = 0; r0 < R; r0 += 6)
-      for (int64_t j0 = 0; j0 < panels; j0 += 4) {
-        const int64_t mb = std::min<int64_t>(6, R - r0), nb = std::min<int64_t>(4, panels - j0);
+      for (int64_t j0 = 0; j0 < panels; j0 += key_panels) {
+        const int64_t mb = std::min<int64_t>(6, R - r0), nb = std::min<int64_t>(key_panels, panels - j0);
         SCORE_BLOCKS[(mb - 1) * 4 + nb - 1](rows.q.data() + r0, kt + j0 * hd_ * P, hd_, p + r0 * ldp + j0 * P, ldp);
       }
     for (int64_t r = 0; r < R; ++r) {  // scale and bias, over the n valid keys only
@@ -1005,6 +1049,34 @@ class NativeDecoder {
   template <int NV>
   static void scores(const float* q, const float* K, int64_t n, const float* bias, float scale, float* out,
                      const float* K_next) {
+#ifndef __AVX512F__
+    // AVX2: sixteen 16-wide partials are 32 registers of 16 (the block spilled to the stack): 8 keys at a time,
+    // each an 8-wide partial over its d/8 products, reduced by sum8
+    v8 q8[2 * NV];
+    for (int j = 0; j < 2 * NV; ++j) q8[j] = load8(q + 8 * j) * scale;
+    int64_t s8 = 0;
+    for (; s8 + 8 <= n; s8 += 8) {
+      if (K_next != nullptr)
+        for (int64_t line = 0; line < 8 * NV; ++line) __builtin_prefetch(K_next + s8 * P * NV + line * P);
+      v8 part[8];
+      for (int kk = 0; kk < 8; ++kk) {
+        const float* k = K + (s8 + kk) * P * NV;
+        part[kk] = q8[0] * load8(k);
+        for (int j = 1; j < 2 * NV; ++j) part[kk] += q8[j] * load8(k + 8 * j);
+      }
+      const v8 r = sum8(part) + load8(bias + s8);
+      std::memcpy(out + s8, &r, 32);
+    }
+    for (; s8 < n; ++s8) {
+      const float* k = K + s8 * P * NV;
+      v8 a = q8[0] * load8(k);
+      for (int j = 1; j < 2 * NV; ++j) a += q8[j] * load8(k + 8 * j);
+      float t = 0.0f;
+      for (int i = 0; i < 8; ++i) t += a[i];
+      out[s8] = t + bias[s8];
+    }
+    return;
+#endif
     v16 qr[NV];
     for (int j = 0; j < NV; ++j) qr[j] = load16(q + P * j) * scale;
     int64_t s = 0;
@@ -1048,6 +1120,38 @@ class NativeDecoder {
       for (int j = 0; j < NV; ++j) store16(o[r] + P * j, acc[r][j]);
   }
 
+#ifndef __AVX512F__
+  // o[r][d0, d0 + 8 NW) = alpha[r] * o[r][..] (or 0) + sum_j p[r][j] V[j][d0, d0 + 8 NW) for RC rows (V advanced
+  // by d0, its rows ld apart); V_next: prefetch `lines` lines per key of the next chunk
+  template <int RC, int NW, bool COLS>
+  static void weigh_part(const float* p, int64_t ldp, const float* V, int64_t ld, int64_t n, const float* alpha,
+                         bool prior, float* const* o, int64_t d0, const float* V_next, int64_t lines) {
+    v8 acc[RC][NW];
+    for (int r = 0; r < RC; ++r)
+      for (int j = 0; j < NW; ++j) acc[r][j] = prior ? load8(o[r] + d0 + 8 * j) * alpha[r] : v8{};
+    for (int64_t s = 0; s < n; ++s) {
+      if (V_next != nullptr)
+        for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(V_next + s * ld + line * P);
+      const float* v = V + s * ld;
+      for (int r = 0; r < RC; ++r) {
+        const float w = COLS ? p[s * ldp + r] : p[r * ldp + s];
+        for (int j = 0; j < NW; ++j) acc[r][j] += w * load8(v + 8 * j);
+      }
+    }
+    for (int r = 0; r < RC; ++r)
+      for (int j = 0; j < NW; ++j) std::memcpy(o[r] + d0 + 8 * j, &acc[r][j], 32);
+  }
+  using WeighPart = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, bool, float* const*,
+                             int64_t, const float*, int64_t);
+  static constexpr WeighPart WEIGH_PART32[2][3] = {
+      {weigh_part<1, 4, false>, weigh_part<2, 4, false>, weigh_part<3, 4, false>},
+      {weigh_part<1, 4, true>, weigh_part<2, 4, true>, weigh_part<3, 4, true>}};
+  static constexpr WeighPart WEIGH_PART16[2][6] = {
+      {weigh_part<1, 2, false>, weigh_part<2, 2, false>, weigh_part<3, 2, false>, weigh_part<4, 2, false>,
+       weigh_part<5, 2, false>, weigh_part<6, 2, false>},
+      {weigh_part<1, 2, true>, weigh_part<2, 2, true>, weigh_part<3, 2, true>, weigh_part<4, 2, true>,
+       weigh_part<5, 2, true>, weigh_part<6, 2, true>}};
+#endif
   using Weigh = void (*)(const float*, int64_t, const float*, int64_t, const float*, bool, float* const*,
                          const float*);
   static constexpr Weigh WEIGH_64[2][6] = {
