@@ -824,13 +824,11 @@ class NativeDecoder {
       const int64_t np = std::min<int64_t>(COL_PANELS, panels - i0), nk = COL_KEYS[np - 1];
       int64_t j = 0;
       for (; j + nk <= n; j += nk) COL_BLOCKS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
-#ifndef __AVX512F__
-      if (j < n) {  // the < 6 keys left in one block: one key alone is a chain of d dependent FMAs
-        COL_REST[n - j - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
-        j = n;
-      }
-#endif
+#ifdef __AVX512F__
       for (; j < n; ++j) COL_TAILS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+#else  // the < 6 keys left in one block: one key alone is a chain of d dependent FMAs
+      if (j < n) COL_REST[n - j - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P);
+#endif
     }
     float* m = rows.m.data();
     float* s = rows.s.data();
@@ -887,7 +885,6 @@ class NativeDecoder {
   static constexpr int64_t COL_PANELS = 1;
   static constexpr int64_t COL_KEYS[COL_PANELS] = {6};
   static constexpr ColumnBlock COL_BLOCKS[COL_PANELS] = {column_block<6, 1>};
-  static constexpr ColumnBlock COL_TAILS[COL_PANELS] = {column_block<1, 1>};
   static constexpr ColumnBlock COL_REST[5] = {column_block<1, 1>, column_block<2, 1>, column_block<3, 1>,
                                               column_block<4, 1>, column_block<5, 1>};
 #endif
@@ -1075,8 +1072,7 @@ class NativeDecoder {
       for (int i = 0; i < 8; ++i) t += a[i];
       out[s8] = t + bias[s8];
     }
-    return;
-#endif
+#else
     v16 qr[NV];
     for (int j = 0; j < NV; ++j) qr[j] = load16(q + P * j) * scale;
     int64_t s = 0;
@@ -1097,6 +1093,7 @@ class NativeDecoder {
       for (int j = 1; j < NV; ++j) a += qr[j] * load16(k + P * j);
       out[s] = hsum(a) + bias[s];
     }
+#endif
   }
 
   // o[r] = alpha[r] * o[r] (or 0 without prior) + sum_j p[r][j] V[j] for RC rows, head_dim 16 * NV, in registers
