@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidRequestError
+from .kernels.native import argmax
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] logits -> [B] token ids."""
         if self.params.greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         return draw(self.probs(logits), self.generator)
 
 

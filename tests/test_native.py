@@ -144,6 +144,31 @@ def test_panel_linear_equals_matmul(M, K, N):
     torch.testing.assert_close(mod.panel_linear(x, packed, N, None), x @ w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 1, 49152), (1, 1), (3, 15), (3, 16), (2, 4, 17), (5, 1000)])
+def test_native_argmax_equals_torch(shape):
+    """Greedy decoding's argmax: the first index of the maximum (ties), of the first NaN, +-inf, odd lengths."""
+    require_native()
+    from bmc.kernels.native import argmax
+
+    g = torch.Generator().manual_seed(sum(shape))
+    for trial in range(6):
+        x = torch.randn(*shape, generator=g)
+        n = shape[-1]
+        if trial == 1 and n > 2:  # a tie: the first of two equal maxima, in different lanes
+            x[..., n // 3], x[..., n - 1] = 1e4, 1e4
+        if trial == 2:
+            x[..., -1] = float("inf")
+        if trial == 3 and n > 1:  # NaN wins, the first one
+            x[..., n - 1], x[..., n // 2] = float("nan"), float("nan")
+        if trial == 4:
+            x.fill_(float("-inf"))
+        if trial == 5:
+            x = x.round()  # many ties
+        got = argmax(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:-1]
+        assert torch.equal(got, x.argmax(dim=-1)), (shape, trial)
+
+
 def reference_attention(q, own, bias, segments, scale):
     """Brute force in float64: each row's keys are its segments' groups then its own cache, KV heads repeated."""
     B, t, _ = q.shape

@@ -29,7 +29,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 def native_module() -> Any:
     with open(_SOURCE_FILE) as f:
         source = f.read()
-    return build("bmc_cpu_decode_v16", source, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v17", source, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:
@@ -40,6 +40,23 @@ def native_enabled() -> bool:
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether native steps can run for a model on this device and dtype (builds the kernel on first call)."""
     return device.type == "cpu" and dtype == torch.float32 and native_enabled() and native_module() is not None
+
+
+_argmax_rows: Any = None  # the native kernel's argmax_rows once looked up; False where unavailable
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1): by the native kernel for float32 logits on the CPU (the same index: the first maximum,
+    or the first NaN), else by torch. torch's CPU argmax took ~0.5 ms for 8 rows of the default model's 49k
+    vocabulary, 1% of a batch-8 decode step."""
+    global _argmax_rows
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() > 0 and native_enabled():
+        if _argmax_rows is None:
+            mod = native_module()
+            _argmax_rows = mod.argmax_rows if mod is not None else False
+        if _argmax_rows:
+            return _argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 class NativeDecoders:

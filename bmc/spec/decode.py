@@ -14,6 +14,7 @@ import torch
 from ..attention import AttentionFn
 from ..kv import KVCache
 from ..models import Model
+from ..kernels.native import argmax
 from ..sampling import Sampler
 from .drafters import Drafter
 from .tree import DraftTree, TreeSpec, greedy_accept, rank_counts, tree_visibility
@@ -72,7 +73,7 @@ class SpeculativeStep:
                            all_logits=True)
         tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
         if self.sampler.params.greedy:
-            preds = logits.argmax(-1).tolist()
+            preds = argmax(logits).tolist()
             paths = greedy_accept(tree_tokens, parents, valid, preds)
             bonus = [preds[b][path[-1]] for b, path in enumerate(paths)]
         else:
