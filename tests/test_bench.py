@@ -3,7 +3,12 @@ three bmc strategies and HF transformers with DynamicCache and StaticCache) prod
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
+import torch
+
+from bmc.bench.engines import PeakRSS
 from bmc.bench.harness import main
 
 from .conftest import transformers  # noqa: F401  (skips the module when transformers is absent)
@@ -75,3 +80,21 @@ def test_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--rounds", "0", "--model", "opt-tiny-random"])
     assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel_mark", [True, False])
+def test_peak_rss_sees_memory_freed_inside_the_run(monkeypatch, kernel_mark):
+    """Both ways of measuring the peak (the kernel's high-water mark; the sampling thread where it is missing)
+    see 64 MiB that were touched and freed inside the block, and not memory freed before it."""
+    if not kernel_mark:
+        monkeypatch.setattr(PeakRSS, "_high_water_mark", staticmethod(lambda: None))
+    big = torch.ones(128 * 2**20 // 4)
+    del big  # a peak before the block: not counted
+    start = PeakRSS.rss()
+    with PeakRSS() as r:
+        x = torch.ones(64 * 2**20 // 4)
+        time.sleep(0.05)  # the thread samples every 5 ms
+        del x
+    assert r.peak - start >= 56 * 2**20
+    assert r.peak - start < 120 * 2**20
+    assert (r._thread is None) == kernel_mark
