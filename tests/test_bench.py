@@ -3,10 +3,10 @@ three bmc strategies and HF transformers with DynamicCache and StaticCache) prod
 from __future__ import annotations
 
 import json
+import mmap
 import time
 
 import pytest
-import torch
 
 from bmc.bench.engines import PeakRSS
 from bmc.bench.harness import main
@@ -82,19 +82,27 @@ def test_rounds_must_be_positive(capsys):
     assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
 
 
+def touched_mapping(mib: int) -> mmap.mmap:
+    """Fresh anonymous memory with every page written: resident for sure (a freed tensor's memory may be reused
+    from the allocator's pool without raising the RSS)."""
+    m = mmap.mmap(-1, mib * 2**20)
+    for off in range(0, mib * 2**20, mmap.PAGESIZE):
+        m[off] = 1
+    return m
+
+
 @pytest.mark.parametrize("kernel_mark", [True, False])
 def test_peak_rss_sees_memory_freed_inside_the_run(monkeypatch, kernel_mark):
     """Both ways of measuring the peak (the kernel's high-water mark; the sampling thread where it is missing)
     see 64 MiB that were touched and freed inside the block, and not memory freed before it."""
     if not kernel_mark:
         monkeypatch.setattr(PeakRSS, "_high_water_mark", staticmethod(lambda: None))
-    big = torch.ones(128 * 2**20 // 4)
-    del big  # a peak before the block: not counted
+    touched_mapping(128).close()  # a peak before the block: not counted
     start = PeakRSS.rss()
     with PeakRSS() as r:
-        x = torch.ones(64 * 2**20 // 4)
+        m = touched_mapping(64)
         time.sleep(0.05)  # the thread samples every 5 ms
-        del x
+        m.close()
     assert r.peak - start >= 56 * 2**20
     assert r.peak - start < 120 * 2**20
     assert (r._thread is None) == kernel_mark
