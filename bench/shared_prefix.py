@@ -27,20 +27,24 @@ OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
 
 
-def best_of_each(fa, fb, repeats: int = 21) -> tuple[float, float]:
-    """The best time of each of two functions, calls interleaved so that both see the same phases of this noisy
-    machine (a ratio of two runs minutes apart can be off by 30 %)."""
+def timed_pair(fa, fb, seconds: float = 3.0, min_repeats: int = 21) -> dict[str, float]:
+    """Best and median times of two functions, calls interleaved so that both see the same phases of this noisy
+    machine (a ratio of two runs minutes apart can be off by 30 %), for `seconds` and at least `min_repeats` pairs:
+    a call's time has a long tail here (the median of a 1.3 ms step can be 1.9 ms), so the best of a few calls
+    still carries noise that the best of hundreds does not; the median ratio is reported beside it."""
     fa(), fb()
-    best = [float("inf"), float("inf")]
-    for _ in range(repeats):
+    times: tuple[list[float], list[float]] = ([], [])
+    start = time.perf_counter()
+    while len(times[0]) < min_repeats or time.perf_counter() - start < seconds:
         for i, fn in enumerate((fa, fb)):
             t = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best[0], best[1]
+            times[i].append(time.perf_counter() - t)
+    a, b = sorted(times[0]), sorted(times[1])
+    return {"best_a": a[0], "best_b": b[0], "median_a": a[len(a) // 2], "median_b": b[len(b) // 2], "pairs": len(a)}
 
 
-def attention_step(batch: int, prefix: int, suffix: int) -> dict:
+def attention_step(batch: int, prefix: int, suffix: int, seconds: float) -> dict:
     torch.manual_seed(0)
     pk = torch.randn(1, 2, 1, KVH, prefix, D)
     pbias = torch.zeros(1, 1, 1, prefix)
@@ -54,10 +58,9 @@ def attention_step(batch: int, prefix: int, suffix: int) -> dict:
     with torch.inference_mode():
         ref = dense_attention(q, K, V, group_bias(bias, H // KVH), D**-0.5)
         torch.testing.assert_close(shared.attention(q, sk, sv, sbias, D**-0.5), ref, atol=1e-4, rtol=1e-4)
-        t_dense, t_shared = best_of_each(lambda: dense_attention(q, K, V, bias, D**-0.5),
-                                         lambda: shared.attention(q, sk, sv, sbias, D**-0.5))
-    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "torch_dense_ms": 1e3 * t_dense,
-           "torch_shared_ms": 1e3 * t_shared, "torch_speedup": t_dense / t_shared}
+        t = timed_pair(lambda: dense_attention(q, K, V, bias, D**-0.5),
+                       lambda: shared.attention(q, sk, sv, sbias, D**-0.5), seconds)
+    row = {"batch": batch, "prefix": prefix, "suffix": suffix, **pair_row("torch", t)}
     dec = attention_decoder(H, KVH, D)
     if dec is not None:  # the native step's attention: q [B, 1, H*D], caches [L=1, 2, B, H_kv, n, D]
         qn = q.reshape(batch, 1, H * D)
@@ -66,10 +69,17 @@ def attention_step(batch: int, prefix: int, suffix: int) -> dict:
         segs = ([pk], [pbias], [torch.zeros(batch, dtype=torch.long)])
         torch.testing.assert_close(dec.attention_step(qn, own, 0, sbias, *segs), ref.reshape(qn.shape),
                                    atol=1e-4, rtol=1e-4)
-        n_dense, n_shared = best_of_each(lambda: dec.attention_step(qn, rep, 0, bias, [], [], []),
-                                         lambda: dec.attention_step(qn, own, 0, sbias, *segs))
-        row.update(native_dense_ms=1e3 * n_dense, native_shared_ms=1e3 * n_shared, native_speedup=n_dense / n_shared)
+        t = timed_pair(lambda: dec.attention_step(qn, rep, 0, bias, [], [], []),
+                       lambda: dec.attention_step(qn, own, 0, sbias, *segs), seconds)
+        row.update(pair_row("native", t))
     return row
+
+
+def pair_row(kernel: str, t: dict[str, float]) -> dict[str, float]:
+    """Best-of-each times and ratio (the headline, as in bmc-bench), and the ratio of the medians."""
+    return {f"{kernel}_dense_ms": 1e3 * t["best_a"], f"{kernel}_shared_ms": 1e3 * t["best_b"],
+            f"{kernel}_speedup": t["best_a"] / t["best_b"], f"{kernel}_speedup_median": t["median_a"] / t["median_b"],
+            f"{kernel}_pairs": t["pairs"]}
 
 
 def end_to_end(model, samples: int, prompt_tokens: int, gen: int) -> dict:
@@ -98,6 +108,7 @@ def main() -> None:
     ap.add_argument("--e2e-prompt", type=int, default=1920)
     ap.add_argument("--e2e-gen", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seconds", type=float, default=3.0, help="interleaved timing per configuration and kernel")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,10 +116,11 @@ def main() -> None:
     for b in args.batches:
         for p in args.prefixes:
             for s in args.suffixes:
-                r = attention_step(b, p, s)
+                r = attention_step(b, p, s, args.seconds)
                 steps.append(r)
                 line = "  ".join(f"{k}: dense {r[k + '_dense_ms']:6.2f} ms shared {r[k + '_shared_ms']:6.2f} ms "
-                                 f"x{r[k + '_speedup']:.2f}" for k in ("native", "torch") if k + "_speedup" in r)
+                                 f"x{r[k + '_speedup']:.2f} (medians x{r[k + '_speedup_median']:.2f})"
+                                 for k in ("native", "torch") if k + "_speedup" in r)
                 print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}  {line}", flush=True)
     model = bmc.load()
     e2e = end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen) if args.e2e_samples else None
