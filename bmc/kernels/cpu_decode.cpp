@@ -153,11 +153,6 @@ inline v16 load_part(const float* p, int64_t n) {  // n < P lanes, the rest zero
   return load16(tmp);
 }
 
-// Lines [0, lines) from `base` (64 bytes each) prefetched a few per advance(), spread evenly over `calls` calls.
-// The decode attention prefetches the next chunk's keys and values this way across all its passes over the
-// current chunk (one per query row for the scores, one per row block and dimension slice for the values): issued
-// in a burst during the first pass they stalled it and left the memory idle during the others (batch-8 decode
-// attention 12-20 % faster spread, on an AVX2 EPYC).
 // e^x in float32 to < 4 ulp (measured over [-87.3, 88.3]), 0 below -87.3, 2.2e38 above 88.3 (not inf): 2^n p(r)
 // with r = x - n ln2 (ln2 split in two so that n ln2 is exact) and p the degree-6 Taylor polynomial of e^r on
 // |r| <= ln2/2. Branch-free, so GCC vectorises the loops that call it (8 or 16 lanes, ~10 FP operations a vector)
@@ -181,6 +176,11 @@ inline float exp_fast(float x0) {
   return x0 < -87.3f ? 0.0f : p;
 }
 
+// Lines [0, lines) from `base` (64 bytes each) prefetched a few per advance(), spread evenly over `calls` calls.
+// The decode attention prefetches the next chunk's keys and values this way across all its passes over the
+// current chunk (one per query row for the scores, one per row block and dimension slice for the values): issued
+// in a burst during the first pass they stalled it and left the memory idle during the others (batch-8 decode
+// attention 12-20 % faster spread, on an AVX2 EPYC).
 struct Prefetch {
   const float* base;
   int64_t lines, step, next = 0;
