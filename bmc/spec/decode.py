@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionFn
+from ..kernels.native import argmax
 from ..kv import KVCache
 from ..models import Model
-from ..kernels.native import argmax
 from ..sampling import Sampler
 from .drafters import Drafter
 from .tree import DraftTree, TreeSpec, greedy_accept, rank_counts, tree_visibility
