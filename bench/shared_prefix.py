@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -44,7 +45,19 @@ def timed_pair(fa, fb, seconds: float = 3.0, min_repeats: int = 21) -> dict[str,
     return {"best_a": a[0], "best_b": b[0], "median_a": a[len(a) // 2], "median_b": b[len(b) // 2], "pairs": len(a)}
 
 
-def attention_step(batch: int, prefix: int, suffix: int, seconds: float) -> dict:
+def matmul_peak_gflops(seconds: float = 2.0) -> float:
+    """The FLOP rate this machine sustains right now on a cache-friendly fp32 GEMM (torch's BLAS, 1024^3, best of
+    the calls in `seconds`): the ceiling a compute-bound shared-prefix step is compared with."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024**3 / best / 1e9
+
+
+def attention_step(batch: int, prefix: int, suffix: int, seconds: float, peak_gflops: float) -> dict:
     torch.manual_seed(0)
     pk = torch.randn(1, 2, 1, KVH, prefix, D)
     pbias = torch.zeros(1, 1, 1, prefix)
@@ -72,6 +85,16 @@ def attention_step(batch: int, prefix: int, suffix: int, seconds: float) -> dict
         t = timed_pair(lambda: dec.attention_step(qn, rep, 0, bias, [], [], []),
                        lambda: dec.attention_step(qn, own, 0, sbias, *segs), seconds)
         row.update(pair_row("native", t))
+        # the roofline of both sides: the replicated step streams every row's KV (bytes over its time), the shared
+        # one is compute-bound on the prefix (4 FLOPs per key, query row and dimension: scores and weighted sum)
+        kv_bytes = rep.numel() * rep.element_size()
+        flops = 4 * batch * H * (prefix + suffix + 1) * D
+        row["native_dense_gbps"] = kv_bytes / row["native_dense_ms"] / 1e6
+        row["native_shared_gflops"] = flops / row["native_shared_ms"] / 1e6
+        row["native_shared_of_peak"] = row["native_shared_gflops"] / peak_gflops
+        # the ratio if the shared step ran at the GEMM peak with its suffix reads hidden: what this machine's
+        # balance of FLOPs to bytes allows at the replicated step's measured bandwidth
+        row["native_speedup_bound"] = row["native_dense_ms"] / (flops / peak_gflops / 1e6)
     return row
 
 
@@ -82,21 +105,28 @@ def pair_row(kernel: str, t: dict[str, float]) -> dict[str, float]:
             f"{kernel}_pairs": t["pairs"]}
 
 
-def end_to_end(model, samples: int, prompt_tokens: int, gen: int) -> dict:
+def end_to_end(model, samples: int, prompt_tokens: int, gen: int, rounds: int) -> dict:
+    """`rounds` pairs of generate() calls, sharing on and off, alternating which goes first (ABBA...), so that both
+    see the same spells of this machine; the headline is the median of the per-round ratios."""
     text = ("The history of computing is a story of trade-offs between memory and arithmetic. " * 200)
     ids = model.tokenizer.encode(text)[:prompt_tokens]
-    out = {}
-    for share in ("auto", "off"):
-        r = bmc.generate(model, [ids], max_new_tokens=gen, num_samples=samples, temperature=0.8, seed=0,
-                         ignore_eos=True, share_prefix=share)
-        out[share] = {"decode_tokens_per_s": r.stats.decode_tokens_per_s, "decode_s": r.stats.decode_seconds,
-                      "prefill_s": r.stats.prefill_seconds, "peak_kv_mb": r.stats.peak_kv_bytes / 2**20, "prefix_kv_mb": r.stats.prefix_kv_bytes / 2**20}
-        print(f"e2e samples={samples} prompt={prompt_tokens} gen={gen} share={share}: "
-              f"{out[share]['decode_tokens_per_s']:.1f} tok/s, peak KV {out[share]['peak_kv_mb']:.0f} MiB", flush=True)
-    return {"samples": samples, "prompt": prompt_tokens, "gen": gen, **out,
-            "speedup": out["auto"]["decode_tokens_per_s"] / out["off"]["decode_tokens_per_s"],
-            "total_speedup": (out["off"]["prefill_s"] + out["off"]["decode_s"])
-            / (out["auto"]["prefill_s"] + out["auto"]["decode_s"])}
+    runs: dict[str, list[dict]] = {"auto": [], "off": []}
+    for i in range(rounds):
+        for share in (("auto", "off") if i % 2 == 0 else ("off", "auto")):
+            r = bmc.generate(model, [ids], max_new_tokens=gen, num_samples=samples, temperature=0.8, seed=0,
+                             ignore_eos=True, share_prefix=share)
+            run = {"decode_tokens_per_s": r.stats.decode_tokens_per_s, "decode_s": r.stats.decode_seconds,
+                   "prefill_s": r.stats.prefill_seconds, "peak_kv_mb": r.stats.peak_kv_bytes / 2**20,
+                   "prefix_kv_mb": r.stats.prefix_kv_bytes / 2**20}
+            runs[share].append(run)
+            print(f"e2e round {i + 1}/{rounds} samples={samples} prompt={prompt_tokens} gen={gen} share={share}: "
+                  f"decode {run['decode_tokens_per_s']:.1f} tok/s, prefill {run['prefill_s']:.2f} s, "
+                  f"peak KV {run['peak_kv_mb']:.0f} MiB", flush=True)
+    decode = [a["decode_tokens_per_s"] / o["decode_tokens_per_s"] for a, o in zip(runs["auto"], runs["off"])]
+    total = [(o["prefill_s"] + o["decode_s"]) / (a["prefill_s"] + a["decode_s"]) for a, o in zip(runs["auto"], runs["off"])]
+    return {"samples": samples, "prompt": prompt_tokens, "gen": gen, "rounds": rounds, **runs,
+            "speedup_per_round": decode, "total_speedup_per_round": total,
+            "speedup": statistics.median(decode), "total_speedup": statistics.median(total)}
 
 
 def main() -> None:
@@ -107,25 +137,36 @@ def main() -> None:
     ap.add_argument("--e2e-samples", type=int, default=32)
     ap.add_argument("--e2e-prompt", type=int, default=1920)
     ap.add_argument("--e2e-gen", type=int, default=64)
+    ap.add_argument("--e2e-rounds", type=int, default=3, help="pairs of end-to-end runs (sharing on, off)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--seconds", type=float, default=3.0, help="interleaved timing per configuration and kernel")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     steps = []
+    peak = matmul_peak_gflops()
+    print(f"fp32 GEMM peak now: {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
     for b in args.batches:
         for p in args.prefixes:
             for s in args.suffixes:
-                r = attention_step(b, p, s, args.seconds)
+                r = attention_step(b, p, s, args.seconds, peak)
                 steps.append(r)
                 line = "  ".join(f"{k}: dense {r[k + '_dense_ms']:6.2f} ms shared {r[k + '_shared_ms']:6.2f} ms "
                                  f"x{r[k + '_speedup']:.2f} (medians x{r[k + '_speedup_median']:.2f})"
                                  for k in ("native", "torch") if k + "_speedup" in r)
+                if "native_speedup_bound" in r:
+                    line += (f"  [replicated {r['native_dense_gbps']:.0f} GB/s, shared "
+                             f"{r['native_shared_gflops']:.0f} GFLOP/s = {100 * r['native_shared_of_peak']:.0f} % "
+                             f"of peak; bound x{r['native_speedup_bound']:.1f}]")
                 print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}  {line}", flush=True)
     model = bmc.load()
-    e2e = end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen) if args.e2e_samples else None
+    e2e = (end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
+           if args.e2e_samples else None)
+    if e2e:
+        print(f"end to end: decode x{e2e['speedup']:.2f} (rounds {', '.join(f'{x:.2f}' for x in e2e['speedup_per_round'])}), "
+              f"prefill + decode x{e2e['total_speedup']:.2f} (medians)", flush=True)
     report = {"device": "cpu", "dtype": "float32", "threads": args.threads, "heads": H, "kv_heads": KVH,
-              "head_dim": D, "attention_step": steps, "end_to_end": e2e}
+              "head_dim": D, "gemm_peak_gflops": peak, "attention_step": steps, "end_to_end": e2e}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "shared_prefix.json").write_text(json.dumps(report, indent=1))
