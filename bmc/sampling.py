@@ -67,7 +67,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     than a whole decode step of the default model at batch 8. The CDF is summed in float64 so that every token's
     interval keeps its width, and u is kept below the total, so the chosen token always has probability > 0
     (cdf[i] > u >= cdf[i-1])."""
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # no float64 copy of probs first (2.2 -> 1.5 ms at 32 x 49k)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
