@@ -123,7 +123,8 @@ def end_to_end(model, samples: int, prompt_tokens: int, gen: int, rounds: int) -
                   f"decode {run['decode_tokens_per_s']:.1f} tok/s, prefill {run['prefill_s']:.2f} s, "
                   f"peak KV {run['peak_kv_mb']:.0f} MiB", flush=True)
     decode = [a["decode_tokens_per_s"] / o["decode_tokens_per_s"] for a, o in zip(runs["auto"], runs["off"])]
-    total = [(o["prefill_s"] + o["decode_s"]) / (a["prefill_s"] + a["decode_s"]) for a, o in zip(runs["auto"], runs["off"])]
+    total = [(o["prefill_s"] + o["decode_s"]) / (a["prefill_s"] + a["decode_s"])
+             for a, o in zip(runs["auto"], runs["off"])]
     return {"samples": samples, "prompt": prompt_tokens, "gen": gen, "rounds": rounds, **runs,
             "speedup_per_round": decode, "total_speedup_per_round": total,
             "speedup": statistics.median(decode), "total_speedup": statistics.median(total)}
@@ -163,7 +164,8 @@ def main() -> None:
     e2e = (end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
            if args.e2e_samples else None)
     if e2e:
-        print(f"end to end: decode x{e2e['speedup']:.2f} (rounds {', '.join(f'{x:.2f}' for x in e2e['speedup_per_round'])}), "
+        rounds = ", ".join(f"{x:.2f}" for x in e2e["speedup_per_round"])
+        print(f"end to end: decode x{e2e['speedup']:.2f} (rounds {rounds}), "
               f"prefill + decode x{e2e['total_speedup']:.2f} (medians)", flush=True)
     report = {"device": "cpu", "dtype": "float32", "threads": args.threads, "heads": H, "kv_heads": KVH,
               "head_dim": D, "gemm_peak_gflops": peak, "attention_step": steps, "end_to_end": e2e}
