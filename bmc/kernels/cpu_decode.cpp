@@ -909,7 +909,7 @@ class NativeDecoder {
             const bool more = c0 + SEG_KEYS < k1;
             attend_columns(rows, R, Rp, qt.data(), K + c0 * hd_, V + c0 * hd_, nc, bias, p.data(),
                            more ? K + (c0 + SEG_KEYS) * hd_ : nullptr, more ? V + (c0 + SEG_KEYS) * hd_ : nullptr,
-                           std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS));
+                           more ? std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS) : 0);
           } else {
             for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
             attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
