@@ -1,10 +1,11 @@
 """Shared-prefix attention vs per-sequence attention over replicated KV (Hydragen Fig. 5 analog, on this CPU).
 
-Part 1: one decode attention step (SmolLM2 head shapes, one layer) for B samples of one prefix of length P plus
-per-sample suffixes of length S: `dense` reads B copies of the prefix (matrix-vector per row), `shared` reads it
-once per step for all rows of a group. Timed on both kernels the runtime has: the native CPU step's attention
-(what decode runs on a CPU in float32; the prefix in L1-sized chunks for all rows, online softmax) and the PyTorch
-path (one matrix-matrix product for all rows, merged with the suffix by log-sum-exp).
+Part 1: one decode attention step (SmolLM2 head shapes; each call on the next of 30 layers, as decode walks the
+model) for B samples of one prefix of length P plus per-sample suffixes of length S: `dense` reads B copies of the
+prefix (matrix-vector per row), `shared` reads it once per step for all rows of a group. Timed on both kernels the
+runtime has: the native CPU step's attention (what decode runs on a CPU in float32; the prefix in L1-sized chunks
+for all rows, online softmax) and the PyTorch path (one matrix-matrix product for all rows, merged with the suffix
+by log-sum-exp).
 Part 2: end to end on the default model: num_samples=B completions of one long prompt, sharing on vs off.
 
     python bench/shared_prefix.py            # writes bench/out/shared_prefix.json and .png
@@ -12,6 +13,7 @@ Part 2: end to end on the default model: num_samples=B completions of one long p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 import bmc
+from bmc.analytic.profile import device_name
 from bmc.attention import SharedPrefix, dense_attention, group_bias
 from bmc.kernels.native import attention_decoder
 
@@ -57,37 +60,47 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
     return 2 * 1024**3 / best / 1e9
 
 
-def attention_step(batch: int, prefix: int, suffix: int, seconds: float, peak_gflops: float) -> dict:
+def attention_step(batch: int, prefix: int, suffix: int, seconds: float, peak_gflops: float, layers: int) -> dict:
+    """One layer's decode attention, each call on the next of `layers` layers (as decode walks the model), so
+    that neither side is served from a cache the real decode would not have: one layer of replicated KV at B = 8
+    (25 MB) fits a 32 MB L3, and at B = 32 (100 MB) a 300 MB one."""
     torch.manual_seed(0)
-    pk = torch.randn(1, 2, 1, KVH, prefix, D)
+    pkv = torch.randn(layers, 2, 1, KVH, prefix, D)  # the prefix, stored once: [L, 2, groups, H_kv, n, d]
     pbias = torch.zeros(1, 1, 1, prefix)
-    sk, sv = torch.randn(batch, KVH, suffix + 1, D), torch.randn(batch, KVH, suffix + 1, D)
+    own = torch.randn(layers, 2, batch, KVH, suffix + 1, D)  # each row's suffix
     sbias = torch.zeros(batch, 1, 1, suffix + 1)
-    q = torch.randn(batch, H, 1, D)
-    shared = SharedPrefix(pk, pbias, torch.zeros(batch, dtype=torch.long))
-    K = torch.cat([pk[0, 0].expand(batch, -1, -1, -1), sk], dim=2).contiguous()  # replicated prefix
-    V = torch.cat([pk[0, 1].expand(batch, -1, -1, -1), sv], dim=2).contiguous()
+    rep = torch.cat([pkv.expand(-1, -1, batch, -1, -1, -1), own], dim=4)  # the prefix replicated per row
     bias = torch.zeros(batch, 1, 1, prefix + suffix + 1)
+    q = torch.randn(batch, H, 1, D)
+    shared = SharedPrefix(pkv, pbias, torch.zeros(batch, dtype=torch.long))
+    calls = (itertools.count(), itertools.count())  # each side's calls so far: its next layer is that mod `layers`
+
+    def replicated_torch() -> torch.Tensor:
+        kv = rep[next(calls[0]) % layers]
+        return dense_attention(q, kv[0], kv[1], bias, D**-0.5)
+
+    def shared_torch() -> torch.Tensor:
+        n = next(calls[1]) % layers
+        return shared.attention(q, own[n, 0], own[n, 1], sbias, D**-0.5, layer=n)
+
     with torch.inference_mode():
-        ref = dense_attention(q, K, V, group_bias(bias, H // KVH), D**-0.5)
-        torch.testing.assert_close(shared.attention(q, sk, sv, sbias, D**-0.5), ref, atol=1e-4, rtol=1e-4)
-        t = timed_pair(lambda: dense_attention(q, K, V, bias, D**-0.5),
-                       lambda: shared.attention(q, sk, sv, sbias, D**-0.5), seconds)
-    row = {"batch": batch, "prefix": prefix, "suffix": suffix, **pair_row("torch", t)}
+        ref = dense_attention(q, rep[0, 0], rep[0, 1], group_bias(bias, H // KVH), D**-0.5)
+        torch.testing.assert_close(shared.attention(q, own[0, 0], own[0, 1], sbias, D**-0.5), ref,
+                                   atol=1e-4, rtol=1e-4)
+        t = timed_pair(replicated_torch, shared_torch, seconds)
+    row = {"batch": batch, "prefix": prefix, "suffix": suffix, "layers": layers, **pair_row("torch", t)}
     dec = attention_decoder(H, KVH, D)
-    if dec is not None:  # the native step's attention: q [B, 1, H*D], caches [L=1, 2, B, H_kv, n, D]
+    if dec is not None:  # the native step's attention: q [B, 1, H*D], caches [L, 2, B, H_kv, n, D]
         qn = q.reshape(batch, 1, H * D)
-        own = torch.stack([sk, sv])[None].contiguous()
-        rep = torch.stack([K, V])[None].contiguous()
-        segs = ([pk], [pbias], [torch.zeros(batch, dtype=torch.long)])
+        segs = ([pkv], [pbias], [torch.zeros(batch, dtype=torch.long)])
         torch.testing.assert_close(dec.attention_step(qn, own, 0, sbias, *segs), ref.reshape(qn.shape),
                                    atol=1e-4, rtol=1e-4)
-        t = timed_pair(lambda: dec.attention_step(qn, rep, 0, bias, [], [], []),
-                       lambda: dec.attention_step(qn, own, 0, sbias, *segs), seconds)
+        t = timed_pair(lambda: dec.attention_step(qn, rep, next(calls[0]) % layers, bias, [], [], []),
+                       lambda: dec.attention_step(qn, own, next(calls[1]) % layers, sbias, *segs), seconds)
         row.update(pair_row("native", t))
         # the roofline of both sides: the replicated step streams every row's KV (bytes over its time), the shared
         # one is compute-bound on the prefix (4 FLOPs per key, query row and dimension: scores and weighted sum)
-        kv_bytes = rep.numel() * rep.element_size()
+        kv_bytes = rep[0].numel() * rep.element_size()
         flops = 4 * batch * H * (prefix + suffix + 1) * D
         row["native_dense_gbps"] = kv_bytes / row["native_dense_ms"] / 1e6
         row["native_shared_gflops"] = flops / row["native_shared_ms"] / 1e6
@@ -139,6 +152,7 @@ def main() -> None:
     ap.add_argument("--e2e-prompt", type=int, default=1920)
     ap.add_argument("--e2e-gen", type=int, default=64)
     ap.add_argument("--e2e-rounds", type=int, default=3, help="pairs of end-to-end runs (sharing on, off)")
+    ap.add_argument("--layers", type=int, default=30, help="layers the attention steps rotate through (SmolLM2: 30)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--seconds", type=float, default=3.0, help="interleaved timing per configuration and kernel")
     ap.add_argument("--out", default=str(OUT))
@@ -146,11 +160,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     steps = []
     peak = matmul_peak_gflops()
-    print(f"fp32 GEMM peak now: {peak:.0f} GFLOP/s ({args.threads} threads)", flush=True)
+    print(f"{device_name(torch.device('cpu'))}, fp32 GEMM peak now: {peak:.0f} GFLOP/s ({args.threads} threads)",
+          flush=True)
     for b in args.batches:
         for p in args.prefixes:
             for s in args.suffixes:
-                r = attention_step(b, p, s, args.seconds, peak)
+                r = attention_step(b, p, s, args.seconds, peak, args.layers)
                 steps.append(r)
                 line = "  ".join(f"{k}: dense {r[k + '_dense_ms']:6.2f} ms shared {r[k + '_shared_ms']:6.2f} ms "
                                  f"x{r[k + '_speedup']:.2f} (medians x{r[k + '_speedup_median']:.2f})"
@@ -160,14 +175,14 @@ def main() -> None:
                              f"{r['native_shared_gflops']:.0f} GFLOP/s = {100 * r['native_shared_of_peak']:.0f} % "
                              f"of peak; bound x{r['native_speedup_bound']:.1f}]")
                 print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}  {line}", flush=True)
-    model = bmc.load()
-    e2e = (end_to_end(model, args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
-           if args.e2e_samples else None)
+    e2e = (end_to_end(bmc.load(), args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
+           if args.e2e_samples else None)  # --e2e-samples 0: attention only, no model needed
     if e2e:
         rounds = ", ".join(f"{x:.2f}" for x in e2e["speedup_per_round"])
         print(f"end to end: decode x{e2e['speedup']:.2f} (rounds {rounds}), "
               f"prefill + decode x{e2e['total_speedup']:.2f} (medians)", flush=True)
-    report = {"device": "cpu", "dtype": "float32", "threads": args.threads, "heads": H, "kv_heads": KVH,
+    report = {"device": "cpu", "cpu": device_name(torch.device("cpu")), "dtype": "float32", "threads": args.threads,
+              "layers": args.layers, "heads": H, "kv_heads": KVH,
               "head_dim": D, "gemm_peak_gflops": peak, "attention_step": steps, "end_to_end": e2e}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
