@@ -267,6 +267,35 @@ def test_attention_step_many_rows_on_a_shared_segment(kvh, t):
     torch.testing.assert_close(got, reference_attention(q, own, bias, [seg], hd**-0.5), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8, 16])
+@pytest.mark.parametrize("B", [1, 6])
+def test_attention_step_any_thread_count(threads, B):
+    """The keys are split into spans by the thread count (at batch 1: one span of the 5-6 chunks at 1 thread, 3
+    at 3 threads, one chunk a span at 16), each span attended into its own partial state and the partials merged:
+    the same exact attention for every count."""
+    require_native()
+    mod = native_module()
+    g = torch.Generator().manual_seed(threads * 10 + B)
+    h, kvh, hd, cap, fmin = 6, 2, 64, 300, torch.finfo(torch.float32).min
+    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    q = torch.randn(B, 1, h * hd, generator=g)
+    own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
+    bias = torch.zeros(B, 1, 1, cap)
+    bias[..., 280:] = fmin
+    sb = torch.zeros(2, 1, 1, 330)
+    sb[1, ..., :100] = fmin
+    seg = (torch.randn(1, 2, 2, kvh, 330, hd, generator=g), sb, torch.tensor([b % 2 for b in range(B)]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for used in ([], [seg]):
+            got = dec.attention_step(q, own, 0, bias, [s[0] for s in used], [s[1] for s in used],
+                                     [s[2] for s in used])
+            torch.testing.assert_close(got, reference_attention(q, own, bias, used, hd**-0.5), atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):
     """Chunks longer than NATIVE_MAX_T (prefill) run on torch's GEMMs; the decode after them is native."""
     require_native()
