@@ -14,7 +14,8 @@ from typing import Iterator, Sequence
 import torch
 
 from .analytic import choose_T
-from .attention import ATTENTION_BACKENDS, AttentionOptions, SharedPrefix
+from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, causal_attention,
+                        dense_attention)
 from .errors import InvalidRequestError
 from .graphs import DecodeGraphs
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
@@ -237,6 +238,14 @@ def _pack_weights(model: Model, rows: int, steps_left: int, stats: GenerationSta
         stats.weight_pack_seconds += time.perf_counter() - t
 
 
+def prefill_attention(attention: AttentionFn, cache: KVCache) -> AttentionFn:
+    """causal_attention where a prefill's bias is exactly causal (dense attention into an empty cache with no left
+    padding): half the attention FLOPs of a long prompt and no mask to read; else `attention` as it is."""
+    if attention is dense_attention and cache.length == 0 and not bool(cache.left_pad.any()):
+        return causal_attention
+    return attention
+
+
 @torch.inference_mode()
 def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
@@ -268,7 +277,7 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             head_dim=model.config.head_dim, max_length=common, dtype=model.dtype, device=dev)
         head.reserve(common)
         net(torch.tensor([prompt_ids[0][:common]], device=dev), torch.arange(common, device=dev)[None], head,
-            ATTENTION_BACKENDS["dense"](head, gen.attention_options, 1), head.attention_bias(common))
+            prefill_attention(dense_attention, head), head.attention_bias(common))
         head.commit(common)
         root = SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
     own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
@@ -292,7 +301,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     positions = common + (torch.arange(P_own, device=dev)[None, :] - pads[:, None]).clamp(min=0)
 
     cache.reserve(P_own)
-    logits = net(tokens, positions, cache, root.attention if root else attention, cache.attention_bias(P_own))
+    logits = net(tokens, positions, cache, root.attention if root else prefill_attention(attention, cache),
+                 cache.attention_bias(P_own))
     cache.commit(P_own)
     prefix: SharedPrefix | None = root
     pos = (cache.length - cache.left_pad).clone() + common  # next position per batch row

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import bmc
-from bmc.attention import dense_attention
+from bmc.attention import SparQAttention, SparQOptions, causal_attention, dense_attention
+from bmc.engine import prefill_attention
+from bmc.kernels.native import NATIVE_MAX_T
 from bmc.kv import KV_STRATEGIES
 
 from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, make_llama, make_opt, transformers
@@ -51,6 +53,48 @@ def assert_logits_match(ref, path, ids: list[int], kv: str, split: int) -> None:
 def test_logits_match_hf(tiny_dirs, variant, kv):
     path = tiny_dirs[variant]
     assert_logits_match(hf_model(path), path, PROMPTS[0] + [11, 12, 13, 14, 15], kv, split=len(PROMPTS[0]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal_prefill_matches_masked_and_hf(tiny_dirs, variant):
+    """A prefill longer than a native step (so the eager path) into a BMC cache with spare capacity: attention
+    with is_causal over the new keys (what generate() picks for an unpadded prefill) gives HF's logits and those
+    of the masked attention over the whole capacity."""
+    path = tiny_dirs[variant]
+    model = bmc.load(str(path))
+    g = torch.Generator().manual_seed(len(variant))
+    ids = torch.randint(3, model.config.vocab_size, (1, NATIVE_MAX_T + 23), generator=g)
+    t = ids.shape[1]
+    with torch.inference_mode():
+        expected = hf_model(path)(ids).logits[0]
+        got = {}
+        for fn in (causal_attention, dense_attention):
+            cache = KV_STRATEGIES["bmc"](num_layers=model.config.num_layers, batch_size=1, r=32,
+                                         num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+                                         max_length=t + 10, dtype=model.dtype)
+            cache.reserve(t)
+            assert cache.capacity > t  # masked columns beyond the prompt, which is_causal must not see
+            got[fn] = model.net(ids, torch.arange(t)[None], cache, fn, cache.attention_bias(t), all_logits=True)[0]
+    torch.testing.assert_close(got[causal_attention], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[causal_attention], got[dense_attention], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_is_causal_only_for_an_empty_unpadded_cache(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    cfg = model.config
+
+    def cache(left_pad):
+        return KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=len(left_pad), left_pad=left_pad,
+                                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_length=16)
+
+    assert prefill_attention(dense_attention, cache([0, 0])) is causal_attention
+    assert prefill_attention(dense_attention, cache([0, 3])) is dense_attention  # left padding needs the mask
+    used = cache([0])
+    used.reserve(4)
+    used.commit(4)
+    assert prefill_attention(dense_attention, used) is dense_attention  # a second chunk sees earlier keys
+    sparq = SparQAttention(cache([0]), SparQOptions(), cfg.group_size)
+    assert prefill_attention(sparq, cache([0])) is sparq
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa", "llama-llama3_rope", "opt-projected", "opt-pre_norm"])

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from .dense import dense_attention, group_bias
+from .dense import causal_attention, dense_attention, group_bias
 from .shared_prefix import SharedPrefix, attention_with_lse, merge_by_lse
 from .sparq import (SparQAttention, SparQOptions, WindowAttention, sparq_attention, sparq_budget, sparq_select,
                     sparq_transfers, window_budget)
@@ -32,6 +32,6 @@ ATTENTION_BACKENDS: dict[str, Callable[[Any, AttentionOptions, int], AttentionFn
     "window": lambda cache, opts, g: WindowAttention(cache, opts.window_k),
 }
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "AttentionOptions", "dense_attention", "group_bias", "SharedPrefix",
-           "attention_with_lse", "merge_by_lse", "SparQAttention", "SparQOptions", "WindowAttention", "sparq_attention",
-           "sparq_select", "sparq_transfers", "sparq_budget", "window_budget"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "AttentionOptions", "causal_attention", "dense_attention", "group_bias",
+           "SharedPrefix", "attention_with_lse", "merge_by_lse", "SparQAttention", "SparQOptions", "WindowAttention",
+           "sparq_attention", "sparq_select", "sparq_transfers", "sparq_budget", "window_budget"]

