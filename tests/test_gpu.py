@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bmc
-from bmc.attention import dense_attention
+from bmc.attention import causal_attention, dense_attention, group_bias
 from bmc.kv import KV_STRATEGIES
 
 from .conftest import transformers
@@ -36,6 +36,22 @@ def test_cuda_greedy_tokens_match_cpu_for_every_strategy(tiny_dirs, variant):
     shared_on = bmc.generate(gpu, PROMPTS[:2], max_new_tokens=8, num_samples=3, ignore_eos=True)
     shared_off = bmc.generate(gpu, PROMPTS[:2], max_new_tokens=8, num_samples=3, ignore_eos=True, share_prefix="off")
     assert [c.token_ids for c in shared_on] == [c.token_ids for c in shared_off]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (4, 4)])
+def test_cuda_causal_prefill_attention_equals_masked(dtype, heads, kv_heads):
+    """The prefill's is_causal attention (K/V repeated for float32 GQA, enable_gqa otherwise) against the masked
+    product over a capacity with spare columns, on the GPU's own kernels."""
+    g = torch.Generator(device="cuda").manual_seed(heads + kv_heads)
+    t, cap, d = 300, 384, 64
+    q = torch.randn(2, heads, t, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(2, kv_heads, cap, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    masked = torch.ones(t, cap, dtype=torch.bool, device="cuda").triu(1)  # the future and the spare columns
+    bias = torch.zeros(2, 1, t, cap, device="cuda", dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+    want = dense_attention(q, k, v, group_bias(bias, heads // kv_heads), d**-0.5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(causal_attention(q, k, v, bias, d**-0.5), want, **tol)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "opt-projected"])

@@ -34,7 +34,12 @@ def causal_attention(
     over the t new columns and masks every later one: SDPA runs on those t keys with is_causal instead, so it skips
     the blocks above the diagonal (half the FLOPs) and reads no [G*t, capacity] mask. `bias` is not read. Same
     values (bitwise, on the CPU flash kernel, for SmolLM2's shapes); prefill attention 69 -> 38 ms a layer at
-    t = 1920 on 2 cores."""
-    t = q.shape[2]
-    return F.scaled_dot_product_attention(q, k[:, :, :t], v[:, :, :t], is_causal=True, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    t = 1920 on 2 cores; on an H100 at t = 4096 (32 heads, 8 KV heads) 7.7 -> 3.3 ms in float32, 1.0 -> 0.27 ms
+    in bfloat16."""
+    t, groups = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k[:, :, :t], v[:, :, :t]
+    if groups > 1 and q.is_cuda and q.dtype == torch.float32:
+        # CUDA's flash kernel takes no float32 and its memory-efficient one no GQA, so enable_gqa would run the
+        # math path (1.7x slower than the mask on an H100); repeating the t new KV rows is cheap beside it
+        k, v, groups = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
