@@ -199,12 +199,12 @@ struct Prefetch {
     for (; next < end; ++next) __builtin_prefetch(base + next * P);
   }
 };
-using Lines = std::pair<const float*, int64_t>;
+using Lines = std::pair<const float*, int64_t>;  // a first line and a line count, for a Prefetch
 
 // How many spans to split each of `items` tasks of `chunks` chunks into (flash-decoding's split-K), so that the
 // busiest of `threads` threads has the least to do: at::parallel_for gives each thread ceil(items * spans /
 // threads) consecutive tasks, and a span costs its chunks plus about a quarter chunk of set-up and merging. The
-// old rule (about two tasks a thread) left a third of 16 threads idle at 3 tasks (33 spans: 3 or 2 per thread).
+// old rule (about two tasks a thread) cut 3 tasks into 11 spans each on 16 threads: 33, so 3 or 2 per thread.
 inline int64_t split_spans(int64_t items, int64_t chunks, int64_t threads) {
   int64_t best = 1, best_cost = INT64_MAX;
   for (int64_t spans = 1; spans <= std::max<int64_t>(1, chunks); ++spans) {
@@ -213,7 +213,7 @@ inline int64_t split_spans(int64_t items, int64_t chunks, int64_t threads) {
     if (cost < best_cost) best = spans, best_cost = cost;
   }
   return best;
-}  // a first line and a line count, for a Prefetch
+}
 
 // y[MB rows][16] (+)= x[MB rows][K] @ panel[K][16] (+ bias); two partial sums over k halve the FMA chains.
 template <int MB>
