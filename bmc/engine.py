@@ -19,7 +19,7 @@ from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, Share
 from .errors import InvalidRequestError
 from .graphs import DecodeGraphs
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
-from .models import Model
+from .models import Model, ModelConfig
 from .sampling import Sampler, SamplingParams
 from .spec import TreeSpec, make_drafter, parse_speculative
 from .spec.static_tree import DEFAULT_ACCEPTANCE, expected_accepted
@@ -160,7 +160,8 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
                stats: GenerationStats) -> KVCache:
     cfg = model.config
     kw = dict(num_layers=cfg.num_layers, batch_size=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-              max_length=max_length, dtype=model.dtype, device=model.device, left_pad=left_pad)
+              max_length=max_length, dtype=model.dtype, device=model.device, left_pad=left_pad,
+              window=window_in_reach(cfg, max_length))
     stats.kv_strategy = gen.kv
     if gen.kv != "bmc":
         return KV_STRATEGIES[gen.kv](**kw)
@@ -177,6 +178,13 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         r = r_from_T(max_length, T)
     stats.r, stats.T = r, math.ceil(max_length / r)
     return BMCCache(r=r, **kw)
+
+
+def window_in_reach(cfg: ModelConfig, max_length: int) -> int | None:
+    """The model's sliding window when a run of `max_length` positions can pass it, else None (within the
+    window, windowed attention is plain causal attention)."""
+    w = cfg.sliding_window
+    return w if w is not None and max_length > w else None
 
 
 def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool) -> list[list[int]]:
@@ -238,10 +246,12 @@ def _pack_weights(model: Model, rows: int, steps_left: int, stats: GenerationSta
         stats.weight_pack_seconds += time.perf_counter() - t
 
 
-def prefill_attention(attention: AttentionFn, cache: KVCache) -> AttentionFn:
+def prefill_attention(attention: AttentionFn, cache: KVCache, num_new: int) -> AttentionFn:
     """causal_attention where a prefill's bias is exactly causal (dense attention into an empty cache with no left
-    padding): half the attention FLOPs of a long prompt and no mask to read; else `attention` as it is."""
-    if attention is dense_attention and cache.length == 0 and not bool(cache.left_pad.any()):
+    padding, and no sliding window the `num_new` tokens pass): half the attention FLOPs of a long prompt and no
+    mask to read; else `attention` as it is."""
+    if (attention is dense_attention and cache.length == 0 and not bool(cache.left_pad.any())
+            and (cache.window is None or num_new <= cache.window)):
         return causal_attention
     return attention
 
@@ -264,7 +274,10 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     n_prompts, n = len(prompt_ids), gen.num_samples
-    sharing = gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
+    # A shared segment is attended by rows at different positions through one bias: a sliding window that a run
+    # can pass would need a bias per row there, so such runs keep every row's KV to itself (exact, not shared).
+    sharing = (gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
+               and window_in_reach(model.config, max_length) is None)
     # A leading part common to all prompts (a system prompt, few-shot examples) is prefilled and stored once and
     # read by every row as one GEMM (bifurcated attention / Hydragen); each prompt keeps at least one own token.
     common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
@@ -277,7 +290,7 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             head_dim=model.config.head_dim, max_length=common, dtype=model.dtype, device=dev)
         head.reserve(common)
         net(torch.tensor([prompt_ids[0][:common]], device=dev), torch.arange(common, device=dev)[None], head,
-            prefill_attention(dense_attention, head), head.attention_bias(common))
+            prefill_attention(dense_attention, head, common), head.attention_bias(common))
         head.commit(common)
         root = SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
     own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
@@ -300,8 +313,8 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     pads = torch.tensor(left_pad, dtype=torch.long, device=dev)
     positions = common + (torch.arange(P_own, device=dev)[None, :] - pads[:, None]).clamp(min=0)
 
-    cache.reserve(P_own)
-    logits = net(tokens, positions, cache, root.attention if root else prefill_attention(attention, cache),
+    cache.reserve(P_own, positions)
+    logits = net(tokens, positions, cache, root.attention if root else prefill_attention(attention, cache, P_own),
                  cache.attention_bias(P_own))
     cache.commit(P_own)
     prefix: SharedPrefix | None = root
@@ -382,7 +395,7 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
                                      active, [gen.max_new_tokens - counts[r] for r in active])
             stats.decode_tokens += sum(len(x) for x in new_ids)
             continue
-        cache.reserve(1)
+        cache.reserve(1, pos[:, None])
         if graphs is not None:
             logits = graphs.step(cache, next_tok, pos)
         else:

@@ -87,14 +87,14 @@ def test_prefill_attention_is_causal_only_for_an_empty_unpadded_cache(gqa_dir):
         return KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=len(left_pad), left_pad=left_pad,
                                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_length=16)
 
-    assert prefill_attention(dense_attention, cache([0, 0])) is causal_attention
-    assert prefill_attention(dense_attention, cache([0, 3])) is dense_attention  # left padding needs the mask
+    assert prefill_attention(dense_attention, cache([0, 0]), 4) is causal_attention
+    assert prefill_attention(dense_attention, cache([0, 3]), 4) is dense_attention  # left padding needs the mask
     used = cache([0])
     used.reserve(4)
     used.commit(4)
-    assert prefill_attention(dense_attention, used) is dense_attention  # a second chunk sees earlier keys
+    assert prefill_attention(dense_attention, used, 4) is dense_attention  # a second chunk sees earlier keys
     sparq = SparQAttention(cache([0]), SparQOptions(), cfg.group_size)
-    assert prefill_attention(sparq, cache([0])) is sparq
+    assert prefill_attention(sparq, cache([0]), 4) is sparq
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa", "llama-llama3_rope", "opt-projected", "opt-pre_norm"])

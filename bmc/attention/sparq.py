@@ -216,7 +216,8 @@ class SparQAttention:
         d, kvh, B = K.shape[-1], K.shape[1], K.shape[0]
         v_mean = self.v_sum[layer] / self.count if o.mean_value else None
         Kt = self.Kt[layer][..., :S] if o.k_twice else None
-        masked = self.cache._max_pad > 0 or self.cache.holes  # else every written column is visible: no bias
+        # else every written column is visible: no bias
+        masked = self.cache._max_pad > 0 or self.cache.holes or self.cache.window is not None
         out, moved = sparq_attention(q, K[:, :, :S], V[:, :, :S], bias[..., :S] if masked else None, scale, o.r, o.k,
                                      Kt, v_mean, o.local_window)
         self.transfers += moved

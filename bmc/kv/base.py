@@ -8,6 +8,12 @@ Rows are left-padded: every row writes the same column `length`; a row's prompt 
 beyond `length` are hidden by an additive bias of finfo.min (never by softmax over zeros). The bias is one
 [B, 1, 1, capacity] tensor kept up to date in place (one column write per step), reused by all layers.
 
+A sliding window (Mistral: a query at position p attends keys at positions in (p - window, p]) is the same bias:
+the cache keeps each column's position (`col_pos`, [B, capacity]), and `reserve` masks, in the kept bias, every
+column that has left the window of the forward's first query (positions only grow, so it never comes back);
+a forward of several queries (prefill, a verify tree) gets the rest per query in `attention_bias`. Positions,
+not column indices: speculative acceptance leaves masked holes, after which the two differ.
+
 Strategies differ only in how much capacity they allocate when they run out (`_grow_to`):
 iterative = exactly what is needed (a concat every token), upfront = the maximum length at once,
 bmc = the next multiple of r.
@@ -37,6 +43,7 @@ class KVCache(ABC):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         left_pad: Sequence[int] | None = None,
+        window: int | None = None,
     ) -> None:
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -55,6 +62,12 @@ class KVCache(ABC):
         self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
         self.allocations = 0  # times the cache grew: a new KV tensor allocated and the old one copied (the T)
         self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        # sliding window only: each column's position, and per row the last position that left the window
+        self.col_pos = torch.zeros((batch_size, 0), dtype=torch.long, device=self.device) if window else None
+        self.window_floor = torch.full((batch_size,), -1, dtype=torch.long, device=self.device) if window else None
 
     # ---- growth policy -------------------------------------------------------------------------
     @abstractmethod
@@ -69,9 +82,10 @@ class KVCache(ABC):
     def get_seq_length(self) -> int:
         return self.length
 
-    def reserve(self, num_new: int) -> None:
+    def reserve(self, num_new: int, positions: torch.Tensor | None = None) -> None:
         """Make room for `num_new` columns at `length` (allocating + copying if they do not fit) and open their
-        bias columns; rows' left padding stays masked. Called once per forward, before the layers run."""
+        bias columns; rows' left padding stays masked. Called once per forward, before the layers run.
+        `positions` ([B, num_new], the new tokens' positions) is required with a sliding window."""
         needed = self.length + num_new
         if needed > self.capacity:
             self._reallocate(self._grow_to(needed))
@@ -81,6 +95,8 @@ class KVCache(ABC):
         if start < self._max_pad:  # prompt padding columns (prefill only)
             idx = torch.arange(start, end, device=self.device)
             cols.masked_fill_((idx[None, :] < self.left_pad[:, None])[:, None, None, :], self.min_value)
+        if self.window is not None:
+            self._slide_window(start, end, positions)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([B, H_kv, t, d]) in place at columns [length, length + t); return the layer's
@@ -113,6 +129,9 @@ class KVCache(ABC):
             block = self.kv[:, :, :, :, start : start + num_new]
             moved = torch.gather(block, 4, src.view(1, 1, B, 1, m, 1).expand(L, two, B, H, m, d))
             self.kv[:, :, :, :, start : start + m].copy_(moved)
+            if self.col_pos is not None:
+                span = self.col_pos[:, start : start + num_new]
+                self.col_pos[:, start : start + m] = span.gather(1, src)
         cols = self.bias[:, 0, 0, start : start + num_new]
         cols.fill_(self.min_value)
         counts = torch.tensor([len(k) for k in keep], device=self.device)
@@ -136,6 +155,9 @@ class KVCache(ABC):
         self.kv = self.kv.index_select(2, rows)
         self.peak_bytes = max(self.peak_bytes, old + self.nbytes)  # both alive while the rows are copied
         self.bias = self.bias.index_select(0, rows)
+        if self.col_pos is not None:
+            self.col_pos = self.col_pos.index_select(0, rows)
+            self.window_floor = self.window_floor.index_select(0, rows)
         self.left_pad = self.left_pad.index_select(0, rows)
         self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
         self.batch_size = int(rows.numel())
@@ -149,7 +171,7 @@ class KVCache(ABC):
             out = self.bias.repeat(1, 1, num_new, 1)
             block = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
             out[:, 0, :, self.length : self.length + num_new] = block.masked_fill_(~visible, self.min_value)
-            return out
+            return self._window_queries(out, num_new)
         if num_new == 1:
             return self.bias
         start = self.length
@@ -157,7 +179,7 @@ class KVCache(ABC):
         c = torch.arange(self.capacity, device=self.device)[None, :] - start
         future = (c > q) & (c < num_new)  # later tokens of the same block; columns >= start+num_new already masked
         # masked_fill, not bias + causal: a padding column that is also a future one must stay finfo.min, not -inf
-        return self.bias.repeat(1, 1, num_new, 1).masked_fill_(future, self.min_value)
+        return self._window_queries(self.bias.repeat(1, 1, num_new, 1).masked_fill_(future, self.min_value), num_new)
 
     @property
     def nbytes(self) -> int:
@@ -172,24 +194,52 @@ class KVCache(ABC):
         assert self.bias.shape == (B, 1, 1, cap), "bias shape"
         assert 0 <= self.length <= cap, "length within capacity"
         assert torch.all(self.bias[..., self.length :] == self.min_value), "padding rows beyond length are masked"
-        col = torch.arange(self.length, device=self.device)
-        pad = (col[None, :] < self.left_pad[:, None])[:, None, None, :]
+        if self.col_pos is not None:
+            assert self.col_pos.shape == (B, cap), "one position per column"
         written = self.bias[..., : self.length]
         assert torch.all((written == 0) | (written == self.min_value)), "bias holds only 0 (visible) or min (masked)"
-        assert torch.all(written[pad] == self.min_value), "prompt padding is masked"
+        hidden = self._hidden_columns()
+        assert torch.all(written[hidden] == self.min_value), "prompt padding is masked, and so is what left the sliding window"
         if not self.holes:
-            assert torch.all(written[~pad] == 0), "written columns are visible"
+            assert torch.all(written[~hidden] == 0), "written columns are visible"
         assert torch.isfinite(self.kv).all(), "no NaN/inf in KV rows (padding rows are zero-filled)"
 
     # ---- internals -----------------------------------------------------------------------------
+    def _slide_window(self, start: int, end: int, positions: torch.Tensor | None) -> None:
+        """Record the new columns' positions and mask, in the kept bias, the earlier columns the forward's first
+        query no longer sees (position <= its position - window): no later query sees them either."""
+        if positions is None:
+            raise ValueError("a sliding-window cache needs the new tokens' positions in reserve()")
+        positions = positions.to(self.device, torch.long).expand(self.batch_size, end - start)
+        self.col_pos[:, start:end] = positions
+        self.window_floor = torch.maximum(self.window_floor, positions[:, 0] - self.window)
+        left = self.col_pos[:, :start] <= self.window_floor[:, None]
+        self.bias[:, 0, 0, :start].masked_fill_(left, self.min_value)
+
+    def _window_queries(self, bias: torch.Tensor, num_new: int) -> torch.Tensor:
+        """A forward's [B, 1, num_new, capacity] bias with each query's own window applied (the kept bias has the
+        first query's); unchanged without a window."""
+        if self.window is None or num_new == 1:
+            return bias
+        q_pos = self.col_pos[:, self.length : self.length + num_new]  # the queries are the new columns
+        left = self.col_pos[:, None, :] <= (q_pos - self.window)[:, :, None]  # [B, num_new, capacity]
+        return bias.masked_fill_(left[:, None], self.min_value)
+
     def _recount_holes(self) -> None:
         """After a crop or reorder that may have removed every hole: look again (only while the flag is set, so
         the plain decode path never pays this host sync), so integrity keeps its strict check and SparQ drops
         its bias once no written column is masked."""
         if self.holes:
-            col = torch.arange(self.length, device=self.device)
-            pad = (col[None, :] < self.left_pad[:, None])[:, None, None, :]
-            self.holes = bool((self.bias[..., : self.length] != 0).logical_and_(~pad).any())
+            self.holes = bool((self.bias[..., : self.length] != 0).logical_and_(~self._hidden_columns()).any())
+
+    def _hidden_columns(self) -> torch.Tensor:
+        """[B, 1, 1, length]: the written columns masked by design, not by a speculative hole: each row's prompt
+        padding and, with a sliding window, the columns that have left it."""
+        col = torch.arange(self.length, device=self.device)
+        hidden = col[None, :] < self.left_pad[:, None]
+        if self.col_pos is not None:
+            hidden = hidden | (self.col_pos[:, : self.length] <= self.window_floor[:, None])
+        return hidden[:, None, None, :]
 
     def _reallocate(self, new_capacity: int) -> None:
         """A new tensor of `new_capacity` columns holding the `length` written ones: columns beyond `length` are
@@ -201,6 +251,10 @@ class KVCache(ABC):
         new[:, :, :, :, keep:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
         bias[..., :keep].copy_(self.bias[..., :keep])
+        if self.col_pos is not None:
+            col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
+            col_pos[:, :keep].copy_(self.col_pos[:, :keep])
+            self.col_pos = col_pos
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
         self.kv, self.bias = new, bias
         self.allocations += 1

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .base import KVCache
 
 
@@ -12,10 +14,10 @@ class IterativeCache(KVCache):
     name = "iterative"
     keeps_padding = False
 
-    def reserve(self, num_new: int) -> None:
+    def reserve(self, num_new: int, positions: torch.Tensor | None = None) -> None:
         if self.capacity > self.length:  # rows a verify step rejected: crop them, then concatenate (HF crop + cat)
             self._reallocate(self.length + num_new)
-        super().reserve(num_new)
+        super().reserve(num_new, positions)
 
     def _grow_to(self, needed: int) -> int:
         return needed

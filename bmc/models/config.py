@@ -27,6 +27,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    # keys a query attends: positions in (q - sliding_window, q] (Mistral); None = the whole causal past
+    sliding_window: int | None = None
     # opt
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
@@ -81,6 +83,17 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """Mistral's window, which every layer attends with (transformers' MistralModel reads `sliding_window` alone,
+    `layer_types` included); Llama has none (transformers' LlamaModel ignores the field)."""
+    window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
 def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -90,6 +103,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
     if act != "silu":
         raise UnsupportedModelError(f"unsupported hidden_act {act!r} for a llama model (only silu)")
     theta, scaling = _rope(cfg)
+    window = _sliding_window(cfg)
     return ModelConfig(
         model_type=cfg["model_type"],
         vocab_size=int(cfg["vocab_size"]),
@@ -105,6 +119,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=window,
         activation="silu",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),

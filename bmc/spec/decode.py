@@ -68,7 +68,7 @@ class SpeculativeStep:
         t = 1 + tree.num_nodes
         visible, depth = tree_visibility(tree.parents)
         tokens = torch.cat([next_tok[:, None], tree.tokens], dim=1)
-        cache.reserve(t)
+        cache.reserve(t, pos[:, None] + depth)
         logits = model.net(tokens, pos[:, None] + depth, cache, attention, cache.attention_bias(t, visible),
                            all_logits=True)
         tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
