@@ -163,6 +163,54 @@ class KVCache(ABC):
         self.batch_size = int(rows.numel())
         self._recount_holes()
 
+    def regroup(self, keep: Sequence[int], joins: Sequence["KVCache"] = ()) -> None:
+        """Continuous batching's one copy: keep the batch rows `keep` (in that order), append every row of the
+        caches in `joins` (prefilled requests, each written up to its own `length`), and drop the leading columns
+        that no row reads (the padding every row has: the compaction). Rows stay right-aligned on one write
+        column: the new length is the longest row's and every other row is left-padded by the difference, so a
+        row that joined late wastes at most the columns of the oldest row still running. Capacity follows the
+        strategy's growth rule with room for one more token. One allocation and one copy of the written columns."""
+        keep_idx = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        parts = [(self, keep_idx)] + [(j, torch.arange(j.batch_size, device=self.device)) for j in joins]
+        spans = []  # per part: (first column any of its rows reads, its length)
+        for cache, rows in parts:
+            lead = int(cache.left_pad.index_select(0, rows).min()) if rows.numel() else cache.length
+            spans.append((lead, cache.length))
+        length = max((end - lead for lead, end in spans), default=0)
+        B = sum(int(rows.numel()) for _, rows in parts)
+        L, _, _, H, _, d = self.kv.shape
+        capacity = self._grow_to(length + 1)
+        kv = torch.zeros((L, 2, B, H, capacity, d), dtype=self.dtype, device=self.device)
+        bias = torch.full((B, 1, 1, capacity), self.min_value, dtype=self.dtype, device=self.device)
+        col_pos = torch.zeros((B, capacity), dtype=torch.long, device=self.device) if self.window else None
+        floors, pads, holes, b = [], [], False, 0
+        for (cache, rows), (lead, end) in zip(parts, spans):
+            n = int(rows.numel())
+            if n == 0:
+                continue
+            at = length - (end - lead)  # where the part's first read column lands
+            kv[:, :, b : b + n, :, at:length] = cache.kv[:, :, :, :, lead:end].index_select(2, rows)
+            bias[b : b + n, ..., at:length] = cache.bias[..., lead:end].index_select(0, rows)
+            pads.append(cache.left_pad.index_select(0, rows) - lead + at)
+            if col_pos is not None:
+                src = cache.col_pos[:, lead:end] if cache.col_pos is not None else (
+                    torch.arange(lead, end, device=self.device)[None, :] - cache.left_pad[:, None]).clamp(min=0)
+                col_pos[b : b + n, at:length] = src.index_select(0, rows)
+                floors.append(cache.window_floor.index_select(0, rows) if cache.window_floor is not None
+                              else torch.full((n,), -1, dtype=torch.long, device=self.device))
+            holes = holes or cache.holes
+            b += n
+        self.peak_bytes = max(self.peak_bytes, self.nbytes + kv.numel() * kv.element_size())
+        self.kv, self.bias, self.length, self.batch_size = kv, bias, length, B
+        self.left_pad = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.long, device=self.device)
+        self._max_pad = int(self.left_pad.max()) if B else 0
+        if col_pos is not None:
+            self.col_pos = col_pos
+            self.window_floor = torch.cat(floors) if floors else torch.zeros(0, dtype=torch.long, device=self.device)
+        self.holes = holes
+        self._recount_holes()
+        self.allocations += 1
+
     def attention_bias(self, num_new: int, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
         new block, or `visible` ([B, num_new, num_new] bool, e.g. a draft tree's ancestor mask); for one query it is

@@ -1,0 +1,350 @@
+"""Continuous batching over one BMC cache: requests join the running batch at step boundaries and leave when they
+finish or are cancelled, freeing their rows and KV.
+
+One `step()` reads straight through:
+  1. leave and join: finished and cancelled rows leave, prefilled requests join, in one `KVCache.regroup` (one
+     allocation and copy, which also drops the leading columns no row reads); at a chunk boundary with nothing
+     joining or leaving, the same regroup compacts before the cache grows;
+  2. decode: one token for every running row, in one forward over the batch cache (the native step on a CPU);
+  3. prefill: what is left of the token budget (`max_num_batched_tokens` minus the decode rows: decode first, as
+     vLLM and llama.cpp do) goes to admitted requests' prompts, oldest first, in chunks; a request whose prompt is
+     done samples its first token here and joins at the next step.
+
+Exactness: a request's prompt is prefilled as generate() prefills it alone (its own cache from `make_cache` for its
+own length, the same attention choice), in chunks only where it exceeds the budget; its rows then decode in the
+shared cache, where other rows' columns and padding are masked by the bias; sampling draws from the request's own
+generator over its own rows, so other requests never change its draws. Tests hold served tokens to generate()'s.
+
+Thread model: `step()` runs on one engine thread; `add()` and `abort()` may be called from any thread."""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import dense_attention
+from .engine import GenerationConfig, GenerationStats, eos_ids, make_cache, prefill_attention
+from .errors import BmcError, InvalidRequestError
+from .kernels.native import argmax
+from .kv import KVCache
+from .models import Model
+from .sampling import Sampler
+from .textstream import TextStream
+
+
+class QueueFullError(BmcError):
+    """The waiting queue is at its limit (the server answers 503 with Retry-After)."""
+
+
+@dataclass
+class TokenOutput:
+    """One generated token of one of a request's samples, handed to the request's `emit`."""
+
+    sample_index: int
+    token_id: int
+    text: str  # new printable text ("" while a multi-byte character or a possible stop string is pending)
+    finish_reason: str | None = None  # "stop" or "length" on the sample's last token
+    logprob: float | None = None  # log-probability of token_id under the model (when the request asked)
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+Emit = Callable[["TokenOutput | BaseException"], None]  # an exception ends the request with that error
+
+
+class Request:
+    """A prompt with its generation settings; `emit` is called on the engine thread for every token (and once
+    with an exception if the request fails)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], gen: GenerationConfig, emit: Emit, *, logprobs: int | None = None,
+                 request_id: str | None = None, device: torch.device | str = "cpu") -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        self.request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.prompt_ids, self.gen, self.emit, self.logprobs = prompt_ids, gen, emit, logprobs
+        self.sampler = Sampler(gen.sampling, torch.device(device))
+        self.arrival = time.monotonic()
+        self.admitted_at: float | None = None  # left the waiting queue (queue time = admitted_at - arrival)
+        self.cancelled = False
+        self.done = False  # every sample finished, or the request failed or was cancelled
+
+    @property
+    def num_samples(self) -> int:
+        return self.gen.num_samples
+
+
+@dataclass
+class _Prefill:
+    request: Request
+    cache: KVCache
+    done: int = 0  # prompt tokens prefilled so far
+
+
+@dataclass
+class _Row:
+    request: Request
+    sample_index: int
+    token: int  # the last sampled token: not in the cache yet, the next decode step's input
+    pos: int  # its position
+    count: int = 1  # tokens generated
+    text: TextStream | None = None
+    finish: str | None = None
+
+
+@dataclass
+class SchedulerCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+    finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
+
+
+class Scheduler:
+    def __init__(self, model: Model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None) -> None:
+        if max_num_seqs < 1:
+            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens <= max_num_seqs:
+            raise InvalidRequestError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs "
+                                      f"({max_num_seqs}): decode rows come first, prompts need the rest")
+        self.model, self.max_num_seqs, self.max_num_batched_tokens = model, max_num_seqs, max_num_batched_tokens
+        self.max_queue = max_queue
+        self.kv, self.r, self.T = kv, r, T
+        self.eos = eos_ids(model)
+        # The batch cache: T chosen for a full batch at the longest context; it starts with no rows.
+        self.cache = make_cache(model, GenerationConfig(kv=kv, r=r, T=T), max_num_seqs, model.max_context,
+                                [0] * max_num_seqs, GenerationStats())
+        self.cache.regroup([])
+        self.rows: list[_Row] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[_Prefill] = []
+        self.joining: list[tuple[_Prefill, list[_Row]]] = []
+        self.counters = SchedulerCounters()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()
+        self.wakeup = threading.Event()  # set when work arrives, for an engine thread that sleeps while idle
+
+    # ---- any thread --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request (it joins at a step boundary). Raises QueueFullError when max_queue requests wait."""
+        gen, P = request.gen, len(request.prompt_ids)
+        if P + gen.max_new_tokens > self.model.max_context:
+            raise InvalidRequestError(f"the prompt has {P} tokens; with max_tokens={gen.max_new_tokens} that is "
+                                      f"{P + gen.max_new_tokens} positions, beyond the model's context of "
+                                      f"{self.model.max_context}")
+        if request.num_samples > self.max_num_seqs:
+            raise InvalidRequestError(f"n={request.num_samples} exceeds the server's max_num_seqs={self.max_num_seqs}")
+        with self._lock:
+            if self.max_queue is not None and self.num_waiting >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+            self._inbox.append(request)
+        self.wakeup.set()
+
+    def abort(self, request: Request) -> None:
+        """Cancel a request: its rows and KV are freed at the next step boundary; it emits nothing more."""
+        request.cancelled = True
+        self.wakeup.set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not done: prefilling, joining or decoding."""
+        live = {id(r.request) for r in self.rows if not r.request.done}
+        live.update(id(p.request) for p in self.prefilling)
+        live.update(id(p.request) for p, _ in self.joining)
+        return len(live)
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes held: the batch cache and the caches of prompts being prefilled or about to join."""
+        own = sum(p.cache.nbytes for p in self.prefilling) + sum(p.cache.nbytes for p, _ in self.joining)
+        return self.cache.nbytes + own
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self.waiting or self.prefilling or self.joining or self._inbox)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        self._drop_cancelled()
+        self._leave_and_join()
+        if self.rows:
+            self._decode()
+        self._prefill(self.max_num_batched_tokens - len(self.rows))
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish_request(req, "abort")
+        for p in [p for p in self.prefilling if p.request.cancelled]:
+            self.prefilling.remove(p)
+            self._finish_request(p.request, "abort")
+        for p, rows in [j for j in self.joining if j[0].request.cancelled]:
+            self.joining.remove((p, rows))
+            self._finish_request(p.request, "abort")
+        for row in self.rows:
+            if row.request.cancelled and not row.request.done:
+                self._finish_request(row.request, "abort")
+
+    def _leave_and_join(self) -> None:
+        cache = self.cache
+        keep = [i for i, row in enumerate(self.rows) if row.finish is None and not row.request.done]
+        joins = [(p, [row for row in rows if row.finish is None]) for p, rows in self.joining]
+        joins = [(p, rows) for p, rows in joins if rows]
+        self.joining = []
+        at_boundary = cache.length + 1 > cache.capacity and keep and int(cache.left_pad.min()) > 0
+        if len(keep) == len(self.rows) and not joins and not at_boundary:
+            return
+        caches = []
+        for p, rows in joins:
+            if len(rows) > 1:  # the prompt's KV, one copy per sample still running
+                p.cache.reorder(torch.zeros(len(rows), dtype=torch.long, device=p.cache.device))
+            caches.append(p.cache)
+        cache.regroup(keep, caches)
+        self.rows = [self.rows[i] for i in keep] + [row for _, rows in joins for row in rows]
+
+    def _decode(self) -> None:
+        rows, dev = self.rows, self.model.device
+        tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=dev)
+        pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long, device=dev)
+        try:
+            self.cache.reserve(1, pos)
+            logits = self.model.net(tokens, pos, self.cache, dense_attention, self.cache.bias)[:, -1]
+            self.cache.commit(1)
+        except Exception as e:  # a failed batch step fails the requests in it, not the server
+            for req in {id(r.request): r.request for r in rows}.values():
+                self._fail(req, e)
+            self.rows = []
+            self.cache.regroup([])
+            return
+        self.counters.decode_steps += 1
+        self._sample_and_emit(logits, rows)
+
+    def _prefill(self, budget: int) -> None:
+        seats = self.max_num_seqs - len(self.rows) - sum(p.request.num_samples for p in self.prefilling) - sum(
+            len(rows) for _, rows in self.joining)
+        while self.waiting and self.waiting[0].num_samples <= seats:
+            req = self.waiting.popleft()
+            req.admitted_at = time.monotonic()
+            seats -= req.num_samples
+            P = len(req.prompt_ids)
+            cache = make_cache(self.model, req.gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
+            self.prefilling.append(_Prefill(req, cache))
+        for p in list(self.prefilling):
+            if budget <= 0:
+                break
+            req = p.request
+            t = min(budget, len(req.prompt_ids) - p.done)
+            budget -= t
+            try:
+                logits = self._prefill_chunk(p, t)
+            except Exception as e:
+                self.prefilling.remove(p)
+                self._fail(req, e)
+                continue
+            if p.done < len(req.prompt_ids):
+                continue
+            self.prefilling.remove(p)
+            self.counters.prompt_tokens += len(req.prompt_ids)
+            n = req.num_samples
+            rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
+                         text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None)
+                     for s in range(n)]
+            self._sample_and_emit(logits.expand(n, -1), rows, first=True)
+            if all(row.finish is not None for row in rows):  # max_tokens=1, or EOS / a stop string at once
+                self._finish_request(req, rows[-1].finish or "stop")
+            elif not req.done:
+                self.joining.append((p, rows))
+
+    def _prefill_chunk(self, p: _Prefill, t: int) -> torch.Tensor:
+        """Prefill the next t prompt tokens into the request's own cache (as generate() does); last logits [1, V]."""
+        dev, cache = self.model.device, p.cache
+        tokens = torch.tensor([p.request.prompt_ids[p.done : p.done + t]], dtype=torch.long, device=dev)
+        positions = torch.arange(p.done, p.done + t, device=dev)[None]
+        cache.reserve(t, positions)
+        logits = self.model.net(tokens, positions, cache, prefill_attention(dense_attention, cache, t),
+                                cache.attention_bias(t))
+        cache.commit(t)
+        p.done += t
+        self.counters.prefill_chunks += 1
+        return logits[:, -1]
+
+    def _sample_and_emit(self, logits: torch.Tensor, rows: list[_Row], first: bool = False) -> None:
+        """Next token of every row: greedy rows by one argmax, each sampling request by its own generator over its
+        own rows (in sample order, as generate() alone draws them); then stop checks and emission."""
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row.request), []).append(i)
+        ids = [0] * len(rows)
+        greedy = [i for i, row in enumerate(rows) if row.request.sampler.params.greedy]
+        if greedy:
+            picked = argmax(logits.index_select(0, torch.tensor(greedy, device=logits.device))).tolist()
+            for i, t in zip(greedy, picked):
+                ids[i] = t
+        for idx in groups.values():
+            req = rows[idx[0]].request
+            if not req.sampler.params.greedy:
+                picked = req.sampler(logits.index_select(0, torch.tensor(idx, device=logits.device))).tolist()
+                for i, t in zip(idx, picked):
+                    ids[i] = t
+        logprobs = {}
+        want = [i for i, row in enumerate(rows) if row.request.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits.index_select(0, torch.tensor(want, device=logits.device)).float(), dim=-1)
+            for j, i in enumerate(want):
+                k = rows[i].request.logprobs
+                top = torch.topk(lp[j], k) if k else None
+                logprobs[i] = (float(lp[j, ids[i]]),
+                               list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+        for i, row in enumerate(rows):
+            self._emit(row, ids[i], first, logprobs.get(i))
+
+    def _emit(self, row: _Row, tid: int, first: bool, logprob: tuple[float, list] | None) -> None:
+        req = row.request
+        if req.done:
+            return
+        if not first:
+            row.count += 1
+            row.pos += 1
+        row.token = tid
+        self.counters.generation_tokens += 1
+        gen = req.gen
+        finish = "stop" if (tid in self.eos and not gen.ignore_eos) else (
+            "length" if row.count >= gen.max_new_tokens else None)
+        text = ""
+        if row.text is not None:
+            try:
+                text, hit_stop = row.text.push(tid, final=finish is not None)
+            except Exception as e:
+                self._fail(req, e)
+                return
+            if hit_stop:
+                finish = "stop"
+        row.finish = finish
+        req.emit(TokenOutput(row.sample_index, tid, text, finish, *(logprob or (None, None))))
+        if finish is not None and not first and all(r.finish is not None for r in self.rows if r.request is req):
+            self._finish_request(req, finish)
+
+    def _finish_request(self, req: Request, reason: str) -> None:
+        if not req.done:
+            req.done = True
+            self.counters.finished[reason] += 1
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        if not req.done:
+            req.done = True
+            self.counters.finished["error"] += 1
+            req.emit(error)

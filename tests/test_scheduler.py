@@ -1,0 +1,236 @@
+"""The continuous-batching scheduler against generate() alone: requests that join at different steps, leave,
+are cancelled at every point of their life and of a chunk, prompts prefilled in chunks between decode steps;
+the batch cache's integrity after every step, and its rows and KV back to nothing when idle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bmc
+from bmc.engine import GenerationConfig
+from bmc.errors import InvalidRequestError
+from bmc.sampling import SamplingParams
+from bmc.scheduler import QueueFullError, Request, Scheduler, TokenOutput
+
+from .conftest import transformers  # noqa: F401
+
+PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14, 15, 16, 17, 18, 19, 20],
+           [7], [60, 61, 62, 63, 64]]
+
+
+class Collector:
+    """A request's emitted tokens per sample, its error, and the step each token came at."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+        self.finish: dict[int, str] = {}
+        self.error: BaseException | None = None
+        self.steps: list[int] = []
+        self.step = 0
+
+    def __call__(self, out: TokenOutput | BaseException) -> None:
+        if isinstance(out, BaseException):
+            self.error = out
+            return
+        assert out.sample_index not in self.finish, "a token after the sample's finish"
+        self.tokens.setdefault(out.sample_index, []).append(out.token_id)
+        self.text[out.sample_index] = self.text.get(out.sample_index, "") + out.text
+        self.steps.append(self.step)
+        if out.finish_reason:
+            self.finish[out.sample_index] = out.finish_reason
+
+
+def request(prompt, n_new: int, *, n: int = 1, temperature: float = 0.0, seed: int | None = None,
+            ignore_eos: bool = True, stop=()) -> tuple[Request, Collector]:
+    col = Collector()
+    gen = GenerationConfig(max_new_tokens=n_new, num_samples=n, ignore_eos=ignore_eos, stop=tuple(stop),
+                           sampling=SamplingParams(temperature=temperature, seed=seed))
+    return Request(list(prompt), gen, col), col
+
+
+def drive(sched: Scheduler, arrivals: dict[int, list[Request]], cancels: dict[int, list[Request]] | None = None,
+          collectors=(), max_steps: int = 400) -> int:
+    """Run steps, adding and cancelling requests at the given step numbers; check the cache after every step."""
+    cancels = cancels or {}
+    last = max([*arrivals, *cancels, 0])
+    for step in range(max_steps):
+        for col in collectors:
+            col.step = step
+        for req in arrivals.get(step, []):
+            sched.add(req)
+        for req in cancels.get(step, []):
+            sched.abort(req)
+        sched.step()
+        sched.cache.check_integrity()
+        assert len(sched.rows) == sched.cache.batch_size
+        if step >= last and not sched.has_work():
+            return step
+    raise AssertionError("the scheduler did not go idle")
+
+
+def alone(model, prompt, n_new: int, **kw) -> list[int]:
+    return bmc.generate(model, [list(prompt)], max_new_tokens=n_new, ignore_eos=True, **kw)[0].token_ids
+
+
+def assert_idle(sched: Scheduler) -> None:
+    assert sched.cache.batch_size == 0 and sched.cache.nbytes == 0 and sched.kv_bytes == 0
+    assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+@pytest.mark.parametrize("budget", [64, 6], ids=["whole-prompts", "chunked-prefill"])
+@pytest.mark.parametrize("kv", ["bmc", "upfront", "iterative"])
+def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=budget, kv=kv, r=4 if kv == "bmc" else None)
+    lengths = [14, 6, 9, 11, 3]
+    reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
+    arrivals = {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]}
+    drive(sched, arrivals, collectors=[c for _, c in reqs])
+    for (req, col), p, n in zip(reqs, PROMPTS, lengths):
+        assert col.error is None
+        assert col.tokens == {0: alone(model, p, n)}, (kv, p)
+        assert col.finish == {0: "length"}
+    assert_idle(sched)
+    assert sched.counters.finished["length"] == len(reqs)
+
+
+def test_chunked_prefill_does_not_stop_running_rows(gqa_dir):
+    """A 40-token prompt arriving under a 6-token budget takes several steps to prefill; the running request
+    gets a token at every one of them."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=6)
+    long_prompt = list(range(20, 60))
+    (a, ca), (b, cb) = request(PROMPTS[0], 20), request(long_prompt, 4)
+    drive(sched, {0: [a], 3: [b]}, collectors=[ca, cb])
+    assert cb.tokens == {0: alone(model, long_prompt, 4)} and ca.tokens == {0: alone(model, PROMPTS[0], 20)}
+    first_b = cb.steps[0]
+    assert first_b >= 3 + 40 // 5 - 1  # the prompt took several chunks ...
+    assert set(range(3, first_b + 1)) <= set(ca.steps)  # ... and `a` decoded at every step meanwhile
+
+
+@pytest.mark.parametrize("at", range(0, 12))
+def test_cancel_at_every_point(gqa_dir, at):
+    """Cancel the middle request at each step of its life (waiting, prefilling in chunks, joining, decoding,
+    across a chunk boundary of r = 4): it emits nothing after, the others are untouched, everything is freed."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=4, r=4)
+    reqs = [request(PROMPTS[0], 10), request(PROMPTS[2], 12), request(PROMPTS[4], 6)]
+    arrivals = {0: [reqs[0][0]], 1: [reqs[1][0], reqs[2][0]]}
+    victim, vcol = reqs[1]
+    drive(sched, arrivals, cancels={at: [victim]}, collectors=[c for _, c in reqs])
+    assert all(s <= at for s in vcol.steps)
+    assert vcol.error is None
+    for (req, col), p, n in [(reqs[0], PROMPTS[0], 10), (reqs[2], PROMPTS[4], 6)]:
+        assert col.tokens == {0: alone(model, p, n)}
+    assert_idle(sched)
+    assert sched.counters.finished["abort"] + sched.counters.finished["length"] == 3
+
+
+def test_compaction_drops_the_columns_of_rows_that_left(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=64, r=4)
+    (a, ca), (b, cb) = request(list(range(10, 50)), 6), request([3, 4], 30)
+    sched.add(a)
+    sched.add(b)
+    widths = []
+    for _ in range(40):
+        sched.step()
+        sched.cache.check_integrity()
+        widths.append((sched.cache.batch_size, sched.cache.length))
+        if not sched.has_work():
+            break
+    assert ca.tokens == {0: alone(model, list(range(10, 50)), 6)} and cb.tokens == {0: alone(model, [3, 4], 30)}
+    # while both run the short row is padded to the long one's 40+ columns; once `a` left, b's cache holds its own
+    # 2 + generated columns only
+    assert any(B == 2 and length > 40 for B, length in widths)
+    alone_b = [length for B, length in widths if B == 1]
+    assert alone_b and alone_b[0] < 12
+
+
+def test_samples_with_a_seed_equal_generate_alone(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=5, max_num_batched_tokens=32)
+    (a, ca), (b, cb) = request(PROMPTS[0], 10, n=3, temperature=0.9, seed=7), request(PROMPTS[1], 12)
+    drive(sched, {0: [b], 2: [a]}, collectors=[ca, cb])
+    want = bmc.generate(model, [PROMPTS[0]], max_new_tokens=10, ignore_eos=True, num_samples=3, temperature=0.9,
+                        seed=7, share_prefix="off")
+    assert ca.tokens == {c.sample_index: c.token_ids for c in want}
+    assert len({tuple(t) for t in ca.tokens.values()}) > 1  # the samples differ
+    assert cb.tokens == {0: alone(model, PROMPTS[1], 12)}
+
+
+def test_stop_strings_eos_and_text_equal_generate(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    text = "the quick brown fox"
+    ref = bmc.generate(model, [text], max_new_tokens=16, ignore_eos=True)[0]
+    stop = ref.text[4:7] if len(ref.text) > 8 else ref.text[-2:]
+    want = bmc.generate(model, [text], max_new_tokens=16, stop=stop)[0]
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=16)
+    (a, ca) = request(model.tokenizer.encode(text), 16, ignore_eos=False, stop=[stop])
+    (b, cb) = request(PROMPTS[2], 5)
+    drive(sched, {0: [b], 1: [a]}, collectors=[ca, cb])
+    assert ca.tokens[0] == want.token_ids and ca.text[0] == want.text and ca.finish[0] == want.finish_reason
+
+
+def test_sliding_window_model_under_the_scheduler(tmp_path):
+    from .test_sliding_window import make_mistral
+
+    model = bmc.load(str(make_mistral(tmp_path / "m", 5)))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=8, r=4)
+    reqs = [request(p, 12) for p in PROMPTS[:3]]
+    drive(sched, {0: [reqs[0][0]], 3: [reqs[1][0]], 4: [reqs[2][0]]}, collectors=[c for _, c in reqs])
+    for (_, col), p in zip(reqs, PROMPTS):
+        assert col.tokens == {0: alone(model, p, 12)}
+    assert_idle(sched)
+
+
+def test_admission_errors_and_queue_limit(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=8, max_queue=1)
+    with pytest.raises(InvalidRequestError, match="context"):
+        sched.add(request([5] * 100, model.max_context)[0])
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        sched.add(request([5], 3, n=3)[0])
+    sched.add(request([5], 3)[0])
+    with pytest.raises(QueueFullError):
+        sched.add(request([6], 3)[0])
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+        Scheduler(model, max_num_seqs=8, max_num_batched_tokens=8)
+
+
+def test_a_failing_request_fails_alone(gqa_dir, monkeypatch):
+    """An exception inside one request's prefill ends that request with the error; the others finish."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=32)
+    (a, ca), (bad, cbad), (c, cc) = request(PROMPTS[0], 8), request(PROMPTS[1], 8), request(PROMPTS[2], 8)
+    real = sched._prefill_chunk
+
+    def chunk(p, t):
+        if p.request is bad:
+            raise RuntimeError("boom")
+        return real(p, t)
+
+    monkeypatch.setattr(sched, "_prefill_chunk", chunk)
+    drive(sched, {0: [a], 1: [bad, c]}, collectors=[ca, cbad, cc])
+    assert isinstance(cbad.error, RuntimeError) and not cbad.tokens
+    assert ca.tokens == {0: alone(model, PROMPTS[0], 8)} and cc.tokens == {0: alone(model, PROMPTS[2], 8)}
+    assert sched.counters.finished["error"] == 1
+    assert_idle(sched)
+
+
+def test_logprobs_are_the_models(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=32)
+    got: list[TokenOutput] = []
+    gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    sched.add(Request(list(PROMPTS[0]), gen, got.append, logprobs=2))
+    drive(sched, {})
+    with torch.inference_mode():
+        ids = PROMPTS[0] + [o.token_id for o in got[:-1]]
+        logits = transformers.AutoModelForCausalLM.from_pretrained(gqa_dir, dtype=torch.float32)(
+            torch.tensor([ids])).logits[0, len(PROMPTS[0]) - 1:]
+    lp = torch.log_softmax(logits, -1)
+    for i, o in enumerate(got):
+        assert o.logprob == pytest.approx(float(lp[i, o.token_id]), abs=1e-4)
+        assert [t for t, _ in o.top_logprobs] == lp[i].topk(2).indices.tolist()
