@@ -142,7 +142,7 @@ class Scheduler:
         if request.num_samples > self.max_num_seqs:
             raise InvalidRequestError(f"n={request.num_samples} exceeds the server's max_num_seqs={self.max_num_seqs}")
         with self._lock:
-            if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            if self.max_queue is not None and self.num_waiting - self.free_seats >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
             self._inbox.append(request)
         self.wakeup.set()
@@ -157,6 +157,13 @@ class Scheduler:
         return len(self.waiting) + len(self._inbox)
 
     @property
+    def free_seats(self) -> int:
+        """Rows not taken by running, prefilling or joining requests (read from any thread: a snapshot)."""
+        taken = len(self.rows) + sum(p.request.num_samples for p in self.prefilling) + sum(
+            len(rows) for _, rows in self.joining)
+        return max(0, self.max_num_seqs - taken)
+
+    @property
     def num_running(self) -> int:
         """Requests admitted and not done: prefilling, joining or decoding."""
         live = {id(r.request) for r in self.rows if not r.request.done}
@@ -169,6 +176,20 @@ class Scheduler:
         """KV bytes held: the batch cache and the caches of prompts being prefilled or about to join."""
         own = sum(p.cache.nbytes for p in self.prefilling) + sum(p.cache.nbytes for p, _ in self.joining)
         return self.cache.nbytes + own
+
+    def fail_all(self, error: BaseException) -> None:
+        """An unexpected error outside any one request: every request in the scheduler fails with it, the batch
+        cache is emptied, and the scheduler takes new requests again."""
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        live = [*self.waiting, *(p.request for p in self.prefilling), *(p.request for p, _ in self.joining),
+                *(r.request for r in self.rows)]
+        self.waiting.clear()
+        self.prefilling, self.joining, self.rows = [], [], []
+        self.cache.regroup([])
+        for req in {id(r): r for r in live}.values():
+            self._fail(req, error)
 
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting or self.prefilling or self.joining or self._inbox)
@@ -234,8 +255,7 @@ class Scheduler:
         self._sample_and_emit(logits, rows)
 
     def _prefill(self, budget: int) -> None:
-        seats = self.max_num_seqs - len(self.rows) - sum(p.request.num_samples for p in self.prefilling) - sum(
-            len(rows) for _, rows in self.joining)
+        seats = self.free_seats
         while self.waiting and self.waiting[0].num_samples <= seats:
             req = self.waiting.popleft()
             req.admitted_at = time.monotonic()

@@ -1,0 +1,104 @@
+"""bmc-serve: an OpenAI-compatible server (completions, chat completions, SSE streaming, /health, /metrics) with
+continuous batching on the BMC cache. Default model: the embedded SmolLM2-135M-Instruct."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+import torch
+
+from ..kv import KV_STRATEGIES
+from .common import fail, physical_cores
+
+MAX_THREADS = 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bmc-serve", description=__doc__)
+    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model file's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="rows decoded together at most (default 8)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens per step: every decode row first, then prompt chunks in what is left (default 256); "
+                   "smaller keeps running streams smoother while a long prompt joins, larger prefills faster")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests waiting for a row at most; more are answered 503 with Retry-After (default: no limit)")
+    p.add_argument("--api-key", default=os.environ.get("BMC_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $BMC_API_KEY; /health is open)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
+    p.add_argument("--r", type=int, help="BMC chunk size in rows")
+    p.add_argument("--T", type=int, help="BMC number of allocations over the model's context (r = ceil(N / T))")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are cut (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        fail(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    if args.max_num_seqs < 1:
+        fail(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.max_num_batched_tokens <= args.max_num_seqs:
+        fail(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must exceed --max-num-seqs "
+             f"({args.max_num_seqs}): decode rows come first, prompts need the rest")
+    if args.max_queue is not None and args.max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.r is not None and args.T is not None:
+        fail("give --r or --T, not both")
+    for name in ("r", "T"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1")
+    if args.timeout_graceful_shutdown < 0:
+        fail("--timeout-graceful-shutdown must be >= 0")
+    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
+        fail(f"model path does not exist: {args.model}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    try:
+        import uvicorn
+
+        from ..server import ServeOptions, build_app
+    except ImportError as e:
+        fail(f"bmc-serve needs {e.name}, a dependency of bmc: run scripts/setup.sh again")
+    torch.set_num_threads(args.threads or physical_cores())
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
+                        api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, dtype=args.dtype,
+                        device=args.device)
+    app = build_app(opts)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+    state = app.state.bmc
+
+    def stop() -> None:
+        server.should_exit = True
+
+    state.on_load_error = stop
+    # uvicorn drains on SIGTERM, then restores the handler it found and raises the signal again; with this no-op
+    # handler found, a drained server exits 0 (a service manager's clean stop) instead of dying of the signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    if state.load_error is not None:
+        fail(f"could not load the model: {state.load_error}")
+    if not server.started:
+        sys.exit(1)  # uvicorn said why (e.g. the port is taken)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""bmc-serve's FastAPI app: OpenAI routes (completions, chat completions, models), SSE streaming, /health and
+/metrics over the continuous-batching scheduler. No model code here: the scheduler runs on its own thread
+(server/engine.py) and this module only translates between HTTP and its requests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import GenerationConfig
+from ..errors import BmcError, InvalidRequestError
+from ..models import Model
+from ..scheduler import QueueFullError, Scheduler, TokenOutput
+from .engine import EngineThread, RequestGroup
+from .metrics import ServerMetrics
+from .protocol import APIError, ParsedRequest, bad, parse_request
+
+log = logging.getLogger("bmc.server")
+
+
+@dataclass
+class ServeOptions:
+    model: str | None = None  # HF directory or GGUF file; None = the embedded default model
+    served_model_name: str | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    max_queue: int | None = None
+    api_key: str | None = None
+    kv: str = "bmc"
+    r: int | None = None
+    T: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def default_served_name(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+class ServerState:
+    """The model, scheduler and engine thread once loaded (in the background: /health is 503 until then)."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.opts = opts
+        self.model: Model | None = None
+        self.scheduler: Scheduler | None = None
+        self.engine: EngineThread | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_error = lambda: None  # the CLI stops the server: a server that cannot load should not run
+        self.name = opts.served_model_name or "bmc"
+        self.metrics: ServerMetrics | None = None
+        self.created = int(time.time())
+
+    def load(self) -> None:
+        from .. import load
+
+        try:
+            o = self.opts
+            model = load(o.model, dtype=o.dtype, device=o.device)
+            self.name = o.served_model_name or default_served_name(model.path)
+            scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
+                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T)
+            metrics = ServerMetrics(self.name)
+            metrics.bind(lambda: scheduler.num_running, lambda: scheduler.num_waiting, lambda: scheduler.kv_bytes,
+                         lambda: scheduler.cache.batch_size)
+            self.engine = EngineThread(scheduler)
+            self.engine.start()
+            self.model, self.scheduler, self.metrics = model, scheduler, metrics
+            log.info("model %s loaded: %s layers, context %d; serving as %r", model.path, model.config.num_layers,
+                     model.max_context, self.name)
+        except BaseException as e:
+            self.load_error = e
+            log.error("could not load the model: %s", e)
+            self.on_load_error()
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and self.engine is not None and self.engine.alive
+
+    def require_ready(self) -> tuple[Model, Scheduler, ServerMetrics]:
+        if not self.ready:
+            raise APIError(503, "the model is still loading" if self.load_error is None and self.engine is None
+                           else "the engine is not running", headers={"Retry-After": "1"})
+        return self.model, self.scheduler, self.metrics  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def build_app(opts: ServeOptions) -> FastAPI:
+    state = ServerState(opts)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threading.Thread(target=state.load, name="bmc-load", daemon=True).start()
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="bmc-serve", lifespan=lifespan)
+    app.state.bmc = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if state.metrics is not None:
+            state.metrics.errors.labels(state.name, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if opts.api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {opts.api_key}":
+                return JSONResponse(APIError(401, "invalid or missing API key (Authorization: Bearer ...)").body(),
+                                    status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ok"})
+        status = "loading" if state.engine is None and state.load_error is None else "error"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model, _, _ = state.require_ready()
+        return JSONResponse({"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
+                                                         "owned_by": "bmc", "max_model_len": model.max_context}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, chat=True)
+
+    async def serve(request: Request, chat: bool) -> Response:
+        model, scheduler, metrics = state.require_ready()
+        arrival = time.monotonic()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"the request body is not valid JSON: {e}") from None
+        try:
+            parsed = parse_request(body, model, state.name, chat=chat, max_num_seqs=opts.max_num_seqs,
+                                   server_gen=GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T))
+        except BmcError as e:  # a tokenizer or prompt check below the protocol layer
+            raise bad(str(e)) from None
+        group = RequestGroup(scheduler, asyncio.get_running_loop())
+        try:
+            group.submit(parsed.prompts, parsed.gen, parsed.logprobs)
+        except QueueFullError as e:
+            raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
+        except InvalidRequestError as e:
+            raise bad(str(e)) from None
+        run = Run(group, parsed, model, state.name, metrics, arrival)
+        if parsed.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.ensure_future(run.collect())
+        try:
+            while True:  # race the generation against the client leaving (vLLM's with_cancellation)
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return JSONResponse(task.result())
+                if await request.is_disconnected():
+                    task.cancel()
+                    group.abort()
+                    return Response(status_code=499)
+        finally:
+            if not task.done():
+                task.cancel()
+            group.abort()
+
+    return app
+
+
+class Run:
+    """The outputs of one HTTP request as they arrive: its choices' text, token counts and metrics."""
+
+    def __init__(self, group: RequestGroup, parsed: ParsedRequest, model: Model, name: str, metrics: ServerMetrics,
+                 arrival: float) -> None:
+        self.group, self.p, self.model, self.name, self.metrics = group, parsed, model, name, metrics
+        self.arrival, self.created = arrival, int(time.time())
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+        self.n = parsed.gen.num_samples
+        self.total = len(parsed.prompts) * self.n
+        self.finished: dict[int, str] = {}
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+        self.last_at: dict[int, float] = {}
+        self.prefilled: set[int] = set()
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.p.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
+
+    async def outputs(self) -> AsyncIterator[tuple[int, TokenOutput]]:
+        """(choice index, output) until every choice finished; raises the request's error if it failed."""
+        m, label = self.metrics, self.name
+        while len(self.finished) < self.total:
+            prompt_index, out = await self.group.queue.get()
+            if isinstance(out, BaseException):
+                m.request_success.labels(label, "error").inc()
+                raise out
+            now = time.monotonic()
+            index = prompt_index * self.n + out.sample_index
+            if self.first_token_at is None:
+                self.first_token_at = now
+                m.ttft.labels(label).observe(now - self.arrival)
+            if prompt_index not in self.prefilled:
+                self.prefilled.add(prompt_index)
+                m.prompt_tokens.labels(label).inc(len(self.p.prompts[prompt_index]))
+                req = self.group.requests[prompt_index]
+                if req.admitted_at is not None:
+                    m.queue.labels(label).observe(max(0.0, req.admitted_at - req.arrival))
+            if index in self.last_at:
+                m.itl.labels(label).observe(now - self.last_at[index])
+            self.last_at[index] = now
+            self.completion_tokens += 1
+            m.generation_tokens.labels(label).inc()
+            if out.finish_reason is not None:
+                self.finished[index] = out.finish_reason
+                m.request_success.labels(label, out.finish_reason).inc()
+            yield index, out
+        m.e2e.labels(label).observe(time.monotonic() - self.arrival)
+
+    # ---- logprobs in the two OpenAI shapes ------------------------------------------------------
+    def _token_text(self, tid: int) -> str:
+        tok = self.model.tokenizer
+        return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
+
+    def _chat_logprob(self, out: TokenOutput) -> dict[str, Any]:
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            s = self._token_text(tid)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return dict(entry(out.token_id, out.logprob), top_logprobs=[entry(t, lp) for t, lp in out.top_logprobs or []])
+
+    def _add_completion_logprob(self, acc: dict[str, list], out: TokenOutput, offset: int) -> None:
+        acc["tokens"].append(self._token_text(out.token_id))
+        acc["token_logprobs"].append(out.logprob)
+        acc["top_logprobs"].append({self._token_text(t): lp for t, lp in out.top_logprobs or []})
+        acc["text_offset"].append(offset)
+
+    # ---- non-streaming --------------------------------------------------------------------------
+    async def collect(self) -> dict[str, Any]:
+        text: dict[int, str] = {i: "" for i in range(self.total)}
+        lps: dict[int, Any] = {}
+        try:
+            async for index, out in self.outputs():
+                if self.p.logprobs is not None:
+                    if self.p.chat:
+                        lps.setdefault(index, {"content": []})["content"].append(self._chat_logprob(out))
+                    else:
+                        acc = lps.setdefault(index, {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                     "text_offset": []})
+                        self._add_completion_logprob(acc, out, len(text[index]))
+                text[index] += out.text
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(500, f"the request failed: {type(e).__name__}: {e}") from None
+        choices = []
+        for i in range(self.total):
+            c: dict[str, Any] = {"index": i, "logprobs": lps.get(i), "finish_reason": self.finished.get(i)}
+            if self.p.chat:
+                c["message"] = {"role": "assistant", "content": text[i]}
+            else:
+                c["text"] = text[i]
+            choices.append(c)
+        return {"id": self.id, "object": "chat.completion" if self.p.chat else "text_completion",
+                "created": self.created, "model": self.name, "choices": choices, "usage": self.usage}
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
+                                "created": self.created, "model": self.name, "choices": choices}
+        if self.p.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        """data: chunks, an error event if the request fails, a usage chunk if asked, then data: [DONE]. A client
+        that leaves cancels this generator: `finally` aborts its requests (their rows are freed at the next step)."""
+        try:
+            if self.p.chat:
+                for i in range(self.total):
+                    yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+            offsets: dict[int, int] = {}
+            try:
+                async for index, out in self.outputs():
+                    if not out.text and out.finish_reason is None and self.p.logprobs is None:
+                        continue  # a pending multi-byte character or possible stop string: nothing to show yet
+                    lp = None
+                    if self.p.logprobs is not None:
+                        if self.p.chat:
+                            lp = {"content": [self._chat_logprob(out)]}
+                        else:
+                            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                            self._add_completion_logprob(lp, out, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(out.text)
+                    c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": out.finish_reason}
+                    if self.p.chat:
+                        c["delta"] = {"content": out.text} if out.text else {}
+                    else:
+                        c["text"] = out.text
+                    yield self._chunk([c])
+            except Exception as e:
+                err = APIError(500, f"the request failed: {type(e).__name__}: {e}")
+                yield f"data: {json.dumps(err.body())}\n\n"
+            else:
+                if self.p.include_usage:
+                    yield self._chunk([], self.usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.group.abort()

@@ -1,0 +1,82 @@
+"""The scheduler on its own thread, and the bridge that hands its tokens to asyncio handlers.
+
+torch releases the GIL inside its kernels and the native step, so HTTP parsing, tokenization and SSE writing on
+the event loop run beside the decode steps instead of between them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from ..engine import GenerationConfig
+from ..scheduler import Request, Scheduler, TokenOutput
+
+log = logging.getLogger("bmc.server")
+
+
+class EngineThread:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="bmc-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self.scheduler.wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        s = self.scheduler
+        while not self._stopping:
+            if not s.has_work():
+                s.wakeup.wait(0.5)
+                s.wakeup.clear()
+                continue
+            try:
+                s.step()
+            except Exception as e:  # outside any one request: fail those in flight, keep serving
+                log.exception("engine step failed")
+                s.fail_all(e)
+
+
+class RequestGroup:
+    """The bmc requests of one HTTP request (one per prompt), whose outputs arrive on one asyncio queue as
+    (prompt_index, TokenOutput | exception)."""
+
+    def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler, self.loop = scheduler, loop
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.requests: list[Request] = []
+
+    def _emitter(self, prompt_index: int):
+        def emit(out: TokenOutput | BaseException) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt_index, out))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+        return emit
+
+    def submit(self, prompts: list[list[int]], gen: GenerationConfig, logprobs: int | None) -> None:
+        """Queue every prompt; if one is refused (queue full, too long) the ones already queued are aborted."""
+        try:
+            for i, ids in enumerate(prompts):
+                req = Request(ids, gen, self._emitter(i), logprobs=logprobs, device=self.scheduler.model.device)
+                self.scheduler.add(req)
+                self.requests.append(req)
+        except Exception:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for req in self.requests:
+            if not req.done:
+                self.scheduler.abort(req)

@@ -1,0 +1,86 @@
+"""A real bmc-serve process on a free 127.0.0.1 port, for the server tests: started, polled until /health answers
+200 (bounded), and stopped by SIGTERM (killed if it does not exit in time)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: Sequence[str], *, startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/bmc-serve-test-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bmc.cli.serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self.health_codes: list[int] = []
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bmc-serve exited with {self.proc.returncode}: {self.output()}")
+            try:
+                code = httpx.get(self.url + "/health", timeout=2).status_code
+                self.health_codes.append(code)
+                if code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"bmc-serve did not become healthy in {startup_timeout} s: {self.output()}")
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-3000:]
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait for the exit code (SIGKILL after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        self.terminate(30.0)
+        self.log.close()
+
+    def metric(self, name: str) -> float:
+        """A gauge or counter's value summed over its label sets, from /metrics."""
+        total, found = 0.0, False
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(name)
+        return total
+
+    def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.metric(name)
+            if got == value or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
