@@ -174,7 +174,7 @@ def decode_time_split(model: Model, prompts: list[list[int]], gen_len: int, kv: 
 
     native = model.net.native_decoder()
     saved = KVCache.reserve, KVCache.update, ATTENTION_BACKENDS["dense"]
-    KVCache.reserve = timed(saved[0], "kv_update_s", lambda self, n: n == 1)  # type: ignore[method-assign]
+    KVCache.reserve = timed(saved[0], "kv_update_s", lambda self, n, *a: n == 1)  # type: ignore[method-assign]
     if native is not None:  # the native step writes K/V and attends itself, timed inside
         native.set_profiling(True)
     else:
