@@ -336,3 +336,38 @@ def test_holes_flag_cleared_once_crop_or_reorder_removes_them():
     cache.reorder(torch.tensor([1]))  # the row with the hole dropped
     assert not cache.holes
     cache.check_integrity()
+
+
+def visible_rows(cache: KVCache) -> list[torch.Tensor]:
+    """Each row's visible K/V columns in order ([L, 2, H, n, d] per row): what its attention reads."""
+    out = []
+    for b in range(cache.batch_size):
+        cols = (cache.bias[b, 0, 0, : cache.length] == 0).nonzero().flatten()
+        out.append(cache.kv[:, :, b].index_select(3, cols))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(KV_STRATEGIES))
+def test_regroup_keeps_rows_joins_caches_and_compacts(name: str) -> None:
+    """Rows kept in a new order, rows of other caches appended, all right-aligned on one write column with the
+    leading columns no row reads dropped; every row reads exactly what it read before, and writes go on."""
+    big = make(name, batch_size=3, max_length=40, left_pad=[4, 0, 2])
+    fill(big, steps=6, first=9)  # rows hold 5, 9 and 7 prompt columns + 6 decoded
+    small = make(name, batch_size=1, max_length=40)
+    fill(small, steps=0, first=3)
+    long = make(name, batch_size=2, max_length=40, left_pad=[0, 1])
+    fill(long, steps=1, first=20)
+    before = visible_rows(big)
+    big.regroup([2, 0], [small, long])  # row 1 (the longest) leaves
+    big.check_integrity()
+    after = visible_rows(big)
+    assert big.batch_size == 5 and big.length == 21  # the longest row now: long's first, 21 columns
+    for got, want in zip(after, [before[2], before[0], *visible_rows(small), *visible_rows(long)]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert big.capacity >= big.length + 1
+    fill(big, steps=2, first=1)  # the batch decodes on
+    big.regroup([1], [])  # only row 0's 11 columns (5 + 6) are left: the rest is dropped
+    assert big.batch_size == 1 and big.length == 5 + 6 + 3 and int(big.left_pad[0]) == 0
+    big.check_integrity()
+    big.regroup([], [])
+    assert big.batch_size == 0 and big.nbytes == 0
