@@ -103,6 +103,8 @@ class SchedulerCounters:
     generation_tokens: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    joins_in_place: int = 0  # requests that took a retired slot (one row copied)
+    regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -122,7 +124,7 @@ class Scheduler:
         self.cache = make_cache(model, GenerationConfig(kv=kv, r=r, T=T), max_num_seqs, model.max_context,
                                 [0] * max_num_seqs, GenerationStats())
         self.cache.regroup([])
-        self.rows: list[_Row] = []
+        self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []
         self.joining: list[tuple[_Prefill, list[_Row]]] = []
@@ -159,14 +161,14 @@ class Scheduler:
     @property
     def free_seats(self) -> int:
         """Rows not taken by running, prefilling or joining requests (read from any thread: a snapshot)."""
-        taken = len(self.rows) + sum(p.request.num_samples for p in self.prefilling) + sum(
+        taken = len(self.live_rows) + sum(p.request.num_samples for p in self.prefilling) + sum(
             len(rows) for _, rows in self.joining)
         return max(0, self.max_num_seqs - taken)
 
     @property
     def num_running(self) -> int:
         """Requests admitted and not done: prefilling, joining or decoding."""
-        live = {id(r.request) for r in self.rows if not r.request.done}
+        live = {id(r.request) for r in self.live_rows if not r.request.done}
         live.update(id(p.request) for p in self.prefilling)
         live.update(id(p.request) for p, _ in self.joining)
         return len(live)
@@ -184,15 +186,19 @@ class Scheduler:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
         live = [*self.waiting, *(p.request for p in self.prefilling), *(p.request for p, _ in self.joining),
-                *(r.request for r in self.rows)]
+                *(r.request for r in self.live_rows)]
         self.waiting.clear()
         self.prefilling, self.joining, self.rows = [], [], []
         self.cache.regroup([])
         for req in {id(r): r for r in live}.values():
             self._fail(req, error)
 
+    @property
+    def live_rows(self) -> list[_Row]:
+        return [r for r in self.rows if r is not None]
+
     def has_work(self) -> bool:
-        return bool(self.rows or self.waiting or self.prefilling or self.joining or self._inbox)
+        return bool(self.live_rows or self.waiting or self.prefilling or self.joining or self._inbox)
 
     # ---- the engine thread ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -202,7 +208,7 @@ class Scheduler:
             self._inbox.clear()
         self._drop_cancelled()
         self._leave_and_join()
-        if self.rows:
+        if self.live_rows:
             self._decode()
         self._prefill(self.max_num_batched_tokens - len(self.rows))
 
@@ -216,43 +222,73 @@ class Scheduler:
         for p, rows in [j for j in self.joining if j[0].request.cancelled]:
             self.joining.remove((p, rows))
             self._finish_request(p.request, "abort")
-        for row in self.rows:
+        for row in self.live_rows:
             if row.request.cancelled and not row.request.done:
                 self._finish_request(row.request, "abort")
 
     def _leave_and_join(self) -> None:
+        """Rows that finished or were cancelled are retired in place (no copy); prefilled requests take retired
+        slots in place (one row's columns copied) when they fit the batch's length. A full regroup (one copy of the
+        batch) runs only when a join does not fit (no free slot, or a prompt longer than the batch), when slots
+        are free and no request is on its way to fill them, or at a chunk boundary with leading columns that no
+        row reads (the compaction)."""
         cache = self.cache
-        keep = [i for i, row in enumerate(self.rows) if row.finish is None and not row.request.done]
+        leaving = [i for i, r in enumerate(self.rows) if r is not None and (r.finish is not None or r.request.done)]
+        if leaving:
+            cache.retire(leaving)
+            for i in leaving:
+                self.rows[i] = None
         joins = [(p, [row for row in rows if row.finish is None]) for p, rows in self.joining]
-        joins = [(p, rows) for p, rows in joins if rows]
         self.joining = []
-        at_boundary = cache.length + 1 > cache.capacity and keep and int(cache.left_pad.min()) > 0
-        if len(keep) == len(self.rows) and not joins and not at_boundary:
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        overflow: list[tuple[_Prefill, list[_Row]]] = []
+        for p, rows in joins:
+            if not rows:
+                continue
+            width = p.cache.length - int(p.cache.left_pad[0])
+            if len(free) < len(rows) or width > cache.length:
+                overflow.append((p, rows))
+                continue
+            for row in rows:  # each sample gets its own copy of the prompt's KV
+                slot = free.pop(0)
+                cache.place(slot, p.cache)
+                self.rows[slot] = row
+            self.counters.joins_in_place += 1
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        idle_slots = len(live) < len(self.rows) and not (self.waiting or self.prefilling)
+        at_boundary = (cache.length + 1 > cache.capacity and bool(live)
+                       and int(cache.left_pad.index_select(0, torch.tensor(live)).min()) > 0)
+        if not (overflow or idle_slots or at_boundary):
             return
         caches = []
-        for p, rows in joins:
+        for p, rows in overflow:
             if len(rows) > 1:  # the prompt's KV, one copy per sample still running
                 p.cache.reorder(torch.zeros(len(rows), dtype=torch.long, device=p.cache.device))
             caches.append(p.cache)
-        cache.regroup(keep, caches)
-        self.rows = [self.rows[i] for i in keep] + [row for _, rows in joins for row in rows]
+        cache.regroup(live, caches)
+        self.counters.regroups += 1
+        self.rows = [self.rows[i] for i in live] + [row for _, rows in overflow for row in rows]
 
     def _decode(self) -> None:
         rows, dev = self.rows, self.model.device
-        tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=dev)
-        pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long, device=dev)
+        # a retired slot computes a token no one reads (position 0) until a join fills it or a regroup drops it
+        tokens = torch.tensor([[r.token if r else 0] for r in rows], dtype=torch.long, device=dev)
+        pos = torch.tensor([[r.pos if r else 0] for r in rows], dtype=torch.long, device=dev)
         try:
             self.cache.reserve(1, pos)
             logits = self.model.net(tokens, pos, self.cache, dense_attention, self.cache.bias)[:, -1]
             self.cache.commit(1)
         except Exception as e:  # a failed batch step fails the requests in it, not the server
-            for req in {id(r.request): r.request for r in rows}.values():
+            for req in {id(r.request): r.request for r in rows if r is not None}.values():
                 self._fail(req, e)
             self.rows = []
             self.cache.regroup([])
             return
         self.counters.decode_steps += 1
-        self._sample_and_emit(logits, rows)
+        live = [i for i, r in enumerate(rows) if r is not None]
+        if len(live) < len(rows):
+            logits = logits.index_select(0, torch.tensor(live, device=logits.device))
+        self._sample_and_emit(logits, [rows[i] for i in live])
 
     def _prefill(self, budget: int) -> None:
         seats = self.free_seats
@@ -311,7 +347,9 @@ class Scheduler:
         ids = [0] * len(rows)
         greedy = [i for i, row in enumerate(rows) if row.request.sampler.params.greedy]
         if greedy:
-            picked = argmax(logits.index_select(0, torch.tensor(greedy, device=logits.device))).tolist()
+            every = len(greedy) == len(rows)  # the usual case: no copy of the logits
+            picked = argmax(logits if every else logits.index_select(0, torch.tensor(greedy, device=logits.device)))
+            picked = picked.tolist()
             for i, t in zip(greedy, picked):
                 ids[i] = t
         for idx in groups.values():
@@ -355,7 +393,7 @@ class Scheduler:
                 finish = "stop"
         row.finish = finish
         req.emit(TokenOutput(row.sample_index, tid, text, finish, *(logprob or (None, None))))
-        if finish is not None and not first and all(r.finish is not None for r in self.rows if r.request is req):
+        if finish is not None and not first and all(r.finish is not None for r in self.live_rows if r.request is req):
             self._finish_request(req, finish)
 
     def _finish_request(self, req: Request, reason: str) -> None:

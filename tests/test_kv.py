@@ -371,3 +371,27 @@ def test_regroup_keeps_rows_joins_caches_and_compacts(name: str) -> None:
     big.check_integrity()
     big.regroup([], [])
     assert big.batch_size == 0 and big.nbytes == 0
+
+
+@pytest.mark.parametrize("name", sorted(KV_STRATEGIES))
+def test_retire_then_place_reuses_a_slot_in_place(name: str) -> None:
+    batch = make(name, batch_size=3, max_length=40, left_pad=[0, 3, 1])
+    fill(batch, steps=4, first=10)
+    before = visible_rows(batch)
+    batch.retire([1])
+    batch.check_integrity()
+    assert visible_rows(batch)[1].shape[3] == 0  # the retired row reads nothing
+    fill(batch, steps=2, first=1)  # the slot keeps decoding junk that only it reads
+    new = make(name, batch_size=1, max_length=40)
+    fill(new, steps=0, first=6)
+    kv = batch.kv
+    assert batch.place(1, new)
+    batch.check_integrity()
+    assert batch.kv is kv  # nothing reallocated: the row was written in place
+    torch.testing.assert_close(visible_rows(batch)[1], visible_rows(new)[0], rtol=0, atol=0)
+    for b in (0, 2):  # the other rows read what they read before, plus their own new columns
+        torch.testing.assert_close(visible_rows(batch)[b][..., : before[b].shape[3], :], before[b], rtol=0, atol=0)
+    too_long = make(name, batch_size=1, max_length=40)
+    fill(too_long, steps=0, first=batch.length + 1)
+    batch.retire([0])
+    assert not batch.place(0, too_long)  # more columns than the batch: a regroup re-aligns instead

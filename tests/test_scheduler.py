@@ -93,6 +93,7 @@ def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
         assert col.finish == {0: "length"}
     assert_idle(sched)
     assert sched.counters.finished["length"] == len(reqs)
+    assert sched.counters.joins_in_place >= 1  # a request took a finished one's slot without moving the batch
 
 
 def test_chunked_prefill_does_not_stop_running_rows(gqa_dir):

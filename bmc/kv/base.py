@@ -163,6 +163,36 @@ class KVCache(ABC):
         self.batch_size = int(rows.numel())
         self._recount_holes()
 
+    def retire(self, rows: Sequence[int]) -> None:
+        """Rows whose requests left, without a copy: every written column of theirs becomes left padding. The slot
+        stays in the tensor (its later columns are written and read by no one) until `place` fills it with a new
+        request or `regroup` drops it."""
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        self.bias[idx, :, :, : self.length] = self.min_value
+        self.left_pad[idx] = self.length
+        self._max_pad = self.length if len(rows) else self._max_pad
+
+    def place(self, row: int, src: "KVCache", src_row: int = 0) -> bool:
+        """Write row `src_row` of `src` (a prefilled request) into batch row `row` (a retired slot), right-aligned on
+        the write column: one row's columns copied, nothing else moved. False when it has more columns than the
+        batch's length (then `regroup` re-aligns every row)."""
+        lead = int(src.left_pad[src_row])
+        n = src.length - lead
+        if n > self.length:
+            return False
+        at, end = self.length - n, self.length
+        self.kv[:, :, row, :, at:end] = src.kv[:, :, src_row, :, lead : src.length]
+        self.bias[row, ..., :at] = self.min_value
+        self.bias[row, ..., at:end] = src.bias[src_row, ..., lead : src.length]
+        self.left_pad[row] = at + int(src.left_pad[src_row]) - lead
+        self._max_pad = int(self.left_pad.max())
+        if self.col_pos is not None:
+            self.col_pos[row, at:end] = src.col_pos[src_row, lead : src.length] if src.col_pos is not None else (
+                torch.arange(lead, src.length, device=self.device) - src.left_pad[src_row]).clamp(min=0)
+            self.window_floor[row] = src.window_floor[src_row] if src.window_floor is not None else -1
+        self.holes = self.holes or src.holes
+        return True
+
     def regroup(self, keep: Sequence[int], joins: Sequence["KVCache"] = ()) -> None:
         """Continuous batching's one copy: keep the batch rows `keep` (in that order), append every row of the
         caches in `joins` (prefilled requests, each written up to its own `length`), and drop the leading columns
@@ -180,7 +210,8 @@ class KVCache(ABC):
         B = sum(int(rows.numel()) for _, rows in parts)
         L, _, _, H, _, d = self.kv.shape
         capacity = self._grow_to(length + 1)
-        kv = torch.zeros((L, 2, B, H, capacity, d), dtype=self.dtype, device=self.device)
+        kv = torch.empty((L, 2, B, H, capacity, d), dtype=self.dtype, device=self.device)
+        kv[:, :, :, :, length:].zero_()  # padding must be finite (0 * NaN garbage would poison attention) ...
         bias = torch.full((B, 1, 1, capacity), self.min_value, dtype=self.dtype, device=self.device)
         col_pos = torch.zeros((B, capacity), dtype=torch.long, device=self.device) if self.window else None
         floors, pads, holes, b = [], [], False, 0
@@ -189,7 +220,9 @@ class KVCache(ABC):
             if n == 0:
                 continue
             at = length - (end - lead)  # where the part's first read column lands
-            kv[:, :, b : b + n, :, at:length] = cache.kv[:, :, :, :, lead:end].index_select(2, rows)
+            kv[:, :, b : b + n, :, :at].zero_()  # ... and so must the left padding; the rest is overwritten
+            for i, src in enumerate(rows.tolist()):  # row by row: one strided copy each, no gathered temporary
+                kv[:, :, b + i, :, at:length].copy_(cache.kv[:, :, src, :, lead:end])
             bias[b : b + n, ..., at:length] = cache.bias[..., lead:end].index_select(0, rows)
             pads.append(cache.left_pad.index_select(0, rows) - lead + at)
             if col_pos is not None:
