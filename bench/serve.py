@@ -209,7 +209,7 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
             gguf = f32_gguf(model.path, os.path.join(args.work_dir, "model-f32.gguf"))
             cmd = [args.llama_server, "-m", gguf, "--port", "{port}", "--host", "127.0.0.1", "-t", threads, "-tb",
                    threads, "-np", str(args.max_num_seqs), "-c", str(args.max_num_seqs * args.context_per_slot),
-                   "-b", str(args.max_num_batched_tokens), "--no-cache-prompt", "--no-warmup", "-cb"]
+                   "-b", str(args.max_num_batched_tokens), "--no-cache-prompt", "-cb", "-no-kvu"]
             # llama-server has no ignore_eos field: a logit bias keeps EOS from ending the stream
             out.append(Engine("llama.cpp", cmd, extra={"logit_bias": [[e, False] for e in eos],
                                                        "cache_prompt": False}))

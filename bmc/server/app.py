@@ -170,7 +170,7 @@ def build_app(opts: ServeOptions) -> FastAPI:
                                    server_gen=GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T))
         except BmcError as e:  # a tokenizer or prompt check below the protocol layer
             raise bad(str(e)) from None
-        group = RequestGroup(scheduler, asyncio.get_running_loop())
+        group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
             group.submit(parsed.prompts, parsed.gen, parsed.logprobs)
         except QueueFullError as e:
@@ -305,6 +305,22 @@ class Run:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    def _stream_event(self, index: int, out: TokenOutput, offsets: dict[int, int]) -> str:
+        lp = None
+        if self.p.logprobs is not None:
+            if self.p.chat:
+                lp = {"content": [self._chat_logprob(out)]}
+            else:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                self._add_completion_logprob(lp, out, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(out.text)
+        c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": out.finish_reason}
+        if self.p.chat:
+            c["delta"] = {"content": out.text} if out.text else {}
+        else:
+            c["text"] = out.text
+        return self._chunk([c])
+
     async def sse(self) -> AsyncIterator[str]:
         """data: chunks, an error event if the request fails, a usage chunk if asked, then data: [DONE]. A client
         that leaves cancels this generator: `finally` aborts its requests (their rows are freed at the next step)."""
@@ -314,30 +330,21 @@ class Run:
                     yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])
             offsets: dict[int, int] = {}
+            pending: list[str] = []  # the events of one engine step go out in one write
             try:
                 async for index, out in self.outputs():
-                    if not out.text and out.finish_reason is None and self.p.logprobs is None:
-                        continue  # a pending multi-byte character or possible stop string: nothing to show yet
-                    lp = None
-                    if self.p.logprobs is not None:
-                        if self.p.chat:
-                            lp = {"content": [self._chat_logprob(out)]}
-                        else:
-                            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                            self._add_completion_logprob(lp, out, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(out.text)
-                    c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": out.finish_reason}
-                    if self.p.chat:
-                        c["delta"] = {"content": out.text} if out.text else {}
-                    else:
-                        c["text"] = out.text
-                    yield self._chunk([c])
+                    # nothing to show for a pending multi-byte character or possible stop string (unless logprobs)
+                    if out.text or out.finish_reason is not None or self.p.logprobs is not None:
+                        pending.append(self._stream_event(index, out, offsets))
+                    if pending and self.group.queue.empty():
+                        yield "".join(pending)
+                        pending = []
             except Exception as e:
                 err = APIError(500, f"the request failed: {type(e).__name__}: {e}")
-                yield f"data: {json.dumps(err.body())}\n\n"
+                pending.append(f"data: {json.dumps(err.body())}\n\n")
             else:
                 if self.p.include_usage:
-                    yield self._chunk([], self.usage)
-            yield "data: [DONE]\n\n"
+                    pending.append(self._chunk([], self.usage))
+            yield "".join(pending) + "data: [DONE]\n\n"
         finally:
             self.group.abort()

@@ -15,9 +15,40 @@ from ..scheduler import Request, Scheduler, TokenOutput
 log = logging.getLogger("bmc.server")
 
 
+class Mailbox:
+    """The outputs of one engine step, handed to the event loop in one call: one wake-up of the HTTP side per
+    step instead of one per token and row (each is a self-pipe write and a loop iteration taking CPU from the
+    step's threads)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = []
+
+    def post(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+        self.items.append((loop, queue, item))
+
+    def flush(self) -> None:
+        if not self.items:
+            return
+        items, self.items = self.items, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue, item in items:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
 class EngineThread:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.mailbox = Mailbox()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bmc-engine", daemon=True)
 
@@ -46,23 +77,21 @@ class EngineThread:
             except Exception as e:  # outside any one request: fail those in flight, keep serving
                 log.exception("engine step failed")
                 s.fail_all(e)
+            self.mailbox.flush()
 
 
 class RequestGroup:
     """The bmc requests of one HTTP request (one per prompt), whose outputs arrive on one asyncio queue as
     (prompt_index, TokenOutput | exception)."""
 
-    def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
-        self.scheduler, self.loop = scheduler, loop
+    def __init__(self, engine: EngineThread, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler, self.mailbox, self.loop = engine.scheduler, engine.mailbox, loop
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.requests: list[Request] = []
 
     def _emitter(self, prompt_index: int):
-        def emit(out: TokenOutput | BaseException) -> None:
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt_index, out))
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
+        def emit(out: TokenOutput | BaseException) -> None:  # on the engine thread, inside a step
+            self.mailbox.post(self.loop, self.queue, (prompt_index, out))
         return emit
 
     def submit(self, prompts: list[list[int]], gen: GenerationConfig, logprobs: int | None) -> None:
