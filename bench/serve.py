@@ -41,6 +41,7 @@ class RequestResult:
     latency: float = 0.0
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    chunk_at: list[float] = field(default_factory=list)  # perf_counter() of each streamed chunk
     error: str = ""
 
     @property
@@ -50,6 +51,15 @@ class RequestResult:
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
                       extra: dict[str, Any]) -> RequestResult:
+    res = await _one_request(client, url, model, prompt, max_tokens, extra)
+    if not res.ok and res.error.startswith("RemoteProtocolError"):
+        # a kept-alive connection the server had closed (llama-server does): nothing was sent, send it again
+        res = await _one_request(client, url, model, prompt, max_tokens, extra)
+    return res
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                       extra: dict[str, Any]) -> RequestResult:
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, **extra)
     t0 = time.perf_counter()
     last = t0
@@ -67,6 +77,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 if not data.get("choices"):
                     continue
                 now = time.perf_counter()
+                res.chunk_at.append(now)
                 if chunks == 0:
                     res.ttft = now - t0
                 else:
@@ -116,6 +127,27 @@ async def open_loop(url: str, model: str, prompts: list[str], lengths: list[int]
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - t0
+
+
+async def join_scenario(url: str, model_name: str, prompts: list[str], long_prompt: str, output_len: int,
+                        join_after: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """Running streams, then one long prompt joins: the running rows' inter-token latency while it is prefilled
+    (from its arrival to its first token) against theirs before it arrived."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        tasks = [asyncio.create_task(one_request(client, url, model_name, p, output_len, extra)) for p in prompts]
+        await asyncio.sleep(join_after)
+        t_join = time.perf_counter()
+        joiner = await one_request(client, url, model_name, long_prompt, 8, extra)
+        t_first = t_join + joiner.ttft
+        running = await asyncio.gather(*tasks)
+    before = [itl for r in running for t, itl in zip(r.chunk_at[1:], r.itls) if t < t_join]
+    during = [itl for r in running for t, itl in zip(r.chunk_at[1:], r.itls) if t_join <= t <= t_first + 0.5]
+    if not before or not during or any(r.chunk_at[-1] < t_first for r in running):
+        return {"error": "the running streams ended before the long prompt's first token: raise --output-len"}
+    unloaded = percentiles(before)["p50"]
+    p99 = percentiles(during)["p99"]
+    return {"streams": len(prompts), "long_prompt_ttft_s": joiner.ttft, "unloaded_itl_p50_s": unloaded,
+            "itl_p99_during_join_s": p99, "itl_max_during_join_s": max(during), "ratio_p99_to_unloaded": p99 / unloaded}
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -268,6 +300,13 @@ def run_engine(engine: Engine, args: argparse.Namespace, model: Any) -> dict[str
         url, name, extra = engine.url, engine.model_name, engine.extra
         warm = random_prompts(model, 2, 16, 16, 99)
         asyncio.run(closed_loop(url, name, warm, [8, 8], 2, extra))
+        if args.scenario == "join":
+            prompts = random_prompts(model, args.clients, args.input_len, args.input_len, 21)
+            long_prompt = random_prompts(model, 1, 1500, 1500, 22)[0]
+            res["scenario"] = asyncio.run(join_scenario(url, name, prompts, long_prompt, args.output_len,
+                                                        args.join_after, extra))
+            print(f"{engine.name:>10} join: {res['scenario']}", flush=True)
+            return res
         if args.scenario == "seed004":
             n = args.num_prompts or 4 * args.clients
             prompts = random_prompts(model, n, 1000, 1500, 4)
@@ -363,7 +402,10 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--request-rates", default="", help="open loop: comma list of requests/s")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per run (default: 2 x concurrency, >= 8)")
-    p.add_argument("--scenario", choices=["seed004"], help="seed 004's load: --clients back to back with pauses")
+    p.add_argument("--scenario", choices=["seed004", "join"],
+                   help="seed004: --clients back to back with pauses, prompts 1000-1500, 100-200 generated; join: "
+                   "--clients streams running, then a 1500-token prompt joins (their ITL while it is prefilled)")
+    p.add_argument("--join-after", type=float, default=3.0, help="join: seconds before the long prompt arrives")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--pause", type=float, default=1.0, help="seed004: random pause up to this many seconds")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")

@@ -50,9 +50,8 @@ def metric(url: str, name: str) -> float:
 
 
 async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: argparse.Namespace,
-              stats: dict[str, Any]) -> None:
-    roll = rng.random()
-    if roll < args.malformed:
+              stats: dict[str, Any], kind: str) -> None:
+    if kind == "malformed":
         what, body = rng.choice(MALFORMED)
         r = await client.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
         ok = 400 <= r.status_code < 500 and "error" in r.json()
@@ -61,14 +60,17 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: arg
         if not ok:
             stats["failures"].append(f"malformed {what}: {r.status_code} {r.text[:120]}")
         return
-    cancel = roll < args.malformed + args.cancel
+    cancel = kind == "cancel"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, args.max_prompt_words)))
-    max_tokens = rng.randint(1, args.max_tokens)
+    max_tokens = rng.randint(4 if cancel else 1, args.max_tokens)
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": rng.choice([0.0, 0.0, 0.7]), "seed": rng.randint(0, 1000)}
     if rng.random() < 0.2:
         body["n"] = 2
-    stop_after = rng.randint(1, max(1, max_tokens)) if cancel else None
+    # a cancelled stream leaves after 1 .. max_tokens - 1 chunks (logprobs: one chunk per token, none held back)
+    stop_after = rng.randint(1, max_tokens - 1) if cancel else None
+    if cancel:
+        body["logprobs"] = 0
     chunks, done = 0, False
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -101,6 +103,9 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: arg
 async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
     stats: dict[str, Any] = {"completed": 0, "cancelled": 0, "malformed": 0, "malformed_wrong": 0, "failures": []}
     rng = random.Random(args.seed)
+    n_bad, n_cancel = round(args.requests * args.malformed), round(args.requests * args.cancel)
+    kinds = ["malformed"] * n_bad + ["cancel"] * n_cancel + ["plain"] * (args.requests - n_bad - n_cancel)
+    rng.shuffle(kinds)  # exact shares, in random order
     left = args.requests
     rss: list[tuple[int, int]] = []
 
@@ -108,7 +113,7 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str,
         nonlocal left
         while left > 0:
             left -= 1
-            await one(client, url, rng, args, stats)
+            await one(client, url, rng, args, stats, kinds[left])
             done = args.requests - left
             if pid is not None and done % 50 == 0:
                 rss.append((done, rss_kib(pid)))

@@ -123,12 +123,14 @@ class Scheduler:
         # The batch cache: T chosen for a full batch at the longest context; it starts with no rows.
         self.cache = make_cache(model, GenerationConfig(kv=kv, r=r, T=T), max_num_seqs, model.max_context,
                                 [0] * max_num_seqs, GenerationStats())
+        self.cache.keep_spare = True  # joins, leaves and growth copy into the last buffer: no fresh pages
         self.cache.regroup([])
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []
         self.joining: list[tuple[_Prefill, list[_Row]]] = []
         self.counters = SchedulerCounters()
+        self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
         self._inbox: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
         self.wakeup = threading.Event()  # set when work arrives, for an engine thread that sleeps while idle
@@ -177,7 +179,8 @@ class Scheduler:
     def kv_bytes(self) -> int:
         """KV bytes held: the batch cache and the caches of prompts being prefilled or about to join."""
         own = sum(p.cache.nbytes for p in self.prefilling) + sum(p.cache.nbytes for p, _ in self.joining)
-        return self.cache.nbytes + own
+        spare = self.cache.spare.numel() * self.cache.spare.element_size() if self.cache.spare is not None else 0
+        return self.cache.nbytes + spare + own
 
     def fail_all(self, error: BaseException) -> None:
         """An unexpected error outside any one request: every request in the scheduler fails with it, the batch
@@ -206,11 +209,16 @@ class Scheduler:
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
+        t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
+        t1 = time.perf_counter()
         if self.live_rows:
             self._decode()
+        t2 = time.perf_counter()
         self._prefill(self.max_num_batched_tokens - len(self.rows))
+        self.last_step = {"leave_join_s": t1 - t0, "decode_s": t2 - t1, "prefill_s": time.perf_counter() - t2,
+                          "rows": len(self.rows), "columns": self.cache.length}
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:

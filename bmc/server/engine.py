@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from ..engine import GenerationConfig
 from ..scheduler import Request, Scheduler, TokenOutput
 
 log = logging.getLogger("bmc.server")
+SLOW_STEP_S = 0.25  # steps slower than this are logged at debug level with their phases
 
 
 class Mailbox:
@@ -49,6 +51,7 @@ class EngineThread:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.mailbox = Mailbox()
+        self.on_step: Callable[[float], None] = lambda seconds: None  # the server's step-time histogram
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bmc-engine", daemon=True)
 
@@ -72,12 +75,17 @@ class EngineThread:
                 s.wakeup.wait(0.5)
                 s.wakeup.clear()
                 continue
+            t0 = time.perf_counter()
             try:
                 s.step()
             except Exception as e:  # outside any one request: fail those in flight, keep serving
                 log.exception("engine step failed")
                 s.fail_all(e)
             self.mailbox.flush()
+            took = time.perf_counter() - t0
+            self.on_step(took)
+            if took > SLOW_STEP_S:
+                log.debug("slow step %.0f ms: %s", took * 1e3, s.last_step)
 
 
 class RequestGroup:

@@ -38,6 +38,9 @@ class ServerMetrics:
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue = Histogram("bmc:request_queue_time_seconds", "Time waiting before admission", label,
                                buckets=REQUEST_BUCKETS, registry=r)
+        self.step = Histogram("bmc:engine_step_seconds", "Scheduler steps: leave/join, one decode step, prefill chunks",
+                              label, buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                                              2.0, 5.0), registry=r)
         self.errors = Counter("bmc:request_errors", "Requests that failed, by HTTP status", label + ["status"],
                               registry=r)
 
