@@ -445,7 +445,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1, default=str)
-    if result["runs"]:
+    if any(r["closed_loop"] or r["open_loop"] for r in result["runs"]):  # scenarios are tables: JSON only
         plot(result, out[:-5] + ".png")
     print(f"wrote {out}", flush=True)
 
