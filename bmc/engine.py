@@ -1,4 +1,8 @@
-"""The generation loop: prefill, then one decode step per token, yielding tokens as they come.
+"""The generation loop of generate(): one function per phase, read in order in generate_tokens at the bottom:
+check_length -> prefill (prefill_common_prefix for a leading part common to all prompts; the fork of each prompt
+to its samples) -> repeat: emit_tokens (events and stop checks) -> Rows.keep (finished rows leave) -> decode_step
+or the speculative step -> finish_stats. The server's scheduler (scheduler.py) reuses make_cache,
+prefill_attention and eos_ids so that a served request is prefilled exactly as here.
 
 A decode step reads straight through: the cache makes room (a chunk boundary allocates and copies, once every r
 tokens) -> the model computes q, k, v for the new token and writes k, v in place -> attention over the cache's
@@ -9,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 import torch
 
@@ -256,12 +260,31 @@ def prefill_attention(attention: AttentionFn, cache: KVCache, num_new: int) -> A
     return attention
 
 
-@torch.inference_mode()
-def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
-                    stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
-    """The core loop. Rows are (prompt, sample) pairs; each prompt is prefilled once and forked to its samples."""
-    stats = stats if stats is not None else GenerationStats()
-    dev, net = model.device, model.net
+@dataclass
+class Rows:
+    """What the decode loop carries, row b of each tensor being batch row b: the KV cache, the attention that reads
+    it (through the shared-prefix segments when there are some), backend state that follows the cache's rows
+    (SparQ's K copy), and each row's next token and its position."""
+
+    cache: KVCache
+    attention: AttentionFn
+    prefix: SharedPrefix | None
+    stateful: Any
+    pos: torch.Tensor
+    next_tok: torch.Tensor | None = None
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep batch rows `idx` (finished rows leave the batch)."""
+        self.cache.reorder(idx)
+        if self.prefix is not None:
+            self.prefix.reorder(idx)
+        if self.stateful is not None:
+            self.stateful.reorder(idx)
+        self.next_tok, self.pos = self.next_tok.index_select(0, idx), self.pos.index_select(0, idx)
+
+
+def check_length(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig) -> int:
+    """The run's maximum length N (longest prompt + max_new_tokens), refused beyond the model's context."""
     P = max(len(p) for p in prompt_ids)
     max_length = P + gen.max_new_tokens
     if max_length > model.max_context:
@@ -269,43 +292,48 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         raise InvalidRequestError(
             f"prompt {longest} has {P} tokens; with max_new_tokens={gen.max_new_tokens} that is {max_length} "
             f"positions, beyond the model's context of {model.max_context}")
-    sampler = Sampler(gen.sampling, dev)
-    stop_ids = set() if gen.ignore_eos else eos_ids(model)
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    return max_length
 
+
+def prefill_common_prefix(model: Model, tokens: list[int], n_prompts: int) -> SharedPrefix:
+    """A leading part common to all prompts (a system prompt, few-shot examples), prefilled and stored once and read
+    by every row as one GEMM (bifurcated attention / Hydragen)."""
+    cfg, dev, common = model.config, model.device, len(tokens)
+    head = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, max_length=common, dtype=model.dtype, device=dev)
+    head.reserve(common)
+    model.net(torch.tensor([tokens], device=dev), torch.arange(common, device=dev)[None], head,
+              prefill_attention(dense_attention, head, common), head.attention_bias(common))
+    head.commit(common)
+    return SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
+
+
+def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, max_length: int,
+            stats: GenerationStats) -> tuple[Rows, torch.Tensor]:
+    """Prefill every prompt once, left-padded into one batch, and fork each to its samples: the rows and the last
+    logits of each. With sharing, the common leading part is stored once for the batch and each prompt's KV once
+    for its samples (a suffix cache then holds the generated tokens only)."""
+    cfg, dev = model.config, model.device
     n_prompts, n = len(prompt_ids), gen.num_samples
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     # A shared segment is attended by rows at different positions through one bias: a sliding window that a run
     # can pass would need a bias per row there, so such runs keep every row's KV to itself (exact, not shared).
     sharing = (gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
-               and window_in_reach(model.config, max_length) is None)
-    # A leading part common to all prompts (a system prompt, few-shot examples) is prefilled and stored once and
-    # read by every row as one GEMM (bifurcated attention / Hydragen); each prompt keeps at least one own token.
+               and window_in_reach(cfg, max_length) is None)
     common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
-    common = common if common >= MIN_SHARED_PREFIX else 0
-    root: SharedPrefix | None = None
-    t0 = time.perf_counter()
-    if common:
-        head = KV_STRATEGIES["upfront"](
-            num_layers=model.config.num_layers, batch_size=1, num_kv_heads=model.config.num_kv_heads,
-            head_dim=model.config.head_dim, max_length=common, dtype=model.dtype, device=dev)
-        head.reserve(common)
-        net(torch.tensor([prompt_ids[0][:common]], device=dev), torch.arange(common, device=dev)[None], head,
-            prefill_attention(dense_attention, head, common), head.attention_bias(common))
-        head.commit(common)
-        root = SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
+    common = common if common >= MIN_SHARED_PREFIX else 0  # each prompt keeps at least one own token
+    root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts) if common else None
     own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
     P_own = max(len(p) for p in own)
     left_pad = [P_own - len(p) for p in own]
-    # Samples of one prompt share its KV: prefill into an exact-size cache that becomes a shared segment, and
-    # give the rows a suffix cache for the generated tokens only.
-    share = n > 1 and sharing
+    share = n > 1 and sharing  # samples of one prompt read its KV from an exact-size cache: a shared segment
     if share:
         cache: KVCache = KV_STRATEGIES["upfront"](
-            num_layers=model.config.num_layers, batch_size=n_prompts, num_kv_heads=model.config.num_kv_heads,
-            head_dim=model.config.head_dim, max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad)
+            num_layers=cfg.num_layers, batch_size=n_prompts, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad)
     else:
         cache = make_cache(model, gen, n_prompts, P_own + gen.max_new_tokens, left_pad, stats)
-    attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, model.config.group_size)
+    attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, cfg.group_size)
     stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
@@ -314,8 +342,9 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     positions = common + (torch.arange(P_own, device=dev)[None, :] - pads[:, None]).clamp(min=0)
 
     cache.reserve(P_own, positions)
-    logits = net(tokens, positions, cache, root.attention if root else prefill_attention(attention, cache, P_own),
-                 cache.attention_bias(P_own))
+    logits = model.net(tokens, positions, cache,
+                       root.attention if root else prefill_attention(attention, cache, P_own),
+                       cache.attention_bias(P_own))
     cache.commit(P_own)
     prefix: SharedPrefix | None = root
     pos = (cache.length - cache.left_pad).clone() + common  # next position per batch row
@@ -334,86 +363,120 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     if prefix is not None:
         attention = prefix.attention
         stats.prefix_kv_bytes, stats.prefix_groups, stats.shared_common_tokens = prefix.nbytes, prefix.num_groups, common
-    next_tok = sampler(logits[:, -1])
-    if dev.type == "cuda":
+    return Rows(cache, attention, prefix, stateful, pos), logits
+
+
+def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple[int, int]],
+                texts: list[TextStream | None], counts: list[int], stop_ids: set[int], gen: GenerationConfig,
+                stats: GenerationStats) -> Generator[TokenEvent, None, list[int]]:
+    """A TokenEvent for each of the batch rows' new tokens, with the stop checks (EOS, length, stop strings);
+    returns the batch rows still generating."""
+    keep: list[int] = []
+    for b, row in enumerate(active):
+        finish = None
+        for tid in new_ids[b]:
+            counts[row] += 1
+            stats.generated_tokens += 1
+            finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
+            text = None
+            if texts[row] is not None:
+                text, hit_stop = texts[row].push(tid, final=finish is not None)
+                if hit_stop:
+                    finish = "stop"
+            yield TokenEvent(row_ids[row][0], row_ids[row][1], tid, text, finish)
+            if finish is not None:
+                break
+        if finish is None:
+            keep.append(b)
+    return keep
+
+
+def decode_step(model: Model, rows: Rows, graphs: DecodeGraphs | None, sampler: Sampler) -> list[list[int]]:
+    """One token for every row: the cache makes room (a chunk boundary allocates and copies), the forward writes
+    K/V in place and attends over the capacity with the bias, the sampler picks."""
+    rows.cache.reserve(1, rows.pos[:, None])
+    if graphs is not None:
+        logits = graphs.step(rows.cache, rows.next_tok, rows.pos)
+    else:
+        logits = model.net(rows.next_tok[:, None], rows.pos[:, None], rows.cache, rows.attention, rows.cache.bias)
+    rows.cache.commit(1)
+    rows.pos += 1
+    rows.next_tok = sampler(logits[:, -1])
+    return [[t] for t in rows.next_tok.tolist()]
+
+
+def finish_stats(stats: GenerationStats, model: Model, gen: GenerationConfig, rows: Rows,
+                 graphs: DecodeGraphs | None) -> None:
+    cache = rows.cache
+    stats.kv_allocations = cache.allocations
+    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
+    if graphs is not None:
+        stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
+    native = gen.attention == "dense" and model.net.native_decoder() is not None
+    stats.decode_kernel = "cuda-graphs" if graphs is not None else "native-cpu" if native else "torch"
+    if hasattr(rows.attention, "transfers"):
+        stats.attention_transfers = rows.attention.transfers
+        stats.attention_dense_transfers = rows.attention.dense_transfers
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
+                    stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """The core loop: prefill, then (emit the rows' new tokens -> drop finished rows -> one decode or speculative
+    step) until every row is done. Rows are (prompt, sample) pairs; each prompt is prefilled once and forked to its
+    samples."""
+    stats = stats if stats is not None else GenerationStats()
+    dev = model.device
+    max_length = check_length(model, prompt_ids, gen)
+    sampler = Sampler(gen.sampling, dev)
+    stop_ids = set() if gen.ignore_eos else eos_ids(model)
+    t0 = time.perf_counter()
+    rows, logits = prefill(model, prompt_ids, gen, max_length, stats)
+    rows.next_tok = sampler(logits[:, -1])
+    _synchronize(dev)
     stats.prefill_seconds = time.perf_counter() - t0
 
-    rows = [(pi, si) for pi in range(n_prompts) for si in range(n)]
-    texts = [TextStream(model.tokenizer, gen.stop) if model.tokenizer is not None else None for _ in rows]
-    counts = [0] * len(rows)
-    active = list(range(len(rows)))  # row ids still generating, in batch order
-    new_ids = [[t] for t in next_tok.tolist()]  # each batch row's tokens from the last step
+    row_ids = [(pi, si) for pi in range(len(prompt_ids)) for si in range(gen.num_samples)]
+    texts = [TextStream(model.tokenizer, gen.stop) if model.tokenizer is not None else None for _ in row_ids]
+    counts = [0] * len(row_ids)
+    active = list(range(len(row_ids)))  # row ids still generating, in batch order
+    new_ids = [[t] for t in rows.next_tok.tolist()]  # each batch row's tokens from the last step
     spec = None
     if gen.speculative != "off":
         spec = SpeculativeStep(make_drafter(gen.speculative, model, sampler), TreeSpec.parse(gen.tree),
                                trim_to_chunk=not gen.spec_grow, sampler=sampler)
         stats.speculative = spec.stats
         for row, ids in zip(active, new_ids):
-            spec.drafter.start(row, prompt_ids[rows[row][0]] + ids)
+            spec.drafter.start(row, prompt_ids[row_ids[row][0]] + ids)
     graphs = None
-    if (gen.cuda_graphs and dev.type == "cuda" and spec is None and prefix is None and gen.attention == "dense"
+    if (gen.cuda_graphs and dev.type == "cuda" and spec is None and rows.prefix is None and gen.attention == "dense"
             and gen.kv in ("bmc", "upfront")):
-        graphs = DecodeGraphs(model, attention)
+        graphs = DecodeGraphs(model, rows.attention)
     weight_bytes = model.weight_bytes
     t_decode = time.perf_counter()
     while True:
-        keep: list[int] = []
-        for b, row in enumerate(active):
-            finish = None
-            for tid in new_ids[b]:
-                counts[row] += 1
-                stats.generated_tokens += 1
-                finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
-                text = None
-                if texts[row] is not None:
-                    text, hit_stop = texts[row].push(tid, final=finish is not None)
-                    if hit_stop:
-                        finish = "stop"
-                yield TokenEvent(rows[row][0], rows[row][1], tid, text, finish)
-                if finish is not None:
-                    break
-            if finish is None:
-                keep.append(b)
+        keep = yield from emit_tokens(active, new_ids, row_ids, texts, counts, stop_ids, gen, stats)
         if not keep:
             break
         if len(keep) < len(active):
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            cache.reorder(idx)
-            if prefix is not None:
-                prefix.reorder(idx)
-            if stateful is not None:
-                stateful.reorder(idx)
-            next_tok, pos = next_tok.index_select(0, idx), pos.index_select(0, idx)
+            rows.keep(torch.tensor(keep, dtype=torch.long, device=dev))
             active = [active[b] for b in keep]
         # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
         _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active), stats)
         stats.decode_steps += 1
-        stats.decode_bytes += weight_bytes + cache.nbytes + stats.prefix_kv_bytes
+        stats.decode_bytes += weight_bytes + rows.cache.nbytes + stats.prefix_kv_bytes
         if spec is not None:  # draft, verify in the padding rows, keep the accepted path
-            new_ids, next_tok = spec(model, cache, attention, next_tok, pos,
-                                     active, [gen.max_new_tokens - counts[r] for r in active])
+            new_ids, rows.next_tok = spec(model, rows.cache, rows.attention, rows.next_tok, rows.pos,
+                                          active, [gen.max_new_tokens - counts[r] for r in active])
             stats.decode_tokens += sum(len(x) for x in new_ids)
-            continue
-        cache.reserve(1, pos[:, None])
-        if graphs is not None:
-            logits = graphs.step(cache, next_tok, pos)
         else:
-            logits = net(next_tok[:, None], pos[:, None], cache, attention, cache.bias)
-        cache.commit(1)
-        pos += 1
-        next_tok = sampler(logits[:, -1])
-        new_ids = [[t] for t in next_tok.tolist()]
-        stats.decode_tokens += len(active)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+            new_ids = decode_step(model, rows, graphs, sampler)
+            stats.decode_tokens += len(active)
+    _synchronize(dev)
     stats.decode_seconds = time.perf_counter() - t_decode
-    stats.kv_allocations = cache.allocations
-    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
-    if graphs is not None:
-        stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
-    native = gen.attention == "dense" and net.native_decoder() is not None
-    stats.decode_kernel = "cuda-graphs" if graphs is not None else "native-cpu" if native else "torch"
-    if hasattr(attention, "transfers"):
-        stats.attention_transfers = attention.transfers
-        stats.attention_dense_transfers = attention.dense_transfers
+    finish_stats(stats, model, gen, rows, graphs)
