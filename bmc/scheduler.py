@@ -265,7 +265,7 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None]
         idle_slots = len(live) < len(self.rows) and not (self.waiting or self.prefilling)
         at_boundary = (cache.length + 1 > cache.capacity and bool(live)
-                       and int(cache.left_pad.index_select(0, torch.tensor(live)).min()) > 0)
+                       and int(cache.left_pad.index_select(0, torch.tensor(live, device=cache.device)).min()) > 0)
         if not (overflow or idle_slots or at_boundary):
             return
         caches = []
