@@ -335,6 +335,8 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
         cache = make_cache(model, gen, n_prompts, P_own + gen.max_new_tokens, left_pad, stats)
     attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, cfg.group_size)
     stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
+    # approximate backends pick columns by index (SparQ's K copy, the window baseline's first positions)
+    cache.compact_window = gen.attention == "dense"
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
     tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, own)], dtype=torch.long, device=dev)

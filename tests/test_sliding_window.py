@@ -66,11 +66,12 @@ def test_logits_match_hf(mistral_dir, hf_mistral, kv, split):
         expected = hf_mistral(torch.tensor([ids])).logits[0]
     cache = KV_STRATEGIES[kv](num_layers=2, batch_size=1, num_kv_heads=2, head_dim=12, max_length=len(ids),
                               window=WINDOW, **({"r": 4} if kv == "bmc" else {}))
-    got = []
+    got, start = [], 0  # positions are tracked apart: a windowed cache leaves dead columns behind when it grows
     with torch.inference_mode():
         for chunk in [ids[:split]] + [[t] for t in ids[split:]]:
-            start, t = cache.length, len(chunk)
+            t = len(chunk)
             pos = torch.arange(start, start + t)[None]
+            start += t
             cache.reserve(t, pos)
             attention = prefill_attention(dense_attention, cache, t)
             got.append(model.net(torch.tensor([chunk]), pos, cache, attention, cache.attention_bias(t),
@@ -161,3 +162,36 @@ def test_integrity_names_a_column_back_inside_the_window():
     cache.bias[0, ..., 1].fill_(0.0)
     with pytest.raises(AssertionError, match="left the sliding window"):
         cache.check_integrity()
+
+
+@pytest.mark.parametrize("kv", ["bmc", "iterative", "upfront"])
+def test_long_run_cache_stops_growing_past_the_window(mistral_dir, hf_mistral, kv):
+    """60 tokens with a window of 5: the columns that left every row's window are left behind at each
+    reallocation, so a BMC cache holds about window + r columns, not the run's length; tokens stay HF's."""
+    model, n = bmc.load(str(mistral_dir)), 60
+    expected = hf_greedy(hf_mistral, PROMPTS, n)
+    out = bmc.generate(model, PROMPTS, max_new_tokens=n, ignore_eos=True, kv=kv, **({"r": 4} if kv == "bmc" else {}))
+    assert [c.token_ids for c in out] == expected
+    if kv != "upfront":  # upfront allocates the whole run at once and never reallocates
+        longest = max(map(len, PROMPTS)) + n
+        assert out.stats.peak_kv_bytes < 0.5 * longest * 2 * 2 * 12 * 4 * 2 * len(PROMPTS)
+
+
+def test_dead_prefix_counts_columns_no_row_reads():
+    cache = KV_STRATEGIES["bmc"](num_layers=1, batch_size=2, num_kv_heads=1, head_dim=4, max_length=64, r=4,
+                                 window=3, left_pad=[0, 2])
+    cache.reserve(6, (torch.arange(6)[None] - torch.tensor([[0], [2]])).clamp(min=0))
+    cache.commit(6)
+    assert cache.dead_prefix() == 0  # the kept bias holds the prefill's first query's window: nothing left yet
+    cache.reserve(1, torch.tensor([[6], [4]]))  # queries at 6 and 4 read positions 4..6 and 2..4: column 4 on
+    cache.commit(1)
+    assert cache.dead_prefix() == 4
+    assert cache.dead_prefix(torch.tensor([1])) == 4 and cache.dead_prefix(torch.tensor([0])) == 4
+    for p in range(7, 14):
+        cache.reserve(1, torch.tensor([[p], [p - 2]]))
+        cache.commit(1)
+        cache.check_integrity()
+    # 14 columns written per row; reallocations at the chunk boundaries left the dead ones behind, and of what is
+    # kept only the last 3 columns are read (both rows' queries sit at the last column)
+    assert cache.length < 14 and cache.capacity <= 3 + 4 + 4
+    assert cache.dead_prefix() == cache.length - 3

@@ -67,6 +67,9 @@ class KVCache(ABC):
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self.keep_spare = False  # keep the last KV tensor a copy left for the next copy (see _keep_as_spare)
+        # drop the columns that left every row's window at a reallocation; off for attention backends that keep
+        # state by column (SparQ's K copy)
+        self.compact_window = True
         self.spare: torch.Tensor | None = None
         # sliding window only: each column's position, and per row the last position that left the window
         self.col_pos = torch.zeros((batch_size, 0), dtype=torch.long, device=self.device) if window else None
@@ -91,7 +94,11 @@ class KVCache(ABC):
         `positions` ([B, num_new], the new tokens' positions) is required with a sliding window."""
         needed = self.length + num_new
         if needed > self.capacity:
-            self._reallocate(self._grow_to(needed))
+            # with a sliding window, the copy leaves behind the leading columns no row will read again: the cache
+            # of a windowed model stops growing at about window + r columns however long the run
+            drop = self.dead_prefix() if self.window is not None and self.compact_window else 0
+            self._reallocate(self._grow_to(needed - drop), drop)
+            needed -= drop
         start, end = self.length, needed
         cols = self.bias[:, :, :, start:end]
         cols.zero_()
@@ -207,7 +214,7 @@ class KVCache(ABC):
         parts = [(self, keep_idx)] + [(j, torch.arange(j.batch_size, device=self.device)) for j in joins]
         spans = []  # per part: (first column any of its rows reads, its length)
         for cache, rows in parts:
-            lead = int(cache.left_pad.index_select(0, rows).min()) if rows.numel() else cache.length
+            lead = cache.dead_prefix(rows) if rows.numel() else cache.length
             spans.append((lead, cache.length))
         length = max((end - lead for lead, end in spans), default=0)
         B = sum(int(rows.numel()) for _, rows in parts)
@@ -344,20 +351,36 @@ class KVCache(ABC):
         if self.keep_spare and old.is_contiguous() and (self.spare is None or old.numel() > self.spare.numel()):
             self.spare = old.view(-1)
 
-    def _reallocate(self, new_capacity: int) -> None:
-        """A new tensor of `new_capacity` columns holding the `length` written ones: columns beyond `length` are
-        masked padding or rejected draft rows, never read unmasked, so they are not copied."""
-        old, keep = self.kv, self.length
+    def dead_prefix(self, rows: torch.Tensor | None = None) -> int:
+        """How many leading columns no row (of `rows`, default all) reads now or later: each row's prompt padding
+        and, with a sliding window, what left its window."""
+        if self.length == 0 or self.batch_size == 0:
+            return 0
+        hidden = self._hidden_columns()[:, 0, 0]
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        read = ~hidden.all(dim=0)  # columns some row still reads
+        return int(read.to(torch.int8).argmax()) if bool(read.any()) else self.length
+
+    def _reallocate(self, new_capacity: int, drop: int = 0) -> None:
+        """A new tensor of `new_capacity` columns holding the written columns from `drop` on (the leading `drop`
+        columns are read by no row: see dead_prefix): columns beyond `length` are masked padding or rejected draft
+        rows, never read unmasked, so they are not copied."""
+        old, keep = self.kv, self.length - drop
         L, _, B, H, _, d = old.shape
         new = self._new_kv((L, 2, B, H, new_capacity, d))
-        new[:, :, :, :, :keep].copy_(old[:, :, :, :, :keep])
+        new[:, :, :, :, :keep].copy_(old[:, :, :, :, drop : self.length])
         new[:, :, :, :, keep:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
-        bias[..., :keep].copy_(self.bias[..., :keep])
+        bias[..., :keep].copy_(self.bias[..., drop : self.length])
         if self.col_pos is not None:
             col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
-            col_pos[:, :keep].copy_(self.col_pos[:, :keep])
+            col_pos[:, :keep].copy_(self.col_pos[:, drop : self.length])
             self.col_pos = col_pos
+        if drop:
+            self.length = keep
+            self.left_pad = (self.left_pad - drop).clamp_(min=0)
+            self._max_pad = int(self.left_pad.max()) if B else 0
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
         self._keep_as_spare(old)
         self.kv, self.bias = new, bias
