@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-LLAMA_LIKE = ("llama", "mistral")
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "opt")
 
 
@@ -25,7 +25,8 @@ class ModelConfig:
     # llama family
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the q, k, v projections
+    o_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both; Qwen2 has q/k/v only)
     mlp_bias: bool = False
     # keys a query attends: positions in (q - sliding_window, q] (Mistral); None = the whole causal past
     sliding_window: int | None = None
@@ -84,9 +85,24 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """Mistral's window, which every layer attends with (transformers' MistralModel reads `sliding_window` alone,
-    `layer_types` included); Llama has none (transformers' LlamaModel ignores the field)."""
-    window = cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
+    """The window every layer attends with, or None. Mistral: `sliding_window` alone (transformers' MistralModel
+    ignores `layer_types`). Qwen2: only with `use_sliding_window`, on the layers `layer_types` marks (by default
+    those from `max_window_layers` on); windows on some layers only are refused, never run as full attention.
+    Llama has none (transformers' LlamaModel ignores the field)."""
+    kind = cfg["model_type"]
+    if kind == "qwen2":
+        if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+            return None
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                                           else "full_attention" for i in range(n)]
+        if set(types) == {"full_attention"}:
+            return None
+        if set(types) != {"sliding_attention"}:
+            raise UnsupportedModelError(
+                "Qwen2 with a sliding window on some layers only (use_sliding_window with max_window_layers="
+                f"{cfg.get('max_window_layers')}, layer_types {sorted(set(types))}) is not supported yet")
+    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2") else None
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -104,6 +120,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"unsupported hidden_act {act!r} for a llama model (only silu)")
     theta, scaling = _rope(cfg)
     window = _sliding_window(cfg)
+    qkv_bias = cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False))  # Qwen2: always, o_proj none
     return ModelConfig(
         model_type=cfg["model_type"],
         vocab_size=int(cfg["vocab_size"]),
@@ -117,7 +134,8 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=qkv_bias,
+        o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=window,
         activation="silu",

@@ -1,4 +1,4 @@
-"""Llama family decoder (Llama 1-3, Mistral-style configs, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
+"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
 
 Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode step runs 4 GEMMs per layer."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ class LlamaLayer:
             w.cat_t([a + ".weight" for a in attn], [(h * hd, D), (kvh * hd, D), (kvh * hd, D)]),
             w.cat([a + ".bias" for a in attn], [(h * hd,), (kvh * hd,), (kvh * hd,)]) if cfg.attention_bias else None)
         self.o = Linear(w.get_t(p + "self_attn.o_proj.weight", (D, h * hd)),
-                        w.get(p + "self_attn.o_proj.bias", (D,)) if cfg.attention_bias else None)
+                        w.get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None)
         I = cfg.intermediate_size
         mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
         self.gate_up = Linear(w.cat_t([m + ".weight" for m in mlp], [(I, D), (I, D)]),
