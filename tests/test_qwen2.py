@@ -98,3 +98,57 @@ def test_window_on_some_layers_is_refused_and_off_means_none(tmp_path):
         bmc.load(str(make_qwen2(tmp_path / "mixed", use_sliding_window=True, sliding_window=4, max_window_layers=1)))
     off = bmc.load(str(make_qwen2(tmp_path / "off", use_sliding_window=False, sliding_window=4)))
     assert off.config.sliding_window is None  # released configs: use_sliding_window false, full attention
+
+
+def write_qwen2_gguf(hf_dir: Path, path: Path) -> None:
+    """The tiny HF model as llama.cpp's converter writes a qwen2 GGUF: Q/K rows in HF's order (no permute, NEOX
+    rope), q/k/v biases, tied embeddings (no output.weight); F32 tensors, no tokenizer."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"].numpy())
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"].numpy())
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, g in names.items():
+            for kind in ("weight", "bias"):
+                t = sd.get(f"model.layers.{i}.{hf_name}.{kind}")
+                if t is not None:
+                    w.add_tensor(f"blk.{i}.{g}.{kind}", t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen2_gguf_loads_as_the_hf_directory(qwen2_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from bmc.models.gguf import load_gguf
+
+    path = tmp_path / "qwen2.gguf"
+    write_qwen2_gguf(qwen2_dir, path)
+    config, state, tokenizer = load_gguf(str(path))
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] and tokenizer is None
+    hf_sd = load_file(str(qwen2_dir / "model.safetensors"))
+    assert set(state) == set(hf_sd) - {"lm_head.weight"}
+    for k, v in state.items():
+        assert torch.equal(v, hf_sd[k]), k
+    from_gguf, from_dir = bmc.load(str(path)), bmc.load(str(qwen2_dir))
+    a = bmc.generate(from_gguf, PROMPTS, max_new_tokens=10, ignore_eos=True)
+    b = bmc.generate(from_dir, PROMPTS, max_new_tokens=10, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] == hf_greedy(hf(qwen2_dir), PROMPTS, 10)

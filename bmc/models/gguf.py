@@ -1,4 +1,4 @@
-"""Read a llama-architecture GGUF file as an HF-style config dict, a float32 HF-named state dict and a Tokenizer.
+"""Read a llama- or qwen2-architecture GGUF file as an HF-style config dict, a float32 HF-named state dict and a Tokenizer.
 
 Tensors are dequantized with the `gguf` package; the tokenizer is rebuilt from the vocabulary in the file's
 metadata with the `tokenizers` library, the same way transformers' GGUF converter does it, so both tokenize alike.
@@ -27,7 +27,11 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# arch -> HF model_type. llama.cpp's converter permutes Q/K rows for GGML's interleaved rope in `llama` files only
+# (Mistral included); qwen2 keeps HF's rotate-half layout (llama.cpp's llama_model_rope_type: NEOX).
+_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_PERMUTED_QK = {"llama"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
 
 # Split regexes of transformers' GGUF converter (integrations/gguf/gguf_tokenizer_mapping.py), keyed by
@@ -73,9 +77,10 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Token
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (bmc reads 'llama' only)")
-    config = _config(path, meta, tensors)
+    if arch not in _ARCHS:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (bmc reads "
+                                    f"{', '.join(repr(a) for a in _ARCHS)})")
+    config = _config(path, meta, tensors, arch)
 
     def read(name: str) -> np.ndarray:
         t = tensors[name]
@@ -102,6 +107,8 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Token
         "attn_norm": (hidden,), "ffn_norm": (hidden,)}
     for i in range(n_layers):
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
+        if arch == "qwen2":  # q/k/v biases
+            expected.update({f"blk.{i}.{k}.bias": (layer_shapes[k][0],) for k in ("attn_q", "attn_k", "attn_v")})
 
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -119,16 +126,17 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Token
             if w.shape != shape:
                 raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")
             m = _LAYER_RE.fullmatch(name)
-            if m and m.group(2) in ("attn_q", "attn_k"):
+            if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
                 w = _unpermute_rows(w, heads if m.group(2) == "attn_q" else kv_heads)
-            hf_name = _TOP_NAMES[name] if m is None else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+            hf_name = (_TOP_NAMES[name] if m is None
+                       else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
             # Dequantized arrays are fresh; F32 ones are read-only views of the file's memmap and get copied.
             state[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     except (ValueError, IndexError) as e:  # tensor data runs past the end of a truncated file
         raise ModelLoadError(f"{path}: cannot read tensor data ({type(e).__name__}: {e})") from None
 
     freqs = read(_ROPE_FREQS) if _ROPE_FREQS in tensors else None
-    config["rope_scaling"] = _rope_scaling(path, meta, freqs, config["rope_theta"], head_dim)
+    config["rope_scaling"] = _rope_scaling(path, meta, freqs, config["rope_theta"], head_dim, arch)
     try:
         tokenizer = _tokenizer(path, meta)
     except BmcError:
@@ -145,11 +153,11 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str) -> dict[str, Any]:
     def get(key: str, default: Any = ModelLoadError) -> Any:
-        value = meta.get(f"llama.{key}", default)
+        value = meta.get(f"{arch}.{key}", default)
         if value is ModelLoadError:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks llama.{key}")
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
@@ -159,14 +167,14 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[st
             raise UnsupportedModelError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))} not supported")
         kv_heads = kv_heads[0]
     embd = tensors.get("token_embd.weight")
-    vocab = meta.get("llama.vocab_size") or (int(embd.shape[-1]) if embd is not None else None)
+    vocab = meta.get(f"{arch}.vocab_size") or (int(embd.shape[-1]) if embd is not None else None)
     if vocab is None:
-        raise ModelLoadError(f"{path}: no llama.vocab_size and no token_embd.weight tensor")
+        raise ModelLoadError(f"{path}: no {arch}.vocab_size and no token_embd.weight tensor")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": _ARCHS[arch],
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -189,10 +197,10 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[st
 
 
 def _rope_scaling(path: str, meta: dict[str, Any], freqs: np.ndarray | None, theta: float,
-                  head_dim: int) -> dict[str, Any] | None:
-    kind = meta.get("llama.rope.scaling.type")
-    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))  # older files: scale_linear
-    orig = meta.get("llama.rope.scaling.original_context_length")
+                  head_dim: int, arch: str = "llama") -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))  # older: scale_linear
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
     if freqs is None and kind != "llama3":
         if kind in (None, "none", "linear") and (factor is None or factor == 1.0):
             return None
@@ -202,7 +210,7 @@ def _rope_scaling(path: str, meta: dict[str, Any], freqs: np.ndarray | None, the
 
     # llama3: llama.cpp's converter writes no metadata for it, only `rope_freqs` = per-frequency divisors
     # 1 (high freq) .. factor (low freq), smoothly interpolated between. Rebuild HF's parameters from those.
-    low, high = meta.get("llama.rope.scaling.low_freq_factor"), meta.get("llama.rope.scaling.high_freq_factor")
+    low, high = meta.get(f"{arch}.rope.scaling.low_freq_factor"), meta.get(f"{arch}.rope.scaling.high_freq_factor")
     orig = int(orig or 8192)  # llama.cpp computes rope_freqs with 8192 unless the HF config says otherwise
     if freqs is not None:
         freqs = freqs.astype(np.float64).reshape(-1)
