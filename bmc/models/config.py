@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "opt")
 
 
@@ -28,6 +28,7 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q, k, v projections
     o_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both; Qwen2 has q/k/v only)
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     # keys a query attends: positions in (q - sliding_window, q] (Mistral); None = the whole causal past
     sliding_window: int | None = None
     # opt
@@ -90,7 +91,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     those from `max_window_layers` on); windows on some layers only are refused, never run as full attention.
     Llama has none (transformers' LlamaModel ignores the field)."""
     kind = cfg["model_type"]
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
             return None
         n = int(cfg["num_hidden_layers"])
@@ -100,9 +101,9 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
             return None
         if set(types) != {"sliding_attention"}:
             raise UnsupportedModelError(
-                "Qwen2 with a sliding window on some layers only (use_sliding_window with max_window_layers="
+                f"{kind} with a sliding window on some layers only (use_sliding_window with max_window_layers="
                 f"{cfg.get('max_window_layers')}, layer_types {sorted(set(types))}) is not supported yet")
-    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2") else None
+    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2", "qwen3") else None
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -137,6 +138,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=qkv_bias,
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=cfg["model_type"] == "qwen3",
         sliding_window=window,
         activation="silu",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

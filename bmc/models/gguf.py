@@ -26,11 +26,12 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # arch -> HF model_type. llama.cpp's converter permutes Q/K rows for GGML's interleaved rope in `llama` files only
 # (Mistral included); qwen2 keeps HF's rotate-half layout (llama.cpp's llama_model_rope_type: NEOX).
-_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = {"llama"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
 
@@ -109,6 +110,8 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Token
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
         if arch == "qwen2":  # q/k/v biases
             expected.update({f"blk.{i}.{k}.bias": (layer_shapes[k][0],) for k in ("attn_q", "attn_k", "attn_v")})
+        if arch == "qwen3":  # per-head q/k norms
+            expected.update({f"blk.{i}.{k}.weight": (head_dim,) for k in ("attn_q_norm", "attn_k_norm")})
 
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -174,14 +177,14 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
     eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
     return {
         "model_type": _ARCHS[arch],
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
-        "head_dim": int(get("rope.dimension_count", hidden // heads)),
+        "head_dim": int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),

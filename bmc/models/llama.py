@@ -1,4 +1,4 @@
-"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
+"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
 
 Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode step runs 4 GEMMs per layer."""
 from __future__ import annotations
@@ -55,6 +55,9 @@ class LlamaLayer:
         self.ln1 = w.get(p + "input_layernorm.weight", (D,))
         self.ln2 = w.get(p + "post_attention_layernorm.weight", (D,))
         self.qk_width = (h + kvh) * hd  # queries and keys are rotated together, values follow
+        # Qwen3's per-head RMSNorm of queries and keys (before RoPE)
+        self.q_norm = w.get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None
+        self.k_norm = w.get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None
 
 
 class LlamaModel:
@@ -82,6 +85,8 @@ class LlamaModel:
             return None
         if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "gate_up", "down")):
             return None  # quantized drafts keep their own kernels
+        if cfg.qk_norm:
+            return None  # the C++ step has no per-head q/k norm yet: Qwen3 decodes on the PyTorch path
         none = torch.empty(0)
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
@@ -116,7 +121,11 @@ class LlamaModel:
             bias = group_bias(bias, cfg.group_size)
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
-            qk = apply_rope(a[..., : L.qk_width].view(B, t, h + kvh, hd), cos, sin)
+            qk = a[..., : L.qk_width].view(B, t, h + kvh, hd)
+            if L.q_norm is not None:
+                qk = torch.cat((rms_norm(qk[:, :, :h], L.q_norm, cfg.norm_eps),
+                                rms_norm(qk[:, :, h:], L.k_norm, cfg.norm_eps)), dim=2)
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
             K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2))
             o = attention(q, K, V, bias, self.scale, layer=i)
