@@ -20,7 +20,7 @@ from .opt import OPTModel
 from .weights import WeightSource
 
 Net = Union[LlamaModel, OPTModel]
-MODEL_FAMILIES: dict[str, type] = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel,
+MODEL_FAMILIES: dict[str, type] = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel, "phi3": LlamaModel,
                                    "opt": OPTModel}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

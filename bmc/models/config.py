@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "opt")
 
 
@@ -29,6 +29,7 @@ class ModelConfig:
     o_bias: bool = False  # a bias on the output projection (Llama's attention_bias sets both; Qwen2 has q/k/v only)
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     # keys a query attends: positions in (q - sliding_window, q] (Mistral); None = the whole causal past
     sliding_window: int | None = None
     # opt
@@ -103,7 +104,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
             raise UnsupportedModelError(
                 f"{kind} with a sliding window on some layers only (use_sliding_window with max_window_layers="
                 f"{cfg.get('max_window_layers')}, layer_types {sorted(set(types))}) is not supported yet")
-    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2", "qwen3") else None
+    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2", "qwen3", "phi3") else None
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -120,6 +121,10 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
     if act != "silu":
         raise UnsupportedModelError(f"unsupported hidden_act {act!r} for a llama model (only silu)")
     theta, scaling = _rope(cfg)
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported yet")
     window = _sliding_window(cfg)
     qkv_bias = cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False))  # Qwen2: always, o_proj none
     return ModelConfig(
@@ -139,6 +144,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=cfg["model_type"] == "qwen3",
+        fused_projections=cfg["model_type"] == "phi3",
         sliding_window=window,
         activation="silu",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -1,4 +1,4 @@
-"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
+"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
 
 Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode step runs 4 GEMMs per layer."""
 from __future__ import annotations
@@ -40,16 +40,21 @@ class LlamaLayer:
     def __init__(self, cfg: ModelConfig, w: WeightSource, i: int) -> None:
         p = f"model.layers.{i}."
         hd, h, kvh, D = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+        I = cfg.intermediate_size
         attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+        if cfg.fused_projections:  # Phi-3 stores [q; k; v] and [gate; up] fused already, in bmc's order
+            qkv_wt = w.get_t(p + "self_attn.qkv_proj.weight", ((h + 2 * kvh) * hd, D))
+            gate_up_wt = w.get_t(p + "mlp.gate_up_proj.weight", (2 * I, D))
+        else:
+            qkv_wt = w.cat_t([a + ".weight" for a in attn], [(h * hd, D), (kvh * hd, D), (kvh * hd, D)])
+            gate_up_wt = w.cat_t([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(I, D), (I, D)])
         self.qkv = Linear(
-            w.cat_t([a + ".weight" for a in attn], [(h * hd, D), (kvh * hd, D), (kvh * hd, D)]),
+            qkv_wt,
             w.cat([a + ".bias" for a in attn], [(h * hd,), (kvh * hd,), (kvh * hd,)]) if cfg.attention_bias else None)
         self.o = Linear(w.get_t(p + "self_attn.o_proj.weight", (D, h * hd)),
                         w.get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None)
-        I = cfg.intermediate_size
         mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        self.gate_up = Linear(w.cat_t([m + ".weight" for m in mlp], [(I, D), (I, D)]),
-                              w.cat([m + ".bias" for m in mlp], [(I,), (I,)]) if cfg.mlp_bias else None)
+        self.gate_up = Linear(gate_up_wt, w.cat([m + ".bias" for m in mlp], [(I,), (I,)]) if cfg.mlp_bias else None)
         self.down = Linear(w.get_t(p + "mlp.down_proj.weight", (D, I)),
                            w.get(p + "mlp.down_proj.bias", (D,)) if cfg.mlp_bias else None)
         self.ln1 = w.get(p + "input_layernorm.weight", (D,))

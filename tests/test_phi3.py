@@ -1,0 +1,82 @@
+"""Phi-3/3.5 (fused qkv_proj and gate_up_proj, its sliding window on every layer) from HF directories against HF
+transformers: logits on every cache, greedy tokens batched with left padding on the native step and the PyTorch
+path, speculative, windowed; RoPE on part of each head and longrope scaling are refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import bmc
+from bmc.attention import dense_attention
+from bmc.engine import prefill_attention
+from bmc.errors import UnsupportedModelError
+from bmc.kv import KV_STRATEGIES
+
+from .conftest import save_tiny, transformers
+from .test_qwen import PROMPTS, hf, hf_greedy
+
+
+def make_phi3(path: Path, seed: int = 0, **kw) -> Path:
+    torch.manual_seed(seed)
+    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  original_max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, **kw)
+    return save_tiny(path, transformers.Phi3ForCausalLM(cfg).eval(), 320)
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory) -> Path:
+    return make_phi3(tmp_path_factory.mktemp("phi3"))
+
+
+@pytest.mark.parametrize("kv", list(KV_STRATEGIES))
+def test_logits_match_hf(phi3_dir, kv):
+    model, ref = bmc.load(str(phi3_dir)), hf(phi3_dir)
+    assert model.config.fused_projections
+    ids = PROMPTS[0] + [11, 12, 13, 14, 15]
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0]
+        cache = KV_STRATEGIES[kv](num_layers=2, batch_size=1, num_kv_heads=2, head_dim=12, max_length=len(ids),
+                                  **({"r": 3} if kv == "bmc" else {}))
+        got, start = [], 0
+        for chunk in [ids[:9]] + [[t] for t in ids[9:]]:
+            t = len(chunk)
+            pos = torch.arange(start, start + t)[None]
+            start += t
+            cache.reserve(t, pos)
+            got.append(model.net(torch.tensor([chunk]), pos, cache, prefill_attention(dense_attention, cache, t),
+                                 cache.attention_bias(t), all_logits=True)[0])
+            cache.commit(t)
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_greedy_batch_matches_hf_generate(phi3_dir, monkeypatch, native):
+    monkeypatch.setenv("BMC_NATIVE", native)
+    model, n = bmc.load(str(phi3_dir)), 14
+    expected = hf_greedy(hf(phi3_dir), PROMPTS, n)
+    for kw in [dict(kv="iterative"), dict(kv="upfront"), dict(kv="bmc", r=3), dict(kv="bmc"),
+               dict(kv="bmc", speculative="ngram", tree="chain:3")]:
+        out = bmc.generate(model, PROMPTS, max_new_tokens=n, ignore_eos=True, **kw)
+        assert [c.token_ids for c in out] == expected, kw
+
+
+def test_window_matches_hf(tmp_path):
+    path = make_phi3(tmp_path / "w", sliding_window=5)
+    model = bmc.load(str(path))
+    assert model.config.sliding_window == 5
+    expected = hf_greedy(hf(path), PROMPTS, 16)
+    for kw in [dict(kv="bmc", r=3), dict(kv="iterative")]:
+        out = bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, **kw)
+        assert [c.token_ids for c in out] == expected, kw
+
+
+def test_partial_rotary_and_longrope_are_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        bmc.load(str(make_phi3(tmp_path / "partial", partial_rotary_factor=0.75)))
+    long = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        bmc.load(str(make_phi3(tmp_path / "long", rope_scaling=long)))
