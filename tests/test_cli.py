@@ -93,3 +93,20 @@ def test_speculative_sampling_from_the_command_line(gqa_dir):
     assert plain.returncode == spec.returncode == 0, spec.stderr
     assert spec.stdout == again.stdout  # seeded: reproducible
     assert len(json.loads(spec.stdout)["token_ids"]) == 6
+
+
+def test_bad_files_and_ranges_exit_2_before_loading(tmp_path, capsys):
+    """Files that are not UTF-8 text, directories, absurd thread counts, NaN sampling values: one line, exit 2."""
+    from bmc.cli.generate import main
+
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    cases = [(["--prompt-file", str(binary)], "not UTF-8"), (["--prompt-file", str(tmp_path)], "directory"),
+             (["--threads", "0", "hi"], "--threads"), (["--threads", "100000", "hi"], "--threads"),
+             (["--temperature", "nan", "hi"], "finite"), (["--benchmark", "--batch-size", "0"], "--batch-size")]
+    for args, match in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", "/no/such/model/needed", *args])
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 2, args
+        assert match in err and len(err.strip().splitlines()) == 1 and out == "", (args, err)

@@ -6,6 +6,9 @@ import sys
 from typing import NoReturn
 
 
+MAX_THREADS = 1024  # more is a typo, not a machine
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyper-threads share a core's FPUs: one thread per core is fastest)."""
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Sequence
@@ -12,7 +13,7 @@ import torch
 from .. import generate, load, stream
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import fail, physical_cores
+from .common import MAX_THREADS, fail, physical_cores
 
 BENCH_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
@@ -75,11 +76,27 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt_file:
         try:
             f = sys.stdin if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8")
+            with f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             fail(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}")
-        with f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            fail(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                 f"{e.start})")
     return prompts
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Ranges argparse's types do not check: one line and exit 2, before the model loads."""
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    for name in ("batch_size", "prompt_len"):  # the generation arguments are checked by GenerationConfig
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("temperature", "top_p"):
+        v = getattr(args, name)
+        if v is not None and not math.isfinite(v):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {v}")
 
 
 def synthetic_prompts(model, batch: int, length: int) -> list[list[int]]:
@@ -146,16 +163,17 @@ def benchmark_line(kv: str, st) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    check_args(args)
     torch.set_num_threads(args.threads or physical_cores())
     kvs = kv_list(args.kv, args.benchmark)
     try:
+        prompts: list = read_prompts(args)  # before the load: a bad file fails in a moment, not after it
         t0 = time.perf_counter()
         model = load(args.model, dtype=args.dtype, device=args.device)
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",
                   file=sys.stderr)
-        prompts: list = read_prompts(args)
         if not prompts:
             if not args.benchmark:
                 fail("no prompt given (pass prompts as arguments or --prompt-file)")

@@ -12,9 +12,7 @@ from typing import Sequence
 import torch
 
 from ..kv import KV_STRATEGIES
-from .common import fail, physical_cores
-
-MAX_THREADS = 1024
+from .common import MAX_THREADS, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
