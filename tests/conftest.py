@@ -85,6 +85,32 @@ def make_opt(path: Path, variant: str, seed: int = 0, safe: bool = True) -> Path
     return save_tiny(path, model, 320, safe)
 
 
+def logits_by_chunks(model, ids: list[int], kv: str, split: int, window: int | None = None) -> torch.Tensor:
+    """bmc's logits [len(ids), V]: prefill ids[:split], then one token at a time, on a cache of strategy `kv` (r = 3
+    for bmc) with the model's attention choice for each forward; positions tracked apart from columns (a windowed
+    cache leaves dead columns behind). The cache's integrity is checked after every forward."""
+    from bmc.attention import dense_attention
+    from bmc.engine import prefill_attention
+    from bmc.kv import KV_STRATEGIES
+
+    cfg = model.config
+    cache = KV_STRATEGIES[kv](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, max_length=len(ids), window=window,
+                              **({"r": 3} if kv == "bmc" else {}))
+    got, start = [], 0
+    with torch.inference_mode():
+        for chunk in [ids[:split]] + [[t] for t in ids[split:]]:
+            t = len(chunk)
+            pos = torch.arange(start, start + t)[None]
+            start += t
+            cache.reserve(t, pos)
+            got.append(model.net(torch.tensor([chunk]), pos, cache, prefill_attention(dense_attention, cache, t),
+                                 cache.attention_bias(t), all_logits=True)[0])
+            cache.commit(t)
+            cache.check_integrity()
+    return torch.cat(got)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_profile_dir(tmp_path_factory, monkeypatch):
     """Tests never read the user's calibration profile (~/.cache/bmc): T comes from the stated default unless a

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 import bmc
-from bmc.attention import dense_attention
-from bmc.engine import prefill_attention
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import save_tiny, transformers
+from .conftest import logits_by_chunks, save_tiny, transformers
 from .test_qwen import PROMPTS, hf, hf_greedy
 
 
@@ -39,18 +37,7 @@ def test_logits_match_hf(phi3_dir, kv):
     ids = PROMPTS[0] + [11, 12, 13, 14, 15]
     with torch.inference_mode():
         expected = ref(torch.tensor([ids])).logits[0]
-        cache = KV_STRATEGIES[kv](num_layers=2, batch_size=1, num_kv_heads=2, head_dim=12, max_length=len(ids),
-                                  **({"r": 3} if kv == "bmc" else {}))
-        got, start = [], 0
-        for chunk in [ids[:9]] + [[t] for t in ids[9:]]:
-            t = len(chunk)
-            pos = torch.arange(start, start + t)[None]
-            start += t
-            cache.reserve(t, pos)
-            got.append(model.net(torch.tensor([chunk]), pos, cache, prefill_attention(dense_attention, cache, t),
-                                 cache.attention_bias(t), all_logits=True)[0])
-            cache.commit(t)
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split=9), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])

@@ -15,7 +15,7 @@ from bmc.errors import ModelLoadError
 from bmc.kv import KV_STRATEGIES
 from bmc.models.config import ModelConfig
 
-from .conftest import save_tiny, transformers
+from .conftest import logits_by_chunks, save_tiny, transformers
 
 WINDOW = 5
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
@@ -64,21 +64,7 @@ def test_logits_match_hf(mistral_dir, hf_mistral, kv, split):
     ids = PROMPTS[0] + [11, 12, 13, 14, 15, 16, 18, 19]
     with torch.inference_mode():
         expected = hf_mistral(torch.tensor([ids])).logits[0]
-    cache = KV_STRATEGIES[kv](num_layers=2, batch_size=1, num_kv_heads=2, head_dim=12, max_length=len(ids),
-                              window=WINDOW, **({"r": 4} if kv == "bmc" else {}))
-    got, start = [], 0  # positions are tracked apart: a windowed cache leaves dead columns behind when it grows
-    with torch.inference_mode():
-        for chunk in [ids[:split]] + [[t] for t in ids[split:]]:
-            t = len(chunk)
-            pos = torch.arange(start, start + t)[None]
-            start += t
-            cache.reserve(t, pos)
-            attention = prefill_attention(dense_attention, cache, t)
-            got.append(model.net(torch.tensor([chunk]), pos, cache, attention, cache.attention_bias(t),
-                                 all_logits=True)[0])
-            cache.commit(t)
-            cache.check_integrity()
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split, window=WINDOW), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
