@@ -5,10 +5,14 @@ One `step()` reads straight through:
   1. leave and join: finished and cancelled rows leave, prefilled requests join, in one `KVCache.regroup` (one
      allocation and copy, which also drops the leading columns no row reads); at a chunk boundary with nothing
      joining or leaving, the same regroup compacts before the cache grows;
-  2. decode: one token for every running row, in one forward over the batch cache (the native step on a CPU);
-  3. prefill: what is left of the token budget (`max_num_batched_tokens` minus the decode rows: decode first, as
-     vLLM and llama.cpp do) goes to admitted requests' prompts, oldest first, in chunks; a request whose prompt is
-     done samples its first token here and joins at the next step.
+  2. admit: waiting requests take free seats, oldest first, each with a cache of its own for its prompt;
+  3. one forward: a token for every running row (decode first, as vLLM and llama.cpp do) and, in what is left of
+     the token budget (`max_num_batched_tokens` minus the decode rows), the next chunk of each admitted prompt,
+     oldest first. On a CPU the native step runs them as one fused forward (`forward_parts`): every weight is
+     read once for the decode rows and the prompt chunks, so a chunk costs its FLOPs, not another pass over the
+     weights (the default model, 8 rows decoding and a 16-token chunk, 2 threads: 45.5 ms fused against 57.3 ms
+     as two forwards and 21.2 ms for the decode alone). A request whose prompt is done samples its first token
+     here and joins at the next step.
 
 Exactness: a request's prompt is prefilled as generate() prefills it alone (its own cache from `make_cache` for its
 own length, the same attention choice), in chunks only where it exceeds the budget; its rows then decode in the
@@ -30,7 +34,7 @@ import torch
 from .attention import dense_attention
 from .engine import GenerationConfig, GenerationStats, eos_ids, make_cache, prefill_attention
 from .errors import BmcError, InvalidRequestError
-from .kernels.native import argmax
+from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
 from .sampling import Sampler
@@ -105,6 +109,7 @@ class SchedulerCounters:
     prefill_chunks: int = 0
     joins_in_place: int = 0  # requests that took a retired slot (one row copied)
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
+    fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -212,13 +217,19 @@ class Scheduler:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
+        self._admit()
         t1 = time.perf_counter()
-        if self.live_rows:
-            self._decode()
-        t2 = time.perf_counter()
-        self._prefill(self.max_num_batched_tokens - len(self.rows))
-        self.last_step = {"leave_join_s": t1 - t0, "decode_s": t2 - t1, "prefill_s": time.perf_counter() - t2,
-                          "rows": len(self.rows), "columns": self.cache.length}
+        decode = self._decode_part() if self.live_rows else None
+        chunks = self._chunk_parts(self.max_num_batched_tokens - len(self.rows))
+        parts = ([decode] if decode is not None else []) + [part for _, part in chunks]
+        results = self._forward(parts)
+        if decode is not None:
+            self._finish_decode(results.pop(0))
+        for (p, part), result in zip(chunks, results):
+            self._finish_chunk(p, part, result)
+        self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
+                          "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),
+                          "columns": self.cache.length}
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
@@ -277,28 +288,38 @@ class Scheduler:
         self.counters.regroups += 1
         self.rows = [self.rows[i] for i in live] + [row for _, rows in overflow for row in rows]
 
-    def _decode(self) -> None:
+    def _decode_part(self) -> StepPart | None:
+        """One token for every batch row: its column reserved in the batch cache (a retired slot computes a token
+        no one reads, at position 0, until a join fills it or a regroup drops it)."""
         rows, dev = self.rows, self.model.device
-        # a retired slot computes a token no one reads (position 0) until a join fills it or a regroup drops it
         tokens = torch.tensor([[r.token if r else 0] for r in rows], dtype=torch.long, device=dev)
         pos = torch.tensor([[r.pos if r else 0] for r in rows], dtype=torch.long, device=dev)
         try:
             self.cache.reserve(1, pos)
-            logits = self.model.net(tokens, pos, self.cache, dense_attention, self.cache.bias)[:, -1]
-            self.cache.commit(1)
-        except Exception as e:  # a failed batch step fails the requests in it, not the server
-            for req in {id(r.request): r.request for r in rows if r is not None}.values():
-                self._fail(req, e)
-            self.rows = []
-            self.cache.regroup([])
+        except Exception as e:
+            self._fail_batch(e)
+            return None
+        return StepPart(tokens, pos, self.cache, self.cache.bias, dense_attention)
+
+    def _finish_decode(self, result: torch.Tensor | BaseException) -> None:
+        if isinstance(result, BaseException):  # a failed batch step fails the requests in it, not the server
+            self._fail_batch(result)
             return
+        self.cache.commit(1)
         self.counters.decode_steps += 1
+        rows = self.rows
         live = [i for i, r in enumerate(rows) if r is not None]
-        if len(live) < len(rows):
-            logits = logits.index_select(0, torch.tensor(live, device=logits.device))
+        logits = result if len(live) == len(rows) else result.index_select(0, torch.tensor(live, device=result.device))
         self._sample_and_emit(logits, [rows[i] for i in live])
 
-    def _prefill(self, budget: int) -> None:
+    def _fail_batch(self, error: BaseException) -> None:
+        for req in {id(r.request): r.request for r in self.live_rows}.values():
+            self._fail(req, error)
+        self.rows = []
+        self.cache.regroup([])
+
+    def _admit(self) -> None:
+        """Waiting requests take free seats, oldest first; each gets a cache of its own for its prompt."""
         seats = self.free_seats
         while self.waiting and self.waiting[0].num_samples <= seats:
             req = self.waiting.popleft()
@@ -307,44 +328,74 @@ class Scheduler:
             P = len(req.prompt_ids)
             cache = make_cache(self.model, req.gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
             self.prefilling.append(_Prefill(req, cache))
+
+    def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:
+        """The next chunk of each admitted prompt, oldest first, within what is left of the token budget."""
+        chunks = []
         for p in list(self.prefilling):
             if budget <= 0:
                 break
-            req = p.request
-            t = min(budget, len(req.prompt_ids) - p.done)
+            t = min(budget, len(p.request.prompt_ids) - p.done)
             budget -= t
             try:
-                logits = self._prefill_chunk(p, t)
+                chunks.append((p, self._chunk_part(p, t)))
             except Exception as e:
                 self.prefilling.remove(p)
-                self._fail(req, e)
-                continue
-            if p.done < len(req.prompt_ids):
-                continue
-            self.prefilling.remove(p)
-            self.counters.prompt_tokens += len(req.prompt_ids)
-            n = req.num_samples
-            rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
-                         text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None)
-                     for s in range(n)]
-            self._sample_and_emit(logits.expand(n, -1), rows, first=True)
-            if all(row.finish is not None for row in rows):  # max_tokens=1, or EOS / a stop string at once
-                self._finish_request(req, rows[-1].finish or "stop")
-            elif not req.done:
-                self.joining.append((p, rows))
+                self._fail(p.request, e)
+        return chunks
 
-    def _prefill_chunk(self, p: _Prefill, t: int) -> torch.Tensor:
-        """Prefill the next t prompt tokens into the request's own cache (as generate() does); last logits [1, V]."""
+    def _chunk_part(self, p: _Prefill, t: int) -> StepPart:
+        """The next t prompt tokens, reserved in the request's own cache (prefilled as generate() prefills)."""
         dev, cache = self.model.device, p.cache
         tokens = torch.tensor([p.request.prompt_ids[p.done : p.done + t]], dtype=torch.long, device=dev)
         positions = torch.arange(p.done, p.done + t, device=dev)[None]
         cache.reserve(t, positions)
-        logits = self.model.net(tokens, positions, cache, prefill_attention(dense_attention, cache, t),
-                                cache.attention_bias(t))
-        cache.commit(t)
+        return StepPart(tokens, positions, cache, cache.attention_bias(t), prefill_attention(dense_attention, cache, t))
+
+    def _forward(self, parts: list[StepPart]) -> list[torch.Tensor | BaseException]:
+        """Last-token logits of every part: one fused step where the native kernel runs them all (the weights read
+        once for the decode rows and the prompt chunks), else one forward each. A fused step that fails is run
+        again part by part, so an error fails only the part it comes from."""
+        net = self.model.net
+        if len(parts) > 1 and hasattr(net, "forward_parts"):
+            try:
+                fused = net.forward_parts(parts)
+            except Exception:
+                fused = None
+            if fused is not None:
+                self.counters.fused_steps += 1
+                return list(fused.split([int(part.tokens.shape[0]) for part in parts]))
+        results: list[torch.Tensor | BaseException] = []
+        for part in parts:
+            try:
+                results.append(net(part.tokens, part.positions, part.cache, part.attention, part.bias)[:, -1])
+            except Exception as e:
+                results.append(e)
+        return results
+
+    def _finish_chunk(self, p: _Prefill, part: StepPart, result: torch.Tensor | BaseException) -> None:
+        req = p.request
+        if isinstance(result, BaseException):
+            self.prefilling.remove(p)
+            self._fail(req, result)
+            return
+        t = int(part.tokens.shape[1])
+        p.cache.commit(t)
         p.done += t
         self.counters.prefill_chunks += 1
-        return logits[:, -1]
+        if p.done < len(req.prompt_ids):
+            return
+        self.prefilling.remove(p)
+        self.counters.prompt_tokens += len(req.prompt_ids)
+        n = req.num_samples
+        rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
+                     text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None)
+                 for s in range(n)]
+        self._sample_and_emit(result.expand(n, -1), rows, first=True)
+        if all(row.finish is not None for row in rows):  # max_tokens=1, or EOS / a stop string at once
+            self._finish_request(req, rows[-1].finish or "stop")
+        elif not req.done:
+            self.joining.append((p, rows))
 
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[_Row], first: bool = False) -> None:
         """Next token of every row: greedy rows by one argmax, each sampling request by its own generator over its

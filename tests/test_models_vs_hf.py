@@ -56,27 +56,33 @@ def test_logits_match_hf(tiny_dirs, variant, kv):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_causal_prefill_matches_masked_and_hf(tiny_dirs, variant):
-    """A prefill longer than a native step (so the eager path) into a BMC cache with spare capacity: attention
-    with is_causal over the new keys (what generate() picks for an unpadded prefill) gives HF's logits and those
-    of the masked attention over the whole capacity."""
+def test_causal_prefill_matches_masked_and_hf(tiny_dirs, variant, monkeypatch):
+    """An 87-token prefill into a BMC cache with spare capacity, on the eager path (BMC_NATIVE=0): attention with
+    is_causal over the new keys (what generate() picks for an unpadded prefill) gives HF's logits and those of
+    the masked attention over the whole capacity; the native step (which prefills prompts of up to NATIVE_MAX_T
+    tokens, reading the causal bias) gives HF's logits too."""
     path = tiny_dirs[variant]
     model = bmc.load(str(path))
     g = torch.Generator().manual_seed(len(variant))
-    ids = torch.randint(3, model.config.vocab_size, (1, NATIVE_MAX_T + 23), generator=g)
+    ids = torch.randint(3, model.config.vocab_size, (1, 87), generator=g)
     t = ids.shape[1]
+    assert t <= NATIVE_MAX_T
     with torch.inference_mode():
         expected = hf_model(path)(ids).logits[0]
         got = {}
-        for fn in (causal_attention, dense_attention):
-            cache = KV_STRATEGIES["bmc"](num_layers=model.config.num_layers, batch_size=1, r=32,
-                                         num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-                                         max_length=t + 10, dtype=model.dtype)
-            cache.reserve(t)
-            assert cache.capacity > t  # masked columns beyond the prompt, which is_causal must not see
-            got[fn] = model.net(ids, torch.arange(t)[None], cache, fn, cache.attention_bias(t), all_logits=True)[0]
-    torch.testing.assert_close(got[causal_attention], expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[causal_attention], got[dense_attention], atol=1e-5, rtol=1e-5)
+        for native in ("0", "1"):
+            monkeypatch.setenv("BMC_NATIVE", native)
+            for fn in (causal_attention, dense_attention):
+                cache = KV_STRATEGIES["bmc"](num_layers=model.config.num_layers, batch_size=1, r=32,
+                                             num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+                                             max_length=t + 10, dtype=model.dtype)
+                cache.reserve(t)
+                assert cache.capacity > t  # masked columns beyond the prompt, which is_causal must not see
+                got[native, fn] = model.net(ids, torch.arange(t)[None], cache, fn, cache.attention_bias(t),
+                                            all_logits=True)[0]
+    torch.testing.assert_close(got["0", causal_attention], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got["0", causal_attention], got["0", dense_attention], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["1", dense_attention], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_attention_is_causal_only_for_an_empty_unpadded_cache(gqa_dir):

@@ -296,12 +296,18 @@ def test_attention_step_any_thread_count(threads, B):
         torch.set_num_threads(before)
 
 
-def test_long_prefill_stays_eager_and_matches(tiny_dirs, eager):
-    """Chunks longer than NATIVE_MAX_T (prefill) run on torch's GEMMs; the decode after them is native."""
+@pytest.mark.parametrize("max_t", [None, 64], ids=["native-prefill", "eager-prefill"])
+def test_prefill_chunks_native_or_eager_match(tiny_dirs, eager, monkeypatch, max_t):
+    """A 100-token prompt is prefilled by the native step (within NATIVE_MAX_T) or, with the limit lowered below
+    it, on torch's GEMMs; either way the tokens are the eager path's and the decode after it is native."""
     require_native()
+    import bmc.models.llama as llama_module
+    if max_t is not None:
+        monkeypatch.setattr(llama_module, "NATIVE_MAX_T", max_t)
     model = bmc.load(str(tiny_dirs["llama-gqa"]))
-    prompt = [(7 * i) % 300 + 3 for i in range(NATIVE_MAX_T + 5)]
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]
     got = bmc.generate(model, [prompt], max_new_tokens=8, ignore_eos=True)
+    assert got.stats.decode_kernel == "native-cpu"
     with eager():
         ref = bmc.generate(model, [prompt], max_new_tokens=8, ignore_eos=True)
     assert got[0].token_ids == ref[0].token_ids

@@ -94,6 +94,8 @@ def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
     assert_idle(sched)
     assert sched.counters.finished["length"] == len(reqs)
     assert sched.counters.joins_in_place >= 1  # a request took a finished one's slot without moving the batch
+    if model.net.native_decoder() is not None:  # decode rows and prompt chunks ran in one native forward
+        assert sched.counters.fused_steps >= 1
 
 
 def test_chunked_prefill_does_not_stop_running_rows(gqa_dir):
@@ -206,16 +208,46 @@ def test_a_failing_request_fails_alone(gqa_dir, monkeypatch):
     model = bmc.load(str(gqa_dir))
     sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=32)
     (a, ca), (bad, cbad), (c, cc) = request(PROMPTS[0], 8), request(PROMPTS[1], 8), request(PROMPTS[2], 8)
-    real = sched._prefill_chunk
+    real = sched._chunk_part
 
     def chunk(p, t):
         if p.request is bad:
             raise RuntimeError("boom")
         return real(p, t)
 
-    monkeypatch.setattr(sched, "_prefill_chunk", chunk)
+    monkeypatch.setattr(sched, "_chunk_part", chunk)
     drive(sched, {0: [a], 1: [bad, c]}, collectors=[ca, cbad, cc])
     assert isinstance(cbad.error, RuntimeError) and not cbad.tokens
+    assert ca.tokens == {0: alone(model, PROMPTS[0], 8)} and cc.tokens == {0: alone(model, PROMPTS[2], 8)}
+    assert sched.counters.finished["error"] == 1
+    assert_idle(sched)
+
+
+def test_a_fused_step_that_fails_reruns_part_by_part(gqa_dir, monkeypatch):
+    """When the fused forward raises, the step runs each part alone: an error inside one prompt's forward fails
+    that request only, and the decode rows and the other prompts go on to generate()'s tokens."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=32)
+    (a, ca), (bad, cbad), (c, cc) = request(PROMPTS[0], 8), request(PROMPTS[1], 8), request(PROMPTS[2], 8)
+    fused_calls = []
+
+    def fused(parts):
+        fused_calls.append(len(parts))
+        raise RuntimeError("fused step failed")
+
+    real_call = type(model.net).__call__
+
+    def forward(net, tokens, positions, cache, attention, bias, all_logits=False):
+        if tokens.shape[0] == 1 and tokens[0, 0].item() == PROMPTS[1][0]:
+            raise RuntimeError("boom in the forward")
+        return real_call(net, tokens, positions, cache, attention, bias, all_logits)
+
+    monkeypatch.setattr(model.net, "forward_parts", fused)
+    monkeypatch.setattr(type(model.net), "__call__", forward)
+    drive(sched, {0: [a], 1: [bad, c]}, collectors=[ca, cbad, cc])
+    monkeypatch.undo()
+    assert fused_calls and sched.counters.fused_steps == 0
+    assert isinstance(cbad.error, RuntimeError) and "boom" in str(cbad.error) and not cbad.tokens
     assert ca.tokens == {0: alone(model, PROMPTS[0], 8)} and cc.tokens == {0: alone(model, PROMPTS[2], 8)}
     assert sched.counters.finished["error"] == 1
     assert_idle(sched)

@@ -231,14 +231,14 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(gqa_dir, monkeypatch)
     from bmc.scheduler import Scheduler
     from bmc.server import ServeOptions, build_app
 
-    real = Scheduler._prefill_chunk
+    real = Scheduler._chunk_part
 
     def chunk(self, p, t):
         if p.request.prompt_ids[0] == 99:
             raise RuntimeError("injected failure")
         return real(self, p, t)
 
-    monkeypatch.setattr(Scheduler, "_prefill_chunk", chunk)
+    monkeypatch.setattr(Scheduler, "_chunk_part", chunk)
     app = build_app(ServeOptions(model=str(gqa_dir), max_num_seqs=2, max_num_batched_tokens=16))
     with TestClient(app) as c:
         deadline = time.monotonic() + 60

@@ -597,63 +597,37 @@ class NativeDecoder {
   torch::Tensor forward(torch::Tensor x, torch::Tensor kv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
                         std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kFloat, "float32 only");
-    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
-                    kv.size(3) == kvh_ && kv.size(5) == hd_,
-                "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder");
-    const int64_t B = x.size(0), t = x.size(1), M = B * t, cap = kv.size(4);
-    TORCH_CHECK(kv.size(2) == B && start + t <= cap, "kv: batch or capacity does not fit the step");
-    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
-    x = x.contiguous();
-    bias = bias.to(torch::kFloat).contiguous();
-    const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
-    const bool rope = cos.numel() > 0;
-    if (rope) {
-      TORCH_CHECK(cos.numel() == M * hd_ && sin.numel() == M * hd_, "cos / sin: [B, t, head_dim]");
-      cos = cos.contiguous();
-      sin = sin.contiguous();
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(2) == D_, "x: float32 [B, t, hidden]");
+    const int64_t B = x.size(0), t = x.size(1);
+    std::vector<Part> parts{make_part(kv, bias, cos, sin, start, B, t)};
+    parts[0].segs = parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
+    x = x.reshape({B * t, D_}).contiguous();
+    auto logits = run(x, parts, all_logits);
+    return logits.view({B, all_logits ? t : 1, vocab_});
+  }
+
+  // Several batches in one step (the scheduler's decode rows and a prompt chunk being prefilled): part i has
+  // xs[i] [B_i, t_i, D] and its own cache kvs[i], bias, cos / sin and start as in forward(). Every GEMM runs over
+  // the rows of all parts together, so each weight is read once for all of them (a prompt chunk costs its FLOPs,
+  // not another pass over the weights); each part's KV write and attention read only its own cache. Returns the
+  // logits of every row's last token, [sum B_i, vocab], in part order.
+  torch::Tensor forward_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> kvs,
+                              std::vector<torch::Tensor> biases, std::vector<torch::Tensor> coss,
+                              std::vector<torch::Tensor> sins, std::vector<int64_t> starts) {
+    const size_t n = xs.size();
+    TORCH_CHECK(n > 0 && kvs.size() == n && biases.size() == n && coss.size() == n && sins.size() == n &&
+                    starts.size() == n, "forward_parts: one x, kv, bias, cos, sin and start per part");
+    std::vector<Part> parts;
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(xs[i].scalar_type() == torch::kFloat && xs[i].dim() == 3 && xs[i].size(2) == D_,
+                  "x: float32 [B, t, hidden]");
+      parts.push_back(make_part(kvs[i], biases[i], coss[i], sins[i], starts[i], xs[i].size(0), xs[i].size(1)));
+      TORCH_CHECK((coss[i].numel() > 0) == (coss[0].numel() > 0), "forward_parts: RoPE on every part or none");
     }
-    const int64_t nq = (h_ + 2 * kvh_) * hd_, nu = gated_ ? 2 * I_ : I_;
-    auto opts = x.options();
-    auto hbuf = torch::empty({M, D_}, opts), qkv = torch::empty({M, nq}, opts);
-    auto attn = torch::empty({M, h_ * hd_}, opts), mid = torch::empty({M, nu}, opts);
-    float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
-    float *ap = attn.data_ptr<float>(), *mp = mid.data_ptr<float>();
-    const int64_t layer_stride = 2 * B * kvh_ * cap * hd_;
-    Clock clock(profiling_ && t == 1, phase_s_);  // decode steps only
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      const Layer& L = layers_[l];
-      norm(xp, L.ln1_w, L.ln1_b, hp, M);
-      gemm(hp, D_, M, D_, L.qkv, nq, ptr(L.qkv_b), qp, false);
-      if (rope) apply_rope(qp, M, nq, cos.data_ptr<float>(), sin.data_ptr<float>());
-      float* kc = kv.data_ptr<float>() + l * layer_stride;
-      float* vc = kc + layer_stride / 2;
-      clock.lap(2);
-      write_kv(qp, nq, kc, vc, B, t, cap, start);
-      clock.lap(0);
-      attention(l, qp, nq, kc, vc, cap, bias.data_ptr<float>(), bias.size(2), B, t, segs, ap);
-      clock.lap(1);
-      gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true);
-      norm(xp, L.ln2_w, L.ln2_b, hp, M);
-      gemm(hp, D_, M, D_, L.up, nu, ptr(L.up_b), mp, false);
-      activate(mp, M);
-      gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), xp, true);
-    }
-    const int64_t t_out = all_logits ? t : 1;
-    auto last = torch::empty({B * t_out, D_}, opts);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < t_out; ++i) {
-        const float* row = xp + (b * t + (all_logits ? i : t - 1)) * D_;
-        float* out = last.data_ptr<float>() + (b * t_out + i) * D_;
-        if (norm_w_.defined())
-          norm(row, norm_w_, norm_b_, out, 1);
-        else
-          std::memcpy(out, row, D_ * sizeof(float));
-      }
-    auto logits = torch::empty({B * t_out, vocab_}, opts);
-    gemm(last.data_ptr<float>(), D_, B * t_out, D_, head_, vocab_, nullptr, logits.data_ptr<float>(), false);
-    clock.lap(2);
-    return logits.view({B, t_out, vocab_});
+    std::vector<torch::Tensor> flat;
+    for (auto& x : xs) flat.push_back(x.reshape({-1, D_}));
+    auto x = torch::cat(flat, 0);
+    return run(x, parts, false);
   }
 
   // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate and the benchmarks time
@@ -681,6 +655,89 @@ class NativeDecoder {
   }
 
  private:
+  struct Part {  // one batch of a step: B rows of t new tokens each, over its own cache
+    int64_t B, t, cap, start;
+    torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
+    std::vector<Segment> segs;
+  };
+
+  Part make_part(const torch::Tensor& kv, const torch::Tensor& bias, const torch::Tensor& cos,
+                 const torch::Tensor& sin, int64_t start, int64_t B, int64_t t) const {
+    TORCH_CHECK(kv.scalar_type() == torch::kFloat, "float32 only");
+    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
+                    kv.size(3) == kvh_ && kv.size(5) == hd_,
+                "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder");
+    const int64_t cap = kv.size(4);
+    TORCH_CHECK(kv.size(2) == B && start >= 0 && start + t <= cap, "kv: batch or capacity does not fit the step");
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t),
+                "bias shape");
+    if (cos.numel() > 0)
+      TORCH_CHECK(cos.numel() == B * t * hd_ && sin.numel() == B * t * hd_, "cos / sin: [B, t, head_dim]");
+    return Part{B, t, cap, start, kv, bias.to(torch::kFloat).contiguous(),
+                cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin, {}};
+  }
+
+  // Every layer over x [M, D] (contiguous, overwritten; M = the parts' rows in order), then the final norm and
+  // the LM head: logits [M or the parts' row count, vocab] of every token (all_logits) or every row's last.
+  torch::Tensor run(torch::Tensor& x, const std::vector<Part>& parts, bool all_logits) {
+    const int64_t M = x.size(0);
+    const int64_t nq = (h_ + 2 * kvh_) * hd_, nu = gated_ ? 2 * I_ : I_;
+    auto opts = x.options();
+    auto hbuf = torch::empty({M, D_}, opts), qkv = torch::empty({M, nq}, opts);
+    auto attn = torch::empty({M, h_ * hd_}, opts), mid = torch::empty({M, nu}, opts);
+    float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
+    float *ap = attn.data_ptr<float>(), *mp = mid.data_ptr<float>();
+    bool decode_only = true;
+    for (const Part& part : parts) decode_only = decode_only && part.t == 1;
+    Clock clock(profiling_ && decode_only && parts.size() == 1, phase_s_);  // decode steps only
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const Layer& L = layers_[l];
+      norm(xp, L.ln1_w, L.ln1_b, hp, M);
+      gemm(hp, D_, M, D_, L.qkv, nq, ptr(L.qkv_b), qp, false);
+      int64_t row = 0;
+      for (const Part& part : parts) {
+        const int64_t rows = part.B * part.t, layer_stride = 2 * part.B * kvh_ * part.cap * hd_;
+        float* q = qp + row * nq;
+        if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos.data_ptr<float>(), part.sin.data_ptr<float>());
+        float* kc = part.kv.data_ptr<float>() + l * layer_stride;
+        float* vc = kc + layer_stride / 2;
+        clock.lap(2);
+        write_kv(q, nq, kc, vc, part.B, part.t, part.cap, part.start);
+        clock.lap(0);
+        attention(l, q, nq, kc, vc, part.cap, part.bias.data_ptr<float>(), part.bias.size(2), part.B, part.t,
+                  part.segs, ap + row * h_ * hd_);
+        clock.lap(1);
+        row += rows;
+      }
+      gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true);
+      norm(xp, L.ln2_w, L.ln2_b, hp, M);
+      gemm(hp, D_, M, D_, L.up, nu, ptr(L.up_b), mp, false);
+      activate(mp, M);
+      gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), xp, true);
+    }
+    std::vector<int64_t> out_rows;  // the rows of x whose logits are returned
+    int64_t row = 0;
+    for (const Part& part : parts) {
+      for (int64_t b = 0; b < part.B; ++b)
+        for (int64_t i = all_logits ? 0 : part.t - 1; i < part.t; ++i) out_rows.push_back(row + b * part.t + i);
+      row += part.B * part.t;
+    }
+    const int64_t n_out = static_cast<int64_t>(out_rows.size());
+    auto last = torch::empty({n_out, D_}, opts);
+    for (int64_t r = 0; r < n_out; ++r) {
+      const float* src = xp + out_rows[r] * D_;
+      float* out = last.data_ptr<float>() + r * D_;
+      if (norm_w_.defined())
+        norm(src, norm_w_, norm_b_, out, 1);
+      else
+        std::memcpy(out, src, D_ * sizeof(float));
+    }
+    auto logits = torch::empty({n_out, vocab_}, opts);
+    gemm(last.data_ptr<float>(), D_, n_out, D_, head_, vocab_, nullptr, logits.data_ptr<float>(), false);
+    clock.lap(2);
+    return logits;
+  }
+
   // Checks the shared segments against the decoder and batch and makes them contiguous in place (the vectors
   // keep the tensors alive while the step runs).
   std::vector<Segment> parse_segments(std::vector<torch::Tensor>& seg_kv, std::vector<torch::Tensor>& seg_bias,
@@ -1397,5 +1454,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile)
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_parts", &NativeDecoder::forward_parts, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("attention_step", &NativeDecoder::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

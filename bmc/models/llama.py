@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn, causal_attention, group_bias
-from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_segments, native_supported, or_empty
+from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
+                              or_empty)
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear, apply_rope, rms_norm, rope_tables
@@ -100,6 +101,23 @@ class LlamaModel:
                           L.gate_up.wt, or_empty(L.gate_up.b), L.down.wt, or_empty(L.down.b))
         dec.set_head(self.norm, none, self.lm_head.wt)
         return dec
+
+    def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
+        """Several batches in one native step (decode rows and a prompt chunk: each weight read once for all);
+        the logits of every row's last token [sum B, V], or None where the native step cannot run them all."""
+        native = self.native_decoder()
+        if native is None or not all(p.native_ready() for p in parts):
+            return None
+        hd, xs, coss, sins = self.cfg.head_dim, [], [], []
+        for p in parts:
+            B, t = p.tokens.shape
+            x = F.embedding(p.tokens, self.embed)
+            cos, sin = rope_tables(p.positions, self.inv_freq, x.dtype)
+            xs.append(x)
+            coss.append(cos.view(B, t, hd))
+            sins.append(sin.view(B, t, hd))
+        return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss, sins,
+                                    [p.cache.length for p in parts])
 
     def __call__(
         self,

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn
-from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_segments, native_supported, or_empty
+from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
+                              or_empty)
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear
@@ -80,6 +81,19 @@ class OPTModel:
         final_w, final_b = self.final_ln if self.final_ln is not None else (none, none)
         dec.set_head(final_w, final_b, self.lm_head.wt)
         return dec
+
+    def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
+        """As LlamaModel.forward_parts: several batches in one native step, or None."""
+        native = self.native_decoder()
+        if native is None or not all(p.native_ready() for p in parts):
+            return None
+        xs = []
+        for p in parts:
+            x = F.embedding(p.tokens, self.embed)
+            xs.append(x + F.embedding(p.positions + POSITION_OFFSET, self.pos_embed))
+        none = torch.empty(0)
+        return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], [none] * len(parts),
+                                    [none] * len(parts), [p.cache.length for p in parts])
 
     def __call__(
         self,
