@@ -144,10 +144,12 @@ async def join_scenario(url: str, model_name: str, prompts: list[str], long_prom
     during = [itl for r in running for t, itl in zip(r.chunk_at[1:], r.itls) if t_join <= t <= t_first + 0.5]
     if not before or not during or any(r.chunk_at[-1] < t_first for r in running):
         return {"error": "the running streams ended before the long prompt's first token: raise --output-len"}
-    unloaded = percentiles(before)["p50"]
-    p99 = percentiles(during)["p99"]
-    return {"streams": len(prompts), "long_prompt_ttft_s": joiner.ttft, "unloaded_itl_p50_s": unloaded,
-            "itl_p99_during_join_s": p99, "itl_max_during_join_s": max(during), "ratio_p99_to_unloaded": p99 / unloaded}
+    unloaded, loaded = percentiles(before), percentiles(during)
+    return {"streams": len(prompts), "long_prompt_ttft_s": joiner.ttft, "unloaded_itl_p50_s": unloaded["p50"],
+            "unloaded_itl_p99_s": unloaded["p99"], "itl_p50_during_join_s": loaded["p50"],
+            "itl_p90_during_join_s": loaded["p90"], "itl_p99_during_join_s": loaded["p99"],
+            "itl_max_during_join_s": max(during), "itls_during_join": len(during),
+            "ratio_p99_to_unloaded": loaded["p99"] / unloaded["p50"]}
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
