@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("BMC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $BMC_API_KEY; /health is open)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--instances", default="1",
+                   help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
+                   "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
+    p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
+                   "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
     p.add_argument("--r", type=int, help="BMC chunk size in rows")
     p.add_argument("--T", type=int, help="BMC number of allocations over the model's context (r = ceil(N / T))")
@@ -62,6 +67,31 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--timeout-graceful-shutdown must be >= 0")
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         fail(f"model path does not exist: {args.model}")
+    if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
+        fail(f"--instances must be a number >= 1 or 'auto', got {args.instances!r}")
+
+
+def instance_count(args: argparse.Namespace) -> int:
+    if args.instances != "auto":
+        return int(args.instances)
+    from ..server.router import numa_nodes
+
+    return max(1, len(numa_nodes()))
+
+
+def router_argv(argv: Sequence[str]) -> list[str]:
+    """The command line each instance gets: the router's, less what only the router uses."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--instances", "--cpus", "--host", "--port", "--threads"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -73,6 +103,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         from ..server import ServeOptions, build_app
     except ImportError as e:
         fail(f"bmc-serve needs {e.name}, a dependency of bmc: run scripts/setup.sh again")
+    instances = instance_count(args)
+    if instances > 1:
+        from ..server.router import build_router_app, core_sets_for
+
+        try:
+            core_sets = core_sets_for(instances, args.cpus)
+        except (ValueError, OSError) as e:
+            fail(str(e))
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None)
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as below: a drained router exits 0
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+        return
+    if args.cpus:
+        from ..server.router import parse_cpu_list
+
+        try:
+            cpus = parse_cpu_list(args.cpus)
+            os.sched_setaffinity(0, cpus)  # before torch starts its threads: they inherit the mask
+        except (ValueError, OSError) as e:
+            fail(f"--cpus {args.cpus}: {e}")
     torch.set_num_threads(args.threads or physical_cores())
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,

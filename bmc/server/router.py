@@ -1,0 +1,362 @@
+"""bmc-serve --instances K: K engine processes, each pinned to its own cores, behind one OpenAI endpoint (the BMC
+paper's BMC_MI). This process holds no model: it starts the instances (each a plain bmc-serve on a private
+127.0.0.1 port, pinned with --cpus), routes every request to the instance with the least work outstanding,
+relays its response (SSE included) byte for byte, merges /metrics, and replaces an instance that dies.
+
+Why processes: each instance runs its own scheduler, batch cache and OpenMP pool on its own cores, so a step of
+one never waits on the threads of another (the paper credits BMC_MI with "a balance in the per core and system
+utilization"); a crash (killed, out of memory) takes down one instance's requests, not the endpoint.
+
+Work outstanding = the prompt characters / 4 (a token estimate: the router does not tokenize) plus the max_tokens
+of every request the router sent to an instance and has not seen finish."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+log = logging.getLogger("bmc.router")
+
+RESTART_BACKOFF_S = 1.0  # before restarting an instance that died (a crash loop must not spin)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Instance:
+    index: int
+    cpus: list[int]
+    argv: list[str]  # bmc-serve's arguments shared by every instance (model, cache, batch options)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    outstanding: dict[int, int] = field(default_factory=dict)  # request key -> its estimated tokens
+    restarts: int = 0
+    started_at: float = 0.0
+    last_pick: int = -1  # when the router last chose it: ties go to the one idle longest (round robin when idle)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def work(self) -> int:
+        return sum(self.outstanding.values())
+
+    def start(self) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "bmc.cli.serve", *self.argv, "--host", "127.0.0.1", "--port", str(self.port),
+               "--cpus", ",".join(map(str, self.cpus))]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.ready = False
+        self.started_at = time.monotonic()
+        log.info("instance %d: pid %d on cpus %s, port %d", self.index, self.proc.pid, self.cpus, self.port)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt", body.get("messages", ""))
+    chars = len(json.dumps(prompt)) if not isinstance(prompt, str) else len(prompt)
+    n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return chars // 4 + max(1, n) * (limit if isinstance(limit, int) and limit > 0 else 256)
+
+
+class Router:
+    def __init__(self, core_sets: Sequence[Sequence[int]], argv: Sequence[str], api_key: str | None) -> None:
+        self.instances = [Instance(i, list(cpus), list(argv)) for i, cpus in enumerate(core_sets)]
+        self.api_key = api_key
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.stopping = False
+        self._keys = iter(range(1 << 62))
+        self._picks = 0
+
+    def start(self) -> None:
+        for inst in self.instances:
+            inst.start()
+
+    async def watch(self) -> None:
+        """Health of every instance twice a second: a started one becomes ready when its /health answers 200; one
+        whose process exited is restarted (its in-flight requests already failed on their closed connections)."""
+        while not self.stopping:
+            for inst in self.instances:
+                if not inst.alive:
+                    if inst.proc is not None and not self.stopping:
+                        code = inst.proc.returncode
+                        log.error("instance %d (pid %d) exited with %s; restarting it", inst.index, inst.proc.pid, code)
+                        inst.ready = False
+                        inst.outstanding.clear()
+                        inst.restarts += 1
+                        await asyncio.sleep(RESTART_BACKOFF_S)
+                        inst.start()
+                    continue
+                if not inst.ready:
+                    try:
+                        r = await self.client.get(inst.url + "/health", timeout=1.0)
+                        inst.ready = r.status_code == 200
+                        if inst.ready:
+                            log.info("instance %d ready after %.1f s", inst.index, time.monotonic() - inst.started_at)
+                    except httpx.HTTPError:
+                        pass
+            await asyncio.sleep(0.5)
+
+    def pick(self) -> Instance | None:
+        ready = [i for i in self.instances if i.ready and i.alive]
+        if not ready:
+            return None
+        chosen = min(ready, key=lambda i: (i.work, len(i.outstanding), i.last_pick))
+        self._picks += 1
+        chosen.last_pick = self._picks
+        return chosen
+
+    def stop(self) -> None:
+        """SIGTERM to every instance (each drains its running requests), then wait for them."""
+        self.stopping = True
+        for inst in self.instances:
+            if inst.alive:
+                inst.proc.send_signal(signal.SIGTERM)
+        for inst in self.instances:
+            if inst.proc is not None:
+                try:
+                    inst.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    inst.proc.kill()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        inst = self.pick()
+        if inst is None:
+            return error(503, "no engine instance is ready", {"Retry-After": "1"})
+        key = next(self._keys)
+        inst.outstanding[key] = estimate_tokens(body) if isinstance(body, dict) else 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", inst.url + path, content=raw, headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            inst.outstanding.pop(key, None)
+            return error(502, f"engine instance {inst.index} is unreachable ({type(e).__name__})")
+        content_type = upstream.headers.get("content-type", "application/json")
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "www-authenticate")}
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:  # the instance died mid-response
+                msg = f"engine instance {inst.index} failed while answering ({type(e).__name__}); retry the request"
+                if content_type.startswith("text/event-stream"):
+                    yield ("data: " + json.dumps({"error": {"message": msg, "type": "server_error", "code": 502}})
+                           + "\n\n").encode()
+            finally:
+                inst.outstanding.pop(key, None)
+                await upstream.aclose()
+
+        if not content_type.startswith("text/event-stream"):  # read it whole: a dead instance becomes a 502
+            try:
+                data = await upstream.aread()
+            except httpx.HTTPError as e:
+                return error(502, f"engine instance {inst.index} failed while answering ({type(e).__name__}); "
+                             "retry the request")
+            finally:
+                inst.outstanding.pop(key, None)
+                await upstream.aclose()
+            return Response(data, status_code=upstream.status_code, media_type=content_type, headers=passed)
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=content_type, headers=passed)
+
+    async def metrics(self) -> bytes:
+        """Every instance's samples with an `instance` label, then the sums over instances (instance="all") of
+        the gauges and counters, and the router's own: instances ready, restarts."""
+        lines: list[str] = []
+        seen_meta: set[str] = set()
+        totals: dict[str, float] = {}
+        sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+        for inst in self.instances:
+            if not inst.ready:
+                continue
+            try:
+                text = (await self.client.get(inst.url + "/metrics", timeout=5.0)).text
+            except httpx.HTTPError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("#"):
+                    if line not in seen_meta:
+                        seen_meta.add(line)
+                        lines.append(line)
+                    continue
+                m = sample.match(line)
+                if not m:
+                    continue
+                name, labels, value = m.group(1), (m.group(2) or "{}")[1:-1], m.group(3)
+                labels = f'instance="{inst.index}"' + ("," + labels if labels else "")
+                lines.append(f"{name}{{{labels}}} {value}")
+                if not (name.endswith("_bucket") or name.endswith("_created")):
+                    total_key = name + "{" + labels.split(",", 1)[1] if "," in labels else name + "{"
+                    totals[total_key] = totals.get(total_key, 0.0) + float(value)
+        for k, v in totals.items():
+            name, rest = k.split("{", 1)
+            lines.append(f'{name}{{instance="all"{"," + rest if rest else ""}}} {v}')
+        lines.append("# HELP bmc:router_instances_ready Engine instances answering requests")
+        lines.append("# TYPE bmc:router_instances_ready gauge")
+        lines.append(f"bmc:router_instances_ready {sum(i.ready and i.alive for i in self.instances)}")
+        lines.append("# HELP bmc:router_instance_restarts_total Engine instances restarted after they died")
+        lines.append("# TYPE bmc:router_instance_restarts_total counter")
+        for inst in self.instances:
+            lines.append(f'bmc:router_instance_restarts_total{{instance="{inst.index}"}} {inst.restarts}')
+            lines.append(f'bmc:router_instance_outstanding_tokens{{instance="{inst.index}"}} {inst.work}')
+        return ("\n".join(lines) + "\n").encode()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        states = [{"instance": i.index, "cpus": i.cpus, "pid": i.proc.pid if i.proc else None,
+                   "ready": i.ready and i.alive, "restarts": i.restarts} for i in self.instances]
+        ready = sum(s["ready"] for s in states)
+        status = "ok" if ready == len(states) else "degraded" if ready else "unavailable"
+        return (200 if ready else 503), {"status": status, "instances": states}
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def build_router_app(core_sets: Sequence[Sequence[int]], argv: Sequence[str], api_key: str | None) -> FastAPI:
+    router = Router(core_sets, argv, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router.start()
+        watcher = asyncio.create_task(router.watch())
+        yield
+        router.stopping = True
+        watcher.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, router.stop)
+        await router.client.aclose()
+
+    app = FastAPI(title="bmc-serve (router)", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = router.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await router.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        inst = router.pick()
+        if inst is None:
+            return error(503, "no engine instance is ready", {"Retry-After": "1"})
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        r = await router.client.get(inst.url + "/v1/models", headers=headers)
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    return app
+
+
+def core_sets_for(instances: int, cpus_spec: str | None) -> list[list[int]]:
+    """The core set of each instance: `--cpus` as given ('0-7|8-15'), else the physical cores this process may run
+    on (one logical CPU per core: hyper-thread siblings left out), grouped by NUMA node, split into `instances`
+    contiguous groups of near-equal size."""
+    if cpus_spec:
+        sets = [parse_cpu_list(part) for part in cpus_spec.split("|")]
+        if len(sets) != instances:
+            raise ValueError(f"--cpus gives {len(sets)} core sets for {instances} instances")
+        return sets
+    cores = physical_core_cpus()
+    if instances > len(cores):
+        raise ValueError(f"{instances} instances need at least {instances} physical cores; this process has "
+                         f"{len(cores)} ({cores})")
+    sets, start = [], 0
+    for i in range(instances):
+        size = (len(cores) - start) // (instances - i)
+        sets.append(cores[start : start + size])
+        start += size
+    return sets
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,8)")
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise ValueError(f"not a CPU list: {text!r} ({part} runs backwards)")
+        cpus.extend(range(a, b + 1))
+    if not cpus:
+        raise ValueError(f"an empty CPU list: {text!r}")
+    return sorted(set(cpus))
+
+
+def physical_core_cpus() -> list[int]:
+    """One logical CPU per physical core among those this process may run on, ordered by (NUMA node, core)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen: dict[tuple[int, str, str], int] = {}
+    for cpu in allowed:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as f:
+                package = f.read().strip()
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            package, core = "0", str(cpu)
+        d = f"/sys/devices/system/cpu/cpu{cpu}"
+        node = next((int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else [])
+                     if n.startswith("node") and n[4:].isdigit()), 0)
+        chosen.setdefault((node, package, core), cpu)
+    return [chosen[k] for k in sorted(chosen, key=lambda k: (k[0], chosen[k]))]
+
+
+def numa_nodes() -> list[int]:
+    """The NUMA nodes holding CPUs this process may run on ([0] where the kernel shows none)."""
+    nodes = set()
+    for cpu in os.sched_getaffinity(0):
+        d = f"/sys/devices/system/cpu/cpu{cpu}"
+        nodes.update(int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else []) if n.startswith("node")
+                     and n[4:].isdigit())
+    return sorted(nodes) or [0]

@@ -1,0 +1,233 @@
+"""bmc-serve --instances 2 as real processes on 127.0.0.1: the router in front of two pinned engine instances,
+driven by the openai client and httpx. Staggered concurrent streams give generate()'s text alone and reach both
+instances; each instance's affinity mask is its own core; bad requests and a wrong key pass through as 4xx; a
+disconnect frees the row; an instance killed mid-load fails only its own requests, is replaced, and /health says
+degraded until it is back. Every wait is bounded."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import bmc
+from bmc.server.router import core_sets_for, parse_cpu_list, physical_core_cpus
+
+from .conftest import make_llama
+from .serving import ServerProcess
+
+openai = pytest.importorskip("openai", reason="the router tests drive bmc-serve with the openai client")
+
+KEY = "test-key"
+PROMPTS = ["the quick brown fox", "hello world, hello", "a balanced cache allocates", "speculative decoding"]
+needs_two_cores = pytest.mark.skipif(len(physical_core_cpus()) < 2, reason="two instances need two physical cores")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("llama-router"), "gqa", max_pos=8192)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return bmc.load(str(tiny_dir))
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def wait_health(url: str, status: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            h = health(url)
+            if h["status"] == status:
+                return h
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/health did not reach {status!r} in {timeout} s")
+        time.sleep(0.1)
+
+
+def metric(url: str, name: str, instance: str) -> float:
+    """A sample's value summed over its other labels, for one instance label ("0", "1" or "all")."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and f'instance="{instance}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def router(tiny_dir):
+    if len(physical_core_cpus()) < 2:
+        pytest.skip("two instances need two physical cores")
+    srv = ServerProcess(["--instances", "2", "--model", str(tiny_dir), "--max-num-seqs", "4",
+                         "--max-num-batched-tokens", "8", "--api-key", KEY, "--served-model-name", "tiny"],
+                        startup_timeout=180)
+    wait_health(srv.url, "ok")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+def stream(client, prompt: str, max_tokens: int, delay: float = 0.0) -> str:
+    time.sleep(delay)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in out if c.choices)
+
+
+@needs_two_cores
+def test_staggered_streams_equal_generate_alone_on_both_instances(client, model, router):
+    before = [metric(router.url, "bmc:generation_tokens_total", i) for i in ("0", "1")]
+    lengths = [20, 7, 15, 11]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(stream, client, p, n, 0.05 * i) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        got = [f.result(timeout=120) for f in futures]
+    for text, p, n in zip(got, PROMPTS, lengths):
+        assert text == bmc.generate(model, [p], max_new_tokens=n)[0].text
+    after = [metric(router.url, "bmc:generation_tokens_total", i) for i in ("0", "1")]
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # the router used both instances
+    assert metric(router.url, "bmc:generation_tokens_total", "all") == sum(after)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0)
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
+
+
+@needs_two_cores
+def test_each_instance_is_pinned_to_its_own_core(router):
+    h = health(router.url)
+    assert h["status"] == "ok" and len(h["instances"]) == 2
+    masks = [os.sched_getaffinity(inst["pid"]) for inst in h["instances"]]
+    for inst, mask in zip(h["instances"], masks):
+        assert mask == set(inst["cpus"]) and len(mask) == 1
+    assert not masks[0] & masks[1]
+    assert masks[0] | masks[1] <= set(physical_core_cpus())
+
+
+@needs_two_cores
+def test_bad_requests_and_keys_pass_through(router):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "max_tokens": 4}, headers=auth, timeout=30)
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    r = httpx.post(router.url + "/v1/completions", content=b"{not json", headers=auth, timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1},
+                   headers=auth, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+                   headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert r.status_code == 401
+    assert httpx.get(router.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == "tiny"
+
+
+@needs_two_cores
+def test_a_disconnect_frees_the_row(router):
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 5000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert metric(router.url, "bmc:num_requests_running", "all") == 1
+    deadline = time.monotonic() + 30
+    while metric(router.url, "bmc:num_requests_running", "all") != 0:
+        assert time.monotonic() < deadline, "the disconnected request still runs"
+        time.sleep(0.05)
+
+
+@needs_two_cores
+def test_a_killed_instance_fails_only_its_requests_and_is_replaced(router, model):
+    body = {"model": "tiny", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
+    results: dict[int, tuple[str, bool, str]] = {}
+    started = concurrent.futures.ThreadPoolExecutor(4)
+
+    def run(i: int, prompt: str) -> None:
+        text, done, err = "", False, ""
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=dict(body, prompt=prompt), timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        err = event["error"]["message"]
+                        break
+                    text += event["choices"][0]["text"]
+        except httpx.HTTPError as e:
+            err = repr(e)
+        results[i] = (text, done, err)
+
+    victim = health(router.url)["instances"][0]
+    before = metric(router.url, "bmc:generation_tokens_total", "0")
+    futures = [started.submit(run, i, p) for i, p in enumerate(PROMPTS)]
+    deadline = time.monotonic() + 60
+    while metric(router.url, "bmc:generation_tokens_total", "0") < before + 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(victim["pid"], signal.SIGKILL)
+    h = wait_health(router.url, "degraded", timeout=30)
+    assert not h["instances"][0]["ready"] and h["instances"][1]["ready"]
+    for f in futures:
+        f.result(timeout=180)
+    failed = [i for i, (_, done, _) in results.items() if not done]
+    ok = [i for i, (_, done, _) in results.items() if done]
+    assert failed and ok, results  # the two instances each had some of the four
+    for i in failed:
+        assert "instance 0" in results[i][2]
+    for i in ok:
+        assert results[i][0] == bmc.generate(model, [PROMPTS[i]], max_new_tokens=1500, ignore_eos=True)[0].text
+    h = wait_health(router.url, "ok", timeout=120)
+    assert h["instances"][0]["restarts"] == 1 and h["instances"][0]["pid"] != victim["pid"]
+    assert os.sched_getaffinity(h["instances"][0]["pid"]) == set(victim["cpus"])
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    assert stream(client, PROMPTS[0], 6) == bmc.generate(model, [PROMPTS[0]], max_new_tokens=6)[0].text
+    assert metric(router.url, "bmc:router_instance_restarts_total", "0") == 1
+
+
+def test_core_sets_and_cpu_lists():
+    assert parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert core_sets_for(2, "0-7|8-15") == [list(range(8)), list(range(8, 16))]
+    for bad in ("", "a-b", "3-1", "1,,x"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+    with pytest.raises(ValueError, match="2 core sets for 3"):
+        core_sets_for(3, "0|1")
+    cores = physical_core_cpus()
+    assert len(cores) == len(set(cores)) and set(cores) <= os.sched_getaffinity(0)
+    sets = core_sets_for(1, None)
+    assert sets == [cores]
+    with pytest.raises(ValueError, match="physical cores"):
+        core_sets_for(len(cores) + 1, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--instances", "0"], "--instances"),
+    (["--instances", "two"], "--instances"),
+    (["--instances", "2", "--cpus", "0"], "core sets for 2 instances"),
+    (["--instances", "4096"], "--instances"),
+    (["--cpus", "x-y"], "--cpus"),
+])
+def test_bad_instance_arguments_exit_2_with_one_line(args, message, tiny_dir):
+    r = subprocess.run([sys.executable, "-m", "bmc.cli.serve", "--model", str(tiny_dir), "--port", "0", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
