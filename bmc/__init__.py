@@ -49,11 +49,17 @@ class TokenStream:
         return self._events
 
 
-def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Model:
+def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+         share_weights: bool = False) -> Model:
     """Load an HF model directory or a llama GGUF file; no path loads the embedded default model. On a CPU in
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
-    on a machine), so no generation's timing includes them."""
+    on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
+    a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it."""
     model = load_model(path, dtype=dtype, device=device)
+    if share_weights:
+        from .models.weight_file import share_weights as map_shared
+
+        map_shared(model)
     model.net.native_decoder()
     return model
 

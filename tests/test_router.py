@@ -107,7 +107,7 @@ def test_staggered_streams_equal_generate_alone_on_both_instances(client, model,
 
 
 @needs_two_cores
-def test_each_instance_is_pinned_to_its_own_core(router):
+def test_each_instance_is_pinned_to_its_own_core_and_maps_the_shared_weights(router):
     h = health(router.url)
     assert h["status"] == "ok" and len(h["instances"]) == 2
     masks = [os.sched_getaffinity(inst["pid"]) for inst in h["instances"]]
@@ -115,6 +115,11 @@ def test_each_instance_is_pinned_to_its_own_core(router):
         assert mask == set(inst["cpus"]) and len(mask) == 1
     assert not masks[0] & masks[1]
     assert masks[0] | masks[1] <= set(physical_core_cpus())
+    mapped = []  # both instances map one weight file: the weights are in memory once
+    for inst in h["instances"]:
+        with open(f"/proc/{inst['pid']}/maps") as f:
+            mapped.append({line.split()[-1] for line in f if line.rstrip().endswith(".bmcw")})
+    assert len(mapped[0]) == 1 and mapped[0] == mapped[1]
 
 
 @needs_two_cores

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
+    p.add_argument("--share-weights", action="store_true",
+                   help="map the weights read-only from a file in ~/.cache/bmc/weights (written on first use), one copy "
+                   "in memory for every process serving the model (the default with --instances > 1)")
     p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
                    "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
@@ -112,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (ValueError, OSError) as e:
             fail(str(e))
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None)
+        instance_argv = router_argv(sys.argv[1:] if argv is None else argv)
+        if args.device == "cpu" and "--share-weights" not in instance_argv:
+            instance_argv.append("--share-weights")  # the weights once in memory, whatever K
+        app = build_router_app(core_sets, instance_argv, args.api_key or None)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as below: a drained router exits 0
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -130,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
                         api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, dtype=args.dtype,
-                        device=args.device)
+                        device=args.device, share_weights=args.share_weights)
     app = build_app(opts)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown))

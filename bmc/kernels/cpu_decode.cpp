@@ -563,22 +563,34 @@ class NativeDecoder {
                  const torch::Tensor& ln2_w, const torch::Tensor& ln2_b, const torch::Tensor& up,
                  const torch::Tensor& up_b, const torch::Tensor& down, const torch::Tensor& down_b) {
     const int64_t nq = (h_ + 2 * kvh_) * hd_, nu = gated_ ? 2 * I_ : I_;
-    TORCH_CHECK(qkv.size(0) == D_ && qkv.size(1) == nq && o.size(0) == h_ * hd_ && o.size(1) == D_ &&
-                    up.size(0) == D_ && up.size(1) == nu && down.size(0) == I_ && down.size(1) == D_,
-                "add_layer: weight shapes do not match the decoder");
-    layers_.push_back(Layer{f32(ln1_w), f32(ln1_b), f32(ln2_w), f32(ln2_b), pack_panels(qkv), pack_panels(o),
-                            pack_panels(up), pack_panels(down), f32(qkv_b), f32(o_b), f32(up_b), f32(down_b)});
+    layers_.push_back(Layer{f32(ln1_w), f32(ln1_b), f32(ln2_w), f32(ln2_b), panels(qkv, D_, nq, "qkv"),
+                            panels(o, h_ * hd_, D_, "o"), panels(up, D_, nu, "up"), panels(down, I_, D_, "down"),
+                            f32(qkv_b), f32(o_b), f32(up_b), f32(down_b)});
   }
 
-  void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const torch::Tensor& lm_head) {
-    TORCH_CHECK(lm_head.size(0) == D_, "lm_head: [hidden, vocab]");
+  // lm_head: [hidden, vocab], or its panels with `vocab` given
+  void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const torch::Tensor& lm_head,
+                int64_t vocab) {
+    vocab_ = lm_head.dim() == 3 ? vocab : lm_head.size(1);
     norm_w_ = f32(norm_w);
     norm_b_ = f32(norm_b);
-    vocab_ = lm_head.size(1);
-    head_ = pack_panels(lm_head);
+    head_ = panels(lm_head, D_, vocab_, "lm_head");
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // A weight as the GEMMs read it: [in, out] float32 packed here, or panels packed beforehand by pack_panels
+  // ([ceil(out/16), in, 16]: a memory-mapped file shared by several processes hands them over as they are).
+  static torch::Tensor panels(const torch::Tensor& w, int64_t in, int64_t out, const char* name) {
+    if (w.dim() == 3) {
+      TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(0) == (out + P - 1) / P &&
+                      w.size(1) == in && w.size(2) == P,
+                  name, ": panels do not match the decoder");
+      return w;
+    }
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == in && w.size(1) == out, name, ": weight shape does not match the decoder");
+    return pack_panels(w);
+  }
 
   // Seconds per phase over the decode steps (t = 1) run since profiling was switched on (the paper's Table IV).
   void set_profiling(bool on) {

@@ -97,9 +97,10 @@ class LlamaModel:
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
         for L in self.layers:
-            dec.add_layer(L.ln1, none, L.qkv.wt, or_empty(L.qkv.b), L.o.wt, or_empty(L.o.b), L.ln2, none,
-                          L.gate_up.wt, or_empty(L.gate_up.b), L.down.wt, or_empty(L.down.b))
-        dec.set_head(self.norm, none, self.lm_head.wt)
+            dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
+                          L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
+                          or_empty(L.down.b))
+        dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.wt.shape[1])
         return dec
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:

@@ -30,12 +30,17 @@ class Linear:
     measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
     packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
 
-    __slots__ = ("wt", "b", "packed", "packed_m")
+    __slots__ = ("wt", "b", "packed", "packed_m", "panels")
 
     def __init__(self, wt: torch.Tensor, b: torch.Tensor | None = None) -> None:
         self.wt, self.b = wt, b
         self.packed: torch.Tensor | None = None
         self.packed_m = 0
+        self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
+
+    def gemm_weight(self) -> torch.Tensor:
+        """What the native step is given: its panels where a weight file holds them, else wt (packed there)."""
+        return self.panels if self.panels is not None else self.wt
 
     def pack(self, m: int) -> None:
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.wt.t(), m) if m > 0 else None

@@ -76,10 +76,11 @@ class OPTModel:
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_heads, cfg.head_dim,
                                             cfg.intermediate_size, False, False, act, cfg.norm_eps, self.scale)
         for L in self.layers:
-            dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.wt, or_empty(L.qkv.b), L.o.wt, or_empty(L.o.b), L.ln2_w, L.ln2_b,
-                          L.fc1.wt, or_empty(L.fc1.b), L.fc2.wt, or_empty(L.fc2.b))
+            dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(),
+                          or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.gemm_weight(), or_empty(L.fc1.b),
+                          L.fc2.gemm_weight(), or_empty(L.fc2.b))
         final_w, final_b = self.final_ln if self.final_ln is not None else (none, none)
-        dec.set_head(final_w, final_b, self.lm_head.wt)
+        dec.set_head(final_w, final_b, self.lm_head.gemm_weight(), self.lm_head.wt.shape[1])
         return dec
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ class ServeOptions:
     T: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    share_weights: bool = False  # map the weights from a file shared by every process serving the model
 
 
 def default_served_name(path: str) -> str:
@@ -70,7 +71,7 @@ class ServerState:
 
         try:
             o = self.opts
-            model = load(o.model, dtype=o.dtype, device=o.device)
+            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights)
             self.name = o.served_model_name or default_served_name(model.path)
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T)

@@ -1,0 +1,225 @@
+"""The weights of a loaded model in one file, memory-mapped read-only: every process that maps it shares one copy
+in the page cache (bmc-serve --instances K holds the weights once, not K times).
+
+The file holds each distinct tensor storage of the model once (a tied embedding and the LM head share theirs),
+and, on a CPU in float32, the native step's 16-column panels of every GEMM weight, so that the native decoder
+reads the mapping instead of packing a private copy. After `share_weights(model)` the model's tensors are views
+of the mapping; its own copies are freed. Tensors the running paths never read (the eager layout of the GEMM
+weights, when the native step runs every step) stay on disk: mapped pages become resident only when touched.
+
+The file is keyed by the source (path, size, modification time), the dtype and FORMAT_VERSION: a changed
+source or format writes a new one; a file that does not parse is rewritten. Writers take a lock, so K processes
+starting together write it once and map the same file."""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import warnings
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .ops import Linear
+
+FORMAT_VERSION = 1
+MAGIC = b"BMCWEIGHTS\n"
+ALIGN = 4096  # page-aligned tensors: the mapping hands out whole pages
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bmc", "weights")
+
+
+def weight_file_path(model: Any) -> str:
+    st = os.stat(model.path)
+    key = json.dumps([os.path.abspath(model.path), st.st_size, st.st_mtime_ns, str(model.dtype), FORMAT_VERSION])
+    name = os.path.basename(os.path.normpath(model.path)).replace(".gguf", "")
+    return os.path.join(cache_dir(), f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bmcw")
+
+
+def _slots(model: Any) -> Iterator[tuple[str, Any, str, int | None]]:
+    """(name, owner, attribute, tuple index) of every tensor the model's net holds: its own attributes, its layers',
+    and those of their Linear weights (wt, b, panels)."""
+    net = model.net
+    for prefix, obj in [("net", net), *((f"layers.{i}", L) for i, L in enumerate(net.layers))]:
+        for attr, v in list(vars(obj).items()):
+            if isinstance(v, torch.Tensor):
+                yield f"{prefix}.{attr}", obj, attr, None
+            elif isinstance(v, Linear):
+                for sub in ("wt", "b", "panels"):
+                    if isinstance(getattr(v, sub), torch.Tensor):
+                        yield f"{prefix}.{attr}.{sub}", v, sub, None
+            elif isinstance(v, tuple):
+                for j, x in enumerate(v):
+                    if isinstance(x, torch.Tensor):
+                        yield f"{prefix}.{attr}", obj, attr, j
+
+
+def _get(owner: Any, attr: str, index: int | None) -> torch.Tensor:
+    v = getattr(owner, attr)
+    return v if index is None else v[index]
+
+
+def _set(owner: Any, attr: str, index: int | None, t: torch.Tensor) -> None:
+    if index is None:
+        setattr(owner, attr, t)
+    else:
+        v = list(getattr(owner, attr))
+        v[index] = t
+        setattr(owner, attr, tuple(v))
+
+
+def _add_panels(model: Any) -> None:
+    """The native step's panels of every GEMM weight (CPU, float32, where the native kernel builds)."""
+    from ..kernels.native import native_module, native_supported
+
+    if not native_supported(model.device, model.dtype):
+        return
+    mod = native_module()
+    for lin in model.linears():
+        if lin.panels is None and lin.wt.dim() == 2:
+            lin.panels = mod.pack_panels(lin.wt)
+
+
+def write_weight_file(model: Any, path: str) -> None:
+    """Every distinct storage once, page-aligned, after a JSON header; written to a temporary name and renamed."""
+    _add_panels(model)
+    storages: dict[int, tuple[int, torch.Tensor]] = {}  # storage data_ptr -> (index, a uint8 view of all of it)
+    entries = []
+    for name, owner, attr, index in _slots(model):
+        t = _get(owner, attr, index)
+        if t.device.type != "cpu":
+            raise ValueError("weight files hold CPU tensors only")
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in storages:
+            storages[key] = (len(storages), torch.empty(0, dtype=torch.uint8).set_(st))
+        entries.append({"name": name, "storage": storages[key][0], "offset": t.storage_offset(),
+                        "size": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).split(".")[-1]})
+    blobs = [b for _, b in sorted(storages.values(), key=lambda x: x[0])]
+    header = {"version": FORMAT_VERSION, "entries": entries, "storages": []}
+    # offsets depend on the header's length: lay out with a generous fixed header size
+    header_bytes = len(json.dumps(header)) + 64 * len(blobs) + 4096
+    pos = (len(MAGIC) + 8 + header_bytes + ALIGN - 1) // ALIGN * ALIGN
+    for b in blobs:
+        header["storages"].append({"offset": pos, "nbytes": b.numel()})
+        pos = (pos + b.numel() + ALIGN - 1) // ALIGN * ALIGN
+    text = json.dumps(header).encode()
+    if len(text) > header_bytes:
+        raise AssertionError("weight file header outgrew its reserved space")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + len(text).to_bytes(8, "little") + text)
+        for b, s in zip(blobs, header["storages"]):
+            f.seek(s["offset"])
+            f.write(memoryview(b.numpy()))
+        f.truncate(pos)
+    os.replace(tmp, path)
+
+
+def _read_header(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return None
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        size = os.path.getsize(path)
+        if header.get("version") != FORMAT_VERSION or any(s["offset"] + s["nbytes"] > size for s in header["storages"]):
+            return None
+        return header
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _resolve(model: Any, name: str) -> tuple[Any, str]:
+    """The object and attribute a file entry's name points at ('net.norm', 'layers.3.qkv.wt', ...)."""
+    parts = name.split(".")
+    if parts[0] == "net":
+        obj, rest = model.net, parts[1:]
+    elif parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) < len(model.net.layers):
+        obj, rest = model.net.layers[int(parts[1])], parts[2:]
+    else:
+        raise ValueError(f"no such weight: {name}")
+    for part in rest[:-1]:
+        obj = getattr(obj, part)
+    if not hasattr(obj, rest[-1]):
+        raise ValueError(f"no such weight: {name}")
+    return obj, rest[-1]
+
+
+def map_weight_file(model: Any, path: str, header: dict[str, Any]) -> None:
+    """Replace the model's tensors by read-only views of the file's mapping (same values; an in-place write to a
+    weight faults instead of changing another process's weights). Raises ValueError, changing nothing, where
+    the file does not fit the model."""
+    mapping = np.memmap(path, dtype=np.uint8, mode="r")
+    with warnings.catch_warnings():  # torch warns that the array is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        whole = torch.from_numpy(mapping)
+    plan: list[tuple[Any, str, int | None, torch.Tensor]] = []
+    seen: dict[str, int] = {}
+    for e in header["entries"]:
+        s = header["storages"][e["storage"]]
+        base = whole[s["offset"] : s["offset"] + s["nbytes"]].view(getattr(torch, e["dtype"]))
+        # as_strided counts its offset from the start of the whole mapping, not from base
+        t = base.as_strided(e["size"], e["stride"], base.storage_offset() + e["offset"])
+        owner, attr = _resolve(model, e["name"])
+        old = getattr(owner, attr)
+        index = None
+        if isinstance(old, tuple):  # a tuple's tensors are listed in order under one name
+            index = seen[e["name"]] = seen.get(e["name"], -1) + 1
+            old = old[index]
+        if old is None and attr == "panels" and isinstance(owner, Linear):  # panels the model has not built
+            k, n = owner.wt.shape
+            if tuple(t.shape) != ((n + 15) // 16, k, 16) or t.dtype != owner.wt.dtype:
+                raise ValueError(f"weight file {path}: {e['name']} does not fit the model")
+            old = t
+        if not isinstance(old, torch.Tensor) or old.shape != t.shape or old.dtype != t.dtype:
+            raise ValueError(f"weight file {path}: {e['name']} does not fit the model")
+        plan.append((owner, attr, index, t))
+    for owner, attr, index, t in plan:
+        _set(owner, attr, index, t)
+    for lin in model.linears():
+        lin.packed, lin.packed_m = None, 0  # MKL copies of the old tensors
+    from ..kernels.native import NativeDecoders
+
+    model.net.native = NativeDecoders()  # a decoder built before holds private panels: build it from the mapping
+    model.weight_file = path
+
+
+def share_weights(model: Any, path: str | None = None) -> str:
+    """Map the model's weights from its weight file (written first if missing or unreadable), freeing the
+    model's own copies. Returns the file's path."""
+    if model.device.type != "cpu":
+        raise ValueError("shared weight files are for CPU models")
+    path = path or weight_file_path(model)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait and map what it wrote
+        header = _read_header(path)
+        if header is not None:
+            try:
+                map_weight_file(model, path, header)
+            except ValueError:
+                header = None
+        if header is None:
+            write_weight_file(model, path)
+            header = _read_header(path)
+            if header is None:
+                raise OSError(f"could not write the weight file {path}")
+            map_weight_file(model, path, header)
+    _release_freed_memory()
+    return path
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; hand the freed weights back to the system now."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,89 @@
+"""Weights mapped from a shared file (bmc.load(share_weights=True), what bmc-serve --instances gives each instance):
+the same tokens as the model's own weights on the native and eager paths, the tensors views of one read-only
+mapping with the native step's panels in it, the file written once and mapped again by the next load, a new
+file when the source changes, and a corrupt file rewritten."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import bmc
+from bmc.models.weight_file import _slots, weight_file_path
+
+PROMPTS = [[5, 17, 33, 80, 101, 7, 9], [40, 41, 42]]
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def tokens(model, **kw):
+    return [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=12, ignore_eos=True, **kw)]
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
+def test_shared_weights_give_the_same_tokens(tiny_dirs, variant, monkeypatch):
+    own = bmc.load(str(tiny_dirs[variant]))
+    shared = bmc.load(str(tiny_dirs[variant]), share_weights=True)
+    assert tokens(shared) == tokens(own)
+    assert tokens(shared, speculative="ngram") == tokens(own)
+    monkeypatch.setenv("BMC_NATIVE", "0")
+    assert tokens(shared) == tokens(own)
+
+
+def test_the_tensors_are_views_of_one_read_only_mapping(tiny_dirs):
+    model = bmc.load(str(tiny_dirs["llama-gqa"]), share_weights=True)
+    path = model.weight_file
+    assert path == weight_file_path(model) and os.path.exists(path)
+    size = os.path.getsize(path)
+    mapped = [t for _, owner, attr, index in _slots(model)
+              for t in [getattr(owner, attr) if index is None else getattr(owner, attr)[index]]]
+    bases = {t.untyped_storage().data_ptr() for t in mapped}
+    assert len(bases) == 1  # every weight, panels included, in the one mapping
+    assert all(t.untyped_storage().nbytes() == size for t in mapped)
+    with open("/proc/self/maps") as f:  # mapped read-only and shared: no process can write another's weights
+        perms = {line.split()[1] for line in f if line.rstrip().endswith(path)}
+    assert perms and all(p.startswith("r-") and p.endswith("s") for p in perms), perms
+    if model.net.native_decoder() is not None:
+        assert all(lin.panels is not None for lin in model.linears())
+    own = bmc.load(str(tiny_dirs["llama-gqa"]))
+    def by_name(m):
+        return {name: getattr(o, a) if i is None else getattr(o, a)[i] for name, o, a, i in _slots(m)}
+
+    mine, theirs = by_name(own), by_name(model)
+    assert set(mine) <= set(theirs)  # plus the panels
+    for name, t in mine.items():  # the same values, views (a tied embedding) included
+        assert torch.equal(t, theirs[name]), name
+
+
+def test_a_second_load_maps_the_file_written_by_the_first(tiny_dirs):
+    first = bmc.load(str(tiny_dirs["llama-gqa"]), share_weights=True)
+    stamp = os.stat(first.weight_file).st_mtime_ns
+    second = bmc.load(str(tiny_dirs["llama-gqa"]), share_weights=True)
+    assert second.weight_file == first.weight_file and os.stat(first.weight_file).st_mtime_ns == stamp
+    assert tokens(second) == tokens(first)
+
+
+def test_a_changed_source_gets_a_new_file_and_a_corrupt_one_is_rewritten(tiny_dirs, tmp_path):
+    import shutil
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama-gqa"], src)
+    own = tokens(bmc.load(str(src)))
+    first = bmc.load(str(src), share_weights=True).weight_file
+    os.utime(src, ns=(1, 1))  # the directory's modification time is part of the key
+    second = bmc.load(str(src), share_weights=True).weight_file
+    assert second != first
+    with open(second, "r+b") as f:  # garbage over the header
+        f.write(b"\0" * 64)
+    again = bmc.load(str(src), share_weights=True)
+    assert again.weight_file == second and tokens(again) == own
+    with open(second, "r+b") as f:  # a header that parses, data cut short
+        f.truncate(os.path.getsize(second) // 2)
+    again = bmc.load(str(src), share_weights=True)
+    assert tokens(again) == own
+    assert np.fromfile(second, dtype=np.uint8, count=11).tobytes() == b"BMCWEIGHTS\n"
