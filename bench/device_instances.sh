@@ -23,3 +23,5 @@ THREADS=$(python3 -c "from bmc.server.router import physical_core_cpus; print(le
 python3 bench/serve.py --model /tmp/smollm2-random --engines bmc --bmc-instances "${INSTANCES:-1,2,4,8}" \
   --threads "$THREADS" --max-num-seqs 32 --max-num-batched-tokens 512 --concurrency "${CONCURRENCY:-8,16,32}" \
   --offline-batch 0 --out "$OUT/serve-instances-16core.json" 2>&1 | grep -v " INFO "
+python3 bench/instances_memory.py --model /tmp/smollm2-random --instances "${MEMORY_INSTANCES:-1,2,4}" \
+  --out "$OUT/instances-memory-16core.json" 2>&1 | grep -v " INFO "
