@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import bmc
-from bmc.server.router import core_sets_for, parse_cpu_list, physical_core_cpus
+from bmc.server.router import bind_memory_to, core_sets_for, nodes_of, parse_cpu_list, physical_core_cpus
 
 from .conftest import make_llama
 from .serving import ServerProcess
@@ -221,6 +221,14 @@ def test_core_sets_and_cpu_lists():
     assert sets == [cores]
     with pytest.raises(ValueError, match="physical cores"):
         core_sets_for(len(cores) + 1, None)
+    nodes = nodes_of(cores)
+    assert nodes and all(n >= 0 for n in nodes)
+    online = [0]
+    if os.path.exists("/sys/devices/system/node/online"):
+        with open("/sys/devices/system/node/online") as f:
+            online = parse_cpu_list(f.read().strip())
+    if len(online) == 1:  # one node: nothing to bind (a machine of several binds in a subprocess: see the CLI)
+        assert bind_memory_to(cores) is None
 
 
 @pytest.mark.parametrize("args, message", [
@@ -236,3 +244,34 @@ def test_bad_instance_arguments_exit_2_with_one_line(args, message, tiny_dir):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
+
+
+def _server_pss_mib(srv: ServerProcess, requests: int) -> float:
+    """PSS summed over the server's processes after `requests` concurrent requests touched every instance."""
+    import psutil
+
+    body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+        list(pool.map(lambda _: httpx.post(srv.url + "/v1/completions", json=body, timeout=300).raise_for_status(),
+                      range(requests)))
+    root = psutil.Process(srv.proc.pid)
+    return sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+@pytest.mark.slow
+@needs_two_cores
+def test_two_instances_of_the_real_model_hold_its_weights_once():
+    """Two instances of the default model (fp32 weights and panels ~1 GB) with the router: their memory together
+    stays within 1.2x of one instance holding its own weights (the weights are one shared mapping)."""
+    one = ServerProcess(["--log-level", "warning"], startup_timeout=300)
+    try:
+        single = _server_pss_mib(one, 4)
+    finally:
+        one.stop()
+    two = ServerProcess(["--instances", "2"], startup_timeout=300)
+    try:
+        wait_health(two.url, "ok", timeout=300)
+        pair = _server_pss_mib(two, 4)
+    finally:
+        two.stop()
+    assert pair <= 1.2 * single, (pair, single)

@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from ..server import ServeOptions, build_app
     except ImportError as e:
         fail(f"bmc-serve needs {e.name}, a dependency of bmc: run scripts/setup.sh again")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     instances = instance_count(args)
     if instances > 1:
         from ..server.router import build_router_app, core_sets_for
@@ -114,7 +115,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             core_sets = core_sets_for(instances, args.cpus)
         except (ValueError, OSError) as e:
             fail(str(e))
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         instance_argv = router_argv(sys.argv[1:] if argv is None else argv)
         if args.device == "cpu" and "--share-weights" not in instance_argv:
             instance_argv.append("--share-weights")  # the weights once in memory, whatever K
@@ -131,8 +131,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             os.sched_setaffinity(0, cpus)  # before torch starts its threads: they inherit the mask
         except (ValueError, OSError) as e:
             fail(f"--cpus {args.cpus}: {e}")
+        from ..server.router import bind_memory_to
+
+        bound = bind_memory_to(cpus)  # several NUMA nodes: memory beside the cores
+        if bound is not None:
+            logging.getLogger("bmc.serve").info("memory bound to NUMA node(s) %s", bound)
     torch.set_num_threads(args.threads or physical_cores())
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
                         api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, dtype=args.dtype,
