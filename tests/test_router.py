@@ -275,3 +275,28 @@ def test_two_instances_of_the_real_model_hold_its_weights_once():
     finally:
         two.stop()
     assert pair <= 1.2 * single, (pair, single)
+
+
+@needs_two_cores
+def test_sigterm_drains_the_router_and_its_instances(tiny_dir):
+    """SIGTERM: the request in flight finishes whole, then the router and every instance exit (the router 0)."""
+    import psutil
+
+    srv = ServerProcess(["--instances", "2", "--model", str(tiny_dir)], startup_timeout=180)
+    try:
+        wait_health(srv.url, "ok")
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+            fut = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=120)
+            deadline = time.monotonic() + 30
+            while metric(srv.url, "bmc:num_requests_running", "all") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert srv.terminate(60) == 0
+            r = fut.result(timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 300
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+    finally:
+        srv.stop()
