@@ -31,7 +31,7 @@ def measure(k: int, share: bool, model: str | None, requests: int) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "bmc.cli.serve", "--port", str(port), "--log-level", "warning", "--instances", str(k)]
     cmd += ["--model", model] if model else []
-    cmd += ["--share-weights"] if share and k == 1 else []
+    cmd += [] if share else ["--no-weights-cache"]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

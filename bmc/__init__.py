@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -55,11 +57,19 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
     a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it."""
-    model = load_model(path, dtype=dtype, device=device)
+    model = None
     if share_weights:
-        from .models.weight_file import share_weights as map_shared
+        from .models import default_model_path, parse_dtype
+        from .models.weight_file import load_mapped, share_weights as map_shared
 
-        map_shared(model)
+        if torch.device(device).type == "cpu":  # the weight file written by an earlier load: nothing to dequantize
+            model = load_mapped(default_model_path() if path is None else os.path.expanduser(str(path)),
+                                parse_dtype(dtype))
+        if model is None:
+            model = load_model(path, dtype=dtype, device=device)
+            map_shared(model)
+    else:
+        model = load_model(path, dtype=dtype, device=device)
     model.net.native_decoder()
     return model
 

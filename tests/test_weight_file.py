@@ -87,3 +87,28 @@ def test_a_changed_source_gets_a_new_file_and_a_corrupt_one_is_rewritten(tiny_di
     again = bmc.load(str(src), share_weights=True)
     assert tokens(again) == own
     assert np.fromfile(second, dtype=np.uint8, count=11).tobytes() == b"BMCWEIGHTS\n"
+
+
+def test_a_gguf_model_starts_from_its_weight_file_without_dequantizing(tmp_path, monkeypatch):
+    """The second load of a GGUF file reads only its metadata and maps the weight file the first wrote (the fast
+    start): no tensor is dequantized, and the tokens and logits are the first load's. A changed file is loaded
+    from its tensors again."""
+    import gguf
+
+    from .test_gguf import _write
+
+    path = str(tmp_path / "tiny.gguf")
+    _write(path)
+    own = bmc.load(path)
+    first = bmc.load(path, share_weights=True)
+    calls = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fast = bmc.load(path, share_weights=True)
+    assert not calls and fast.weight_file == first.weight_file
+    ids = [[3, 5, 7, 11, 13]]
+    assert [c.token_ids for c in bmc.generate(fast, ids, max_new_tokens=10, ignore_eos=True)] == \
+        [c.token_ids for c in bmc.generate(own, ids, max_new_tokens=10, ignore_eos=True)]
+    os.utime(path, ns=(1, 1))
+    again = bmc.load(path, share_weights=True)
+    assert calls and again.weight_file != first.weight_file

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="read the weights from the model file, instead of mapping the float weights derived from it "
+                   "from ~/.cache/bmc/weights (written on the first run, rebuilt when the file changes; a fast start)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per completion per line")
@@ -169,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         prompts: list = read_prompts(args)  # before the load: a bad file fails in a moment, not after it
         t0 = time.perf_counter()
-        model = load(args.model, dtype=args.dtype, device=args.device)
+        model = load(args.model, dtype=args.dtype, device=args.device,
+                     share_weights=args.device == "cpu" and not args.no_weights_cache)
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",

@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
-    p.add_argument("--share-weights", action="store_true",
-                   help="map the weights read-only from a file in ~/.cache/bmc/weights (written on first use), one copy "
-                   "in memory for every process serving the model (the default with --instances > 1)")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="load the weights from the model file into this process alone, instead of mapping them "
+                   "read-only from ~/.cache/bmc/weights (written on first use; one copy in memory for every process "
+                   "serving the model, and a fast start)")
     p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
                    "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
@@ -115,10 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             core_sets = core_sets_for(instances, args.cpus)
         except (ValueError, OSError) as e:
             fail(str(e))
-        instance_argv = router_argv(sys.argv[1:] if argv is None else argv)
-        if args.device == "cpu" and "--share-weights" not in instance_argv:
-            instance_argv.append("--share-weights")  # the weights once in memory, whatever K
-        app = build_router_app(core_sets, instance_argv, args.api_key or None)
+        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as below: a drained router exits 0
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -140,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
                         api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, dtype=args.dtype,
-                        device=args.device, share_weights=args.share_weights)
+                        device=args.device,
+                        share_weights=args.device == "cpu" and not args.no_weights_cache)
     app = build_app(opts)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown))

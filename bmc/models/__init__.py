@@ -163,13 +163,14 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
 
 def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None = None,
                        *, origin: str = "<memory>", dtype: str | torch.dtype = "float32",
-                       device: str | torch.device = "cpu") -> Model:
-    """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory)."""
+                       device: str | torch.device = "cpu", source_type: type[WeightSource] = WeightSource) -> Model:
+    """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory).
+    source_type=ShapeSource: shapes only, uninitialised tensors (a weight file's mapping replaces them)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     config = ModelConfig.from_hf(hf_config)
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
-    source = WeightSource(tensors, dtype=torch_dtype, device=dev, origin=origin)
+    source = source_type(tensors, dtype=torch_dtype, device=dev, origin=origin)
     net = MODEL_FAMILIES[config.model_type](config, source)
     return Model(config=config, net=net, tokenizer=tokenizer, path=origin, dtype=torch_dtype, device=dev)
 

@@ -65,8 +65,10 @@ _PRE_SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
-    """(HF LlamaConfig-style dict, float32 state dict with HF names and [out, in] shapes, tokenizer or None)."""
+def load_gguf(path: str, *, shapes_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+    """(HF LlamaConfig-style dict, float32 state dict with HF names and [out, in] shapes, tokenizer or None).
+    shapes_only: the state dict holds tensors on the meta device (names and shapes, nothing read or dequantized),
+    for a model whose weights come from its weight file (weight_file.py)."""
     import gguf
 
     if not os.path.isfile(path):
@@ -125,6 +127,12 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], Token
     state: dict[str, torch.Tensor] = {}
     try:
         for name, shape in expected.items():
+            if shapes_only:
+                m = _LAYER_RE.fullmatch(name)
+                hf_name = (_TOP_NAMES[name] if m is None
+                           else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
+                state[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
+                continue
             w = read(name)
             if w.shape != shape:
                 raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .ops import Linear
+from .weights import ShapeSource
 
 FORMAT_VERSION = 1
 MAGIC = b"BMCWEIGHTS\n"
@@ -35,10 +36,40 @@ def cache_dir() -> str:
 
 
 def weight_file_path(model: Any) -> str:
-    st = os.stat(model.path)
-    key = json.dumps([os.path.abspath(model.path), st.st_size, st.st_mtime_ns, str(model.dtype), FORMAT_VERSION])
-    name = os.path.basename(os.path.normpath(model.path)).replace(".gguf", "")
+    return weight_file_for(model.path, model.dtype)
+
+
+def weight_file_for(source: str, dtype: torch.dtype) -> str:
+    st = os.stat(source)
+    key = json.dumps([os.path.abspath(source), st.st_size, st.st_mtime_ns, str(dtype), FORMAT_VERSION])
+    name = os.path.basename(os.path.normpath(source)).replace(".gguf", "")
     return os.path.join(cache_dir(), f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bmcw")
+
+
+def load_mapped(source: str, dtype: torch.dtype) -> Any | None:
+    """A GGUF model built straight from its weight file, nothing read from the source but its metadata (config and
+    tokenizer): the fast start. None where there is no readable weight file for it or it does not fit."""
+    from . import model_from_tensors
+    from .gguf import load_gguf
+
+    if not source.endswith(".gguf") or not os.path.isfile(source):
+        return None
+    path = weight_file_for(source, dtype)
+    header = _read_header(path)
+    if header is None:
+        return None
+    config, shapes, tokenizer = load_gguf(source, shapes_only=True)
+    model = model_from_tensors(config, shapes, tokenizer, origin=source, dtype=dtype, device="cpu",
+                               source_type=ShapeSource)
+    try:
+        map_weight_file(model, path, header)
+    except ValueError:
+        return None
+    if not getattr(model, "weight_file", None) or any(
+            _get(owner, attr, index).untyped_storage().nbytes() != os.path.getsize(path)
+            for _, owner, attr, index in _slots(model)):
+        return None  # the file lacks a tensor this model has: load from the source
+    return model
 
 
 def _slots(model: Any) -> Iterator[tuple[str, Any, str, int | None]]:

@@ -36,3 +36,33 @@ class WeightSource:
     def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
         """`cat` stored transposed: [in, sum(out)]."""
         return self.cat(names, shapes).t().contiguous()
+
+
+class ShapeSource(WeightSource):
+    """The shapes of a checkpoint's tensors without their values: every tensor handed out is uninitialised memory
+    of the right shape (untouched pages cost nothing), for a model whose weights a weight file then replaces
+    (weight_file.load_mapped). Names and shapes are checked as WeightSource checks them."""
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        super_shape = self._check(name, shape)
+        return torch.empty(super_shape, dtype=self.dtype, device=self.device)
+
+    def _check(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.origin}: missing tensor {name!r}")
+        if tuple(self.tensors[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                f"{self.origin}: tensor {name!r} has shape {tuple(self.tensors[name].shape)}, the config implies "
+                f"{tuple(shape)}")
+        return tuple(shape)
+
+    def cat(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+        rows = sum(self._check(n, s)[0] for n, s in zip(names, shapes))
+        return torch.empty((rows, *shapes[0][1:]), dtype=self.dtype, device=self.device)
+
+    def get_t(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        return torch.empty(tuple(reversed(self._check(name, shape))), dtype=self.dtype, device=self.device)
+
+    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+        rows = sum(self._check(n, s)[0] for n, s in zip(names, shapes))
+        return torch.empty((*reversed(shapes[0][1:]), rows), dtype=self.dtype, device=self.device)
