@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -63,11 +64,17 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
         from .models.weight_file import load_mapped, share_weights as map_shared
 
         if torch.device(device).type == "cpu":  # the weight file written by an earlier load: nothing to dequantize
-            model = load_mapped(default_model_path() if path is None else os.path.expanduser(str(path)),
-                                parse_dtype(dtype))
+            try:
+                model = load_mapped(default_model_path() if path is None else os.path.expanduser(str(path)),
+                                    parse_dtype(dtype))
+            except OSError:
+                model = None
         if model is None:
             model = load_model(path, dtype=dtype, device=device)
-            map_shared(model)
+            try:
+                map_shared(model)
+            except OSError as e:  # a read-only or full cache directory: run on the model's own weights
+                print(f"bmc: weights cache unavailable ({e}); using this process's own copy", file=sys.stderr)
     else:
         model = load_model(path, dtype=dtype, device=device)
     model.net.native_decoder()

@@ -112,3 +112,13 @@ def test_a_gguf_model_starts_from_its_weight_file_without_dequantizing(tmp_path,
     os.utime(path, ns=(1, 1))
     again = bmc.load(path, share_weights=True)
     assert calls and again.weight_file != first.weight_file
+
+
+def test_an_unwritable_cache_falls_back_to_own_weights(tiny_dirs, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    model = bmc.load(str(tiny_dirs["llama-gqa"]), share_weights=True)
+    assert getattr(model, "weight_file", None) is None
+    assert "weights cache unavailable" in capsys.readouterr().err
+    assert tokens(model) == tokens(bmc.load(str(tiny_dirs["llama-gqa"])))
