@@ -9,6 +9,8 @@ tokens) -> the model computes q, k, v for the new token and writes k, v in place
 capacity with its bias -> logits -> sampler -> stop checks. Finished rows leave the batch (cache.reorder)."""
 from __future__ import annotations
 
+import os
+
 import logging
 import math
 import time
@@ -292,7 +294,26 @@ def check_length(model: Model, prompt_ids: list[list[int]], gen: GenerationConfi
         raise InvalidRequestError(
             f"prompt {longest} has {P} tokens; with max_new_tokens={gen.max_new_tokens} that is {max_length} "
             f"positions, beyond the model's context of {model.max_context}")
+    check_kv_fits(model, len(prompt_ids) * gen.num_samples, max_length)
     return max_length
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_kv_fits(model: Model, rows: int, max_length: int) -> None:
+    """Refuse a run whose KV cache alone (rows x max_length positions) exceeds the device's memory, before any
+    allocation: an absurd num_samples or batch gets a clear error instead of an allocator failure or the OOM killer."""
+    cfg = model.config
+    need = (2 * cfg.num_layers * rows * cfg.num_kv_heads * max_length * cfg.head_dim
+            * torch.empty(0, dtype=model.dtype).element_size())
+    have = device_memory_bytes(model.device)
+    if need > have:
+        raise InvalidRequestError(f"{rows} rows of {max_length} positions need {need / 2**30:.1f} GiB of KV cache; "
+                                  f"the {model.device.type} has {have / 2**30:.1f} GiB")
 
 
 def prefill_common_prefix(model: Model, tokens: list[int], n_prompts: int) -> SharedPrefix:

@@ -14,14 +14,14 @@ from ..analytic import Constants, Shape, best_T, c_prime, default_profile_path, 
 from ..analytic.calibrate import CalibrationError, calibrate
 from ..models import parse_device, parse_dtype
 from ..errors import BmcError
-from .common import fail, physical_cores
+from .common import Parser, fail, physical_cores
 
 # The embedded default model's attention shape, for the printed examples.
 SMOLLM2 = dict(layers=30, heads=9, kv_heads=3, head_dim=64)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bmc-calibrate", description=__doc__)
+    p = Parser(prog="bmc-calibrate", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (under 20 s on a small CPU)")
     p.add_argument("--output", help="also write the profile here (JSON)")
     p.add_argument("--device", default="cpu")

@@ -1,6 +1,7 @@
 """Pieces the CLIs share: thread count, error exits."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import NoReturn
@@ -37,3 +38,11 @@ def fail(message: str) -> NoReturn:
     """One clear line on stderr and exit code 2, as argparse does for bad arguments."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad argument reported in one line (no usage block), exit 2, as every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)

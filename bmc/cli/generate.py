@@ -13,7 +13,7 @@ import torch
 from .. import generate, load, stream
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, fail, physical_cores
+from .common import MAX_THREADS, Parser, fail, physical_cores
 
 BENCH_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
@@ -22,7 +22,7 @@ BENCH_TEXT = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bmc-generate", description=__doc__)
+    p = Parser(prog="bmc-generate", description=__doc__)
     p.add_argument("prompts", nargs="*", help="one prompt per argument")
     p.add_argument("--prompt-file", help="file with one prompt per line ('-' reads stdin)")
     p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")

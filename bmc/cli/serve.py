@@ -12,11 +12,11 @@ from typing import Sequence
 import torch
 
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, fail, physical_cores
+from .common import MAX_THREADS, Parser, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bmc-serve", description=__doc__)
+    p = Parser(prog="bmc-serve", description=__doc__)
     p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
