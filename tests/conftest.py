@@ -168,3 +168,27 @@ def hf_real_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     return model, tok
+
+
+def hf(path):
+    """The HF transformers reference of a model directory, float32, eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(ref, prompts, n: int) -> list[list[int]]:
+    """HF generate's greedy tokens, one prompt at a time (no padding in the reference), exactly n of them."""
+    out = []
+    for p in prompts:
+        g = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def assert_chunked_logits_match_hf(model, ref, ids: list[int], kv: str, split: int, window: int | None = None) -> None:
+    """logits_by_chunks within 1e-4 of HF's one full forward over ids."""
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split=split, window=window), expected, atol=1e-4,
+                               rtol=1e-4)
+

@@ -12,8 +12,8 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import logits_by_chunks, save_tiny, transformers
-from .test_qwen import PROMPTS, hf, hf_greedy
+from .conftest import assert_chunked_logits_match_hf, hf, hf_greedy, save_tiny, transformers
+from .test_qwen import PROMPTS
 
 
 def make_phi3(path: Path, seed: int = 0, **kw) -> Path:
@@ -34,10 +34,7 @@ def phi3_dir(tmp_path_factory) -> Path:
 def test_logits_match_hf(phi3_dir, kv):
     model, ref = bmc.load(str(phi3_dir)), hf(phi3_dir)
     assert model.config.fused_projections
-    ids = PROMPTS[0] + [11, 12, 13, 14, 15]
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split=9), expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match_hf(model, ref, PROMPTS[0] + [11, 12, 13, 14, 15], kv, split=9)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])

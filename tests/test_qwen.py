@@ -13,7 +13,7 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import logits_by_chunks, save_tiny, transformers
+from .conftest import assert_chunked_logits_match_hf, hf, hf_greedy, save_tiny, transformers
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
 
@@ -44,29 +44,13 @@ def qwen2_dir(request, tmp_path_factory) -> Path:
     return make_qwen2(tmp_path_factory.mktemp(request.param), family=request.param)
 
 
-def hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(ref, prompts, n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        g = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                         eos_token_id=None)
-        out.append(g[0, len(p):].tolist())
-    return out
-
-
 @pytest.mark.parametrize("kv", list(KV_STRATEGIES))
 def test_logits_match_hf(qwen2_dir, kv):
     model, ref = bmc.load(str(qwen2_dir)), hf(qwen2_dir)
     cfg = model.config
     assert (cfg.attention_bias, cfg.o_bias, cfg.qk_norm) == ((True, False, False) if cfg.model_type == "qwen2"
                                                             else (False, False, True))
-    ids = PROMPTS[0] + [11, 12, 13, 14, 15]
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split=9), expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match_hf(model, ref, PROMPTS[0] + [11, 12, 13, 14, 15], kv, split=9)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])

@@ -15,7 +15,7 @@ from bmc.errors import ModelLoadError
 from bmc.kv import KV_STRATEGIES
 from bmc.models.config import ModelConfig
 
-from .conftest import logits_by_chunks, save_tiny, transformers
+from .conftest import assert_chunked_logits_match_hf, hf, hf_greedy, save_tiny, transformers
 
 WINDOW = 5
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
@@ -38,22 +38,13 @@ def mistral_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_mistral(mistral_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(ref, prompts, n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:  # one prompt at a time: no padding in the reference
-        g = ref.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                         eos_token_id=None)
-        out.append(g[0, len(p):].tolist())
-    return out
+    return hf(mistral_dir)
 
 
 def test_window_changes_the_reference(mistral_dir, hf_mistral, tmp_path):
     """The test model is one where the window matters: without it HF generates other tokens."""
     unwindowed = make_mistral(tmp_path / "nowin", None)
-    ref_full = transformers.AutoModelForCausalLM.from_pretrained(unwindowed, dtype=torch.float32).eval()
+    ref_full = hf(unwindowed)
     assert hf_greedy(ref_full, PROMPTS, 16) != hf_greedy(hf_mistral, PROMPTS, 16)
 
 
@@ -62,9 +53,7 @@ def test_window_changes_the_reference(mistral_dir, hf_mistral, tmp_path):
 def test_logits_match_hf(mistral_dir, hf_mistral, kv, split):
     model = bmc.load(str(mistral_dir))
     ids = PROMPTS[0] + [11, 12, 13, 14, 15, 16, 18, 19]
-    with torch.inference_mode():
-        expected = hf_mistral(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(logits_by_chunks(model, ids, kv, split, window=WINDOW), expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_match_hf(model, hf_mistral, ids, kv, split, window=WINDOW)
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
