@@ -50,6 +50,23 @@ def test_generate_returns_or_raises_a_typed_error(model, max_new_tokens, tempera
         assert all(0 <= t < model.config.vocab_size for t in c.token_ids)
 
 
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(max_new_tokens=st.integers(1, 12), num_samples=st.integers(1, 3), r=st.one_of(st.none(), st.integers(1, 40)),
+       speculative=st.sampled_from(["off", "ngram", "layers:1"]), tree=st.sampled_from(["dynamic:4x6", "chain:3"]),
+       prompts=st.lists(st.lists(st.integers(3, 319), min_size=1, max_size=20), min_size=1, max_size=3))
+def test_valid_greedy_arguments_generate_the_same_tokens_on_every_cache(model, max_new_tokens, num_samples, r,
+                                                                        speculative, tree, prompts):
+    """Arguments inside their ranges never raise, and greedy tokens are identical on every KV strategy, with or
+    without speculation (the plain iterative cache is the reference)."""
+    kw = dict(max_new_tokens=max_new_tokens, num_samples=num_samples, ignore_eos=True)
+    ref = [c.token_ids for c in bmc.generate(model, prompts, kv="iterative", **kw)]
+    assert all(len(t) == max_new_tokens for t in ref)
+    for kv in ("upfront", "bmc"):
+        out = bmc.generate(model, prompts, kv=kv, r=r if kv == "bmc" else None, speculative=speculative, tree=tree,
+                           **kw)
+        assert [c.token_ids for c in out] == ref, (kv, r, speculative)
+
+
 FLAG_VALUES = {
     "--max-new-tokens": ["4", "0", "-2", "x", "1e9"], "--temperature": ["0", "0.7", "nan", "-1", "inf"],
     "--top-k": ["5", "0", "-1"], "--top-p": ["0.9", "0", "1.5"], "--seed": ["1", "-3", "abc"],

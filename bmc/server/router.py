@@ -332,11 +332,17 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(set(cpus))
 
 
+def node_of(cpu: int) -> int:
+    """The NUMA node of a CPU (0 where the kernel shows none)."""
+    d = f"/sys/devices/system/cpu/cpu{cpu}"
+    return next((int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else [])
+                 if n.startswith("node") and n[4:].isdigit()), 0)
+
+
 def physical_core_cpus() -> list[int]:
     """One logical CPU per physical core among those this process may run on, ordered by (NUMA node, core)."""
-    allowed = sorted(os.sched_getaffinity(0))
     chosen: dict[tuple[int, str, str], int] = {}
-    for cpu in allowed:
+    for cpu in sorted(os.sched_getaffinity(0)):
         base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
         try:
             with open(base + "physical_package_id") as f:
@@ -345,31 +351,18 @@ def physical_core_cpus() -> list[int]:
                 core = f.read().strip()
         except OSError:
             package, core = "0", str(cpu)
-        d = f"/sys/devices/system/cpu/cpu{cpu}"
-        node = next((int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else [])
-                     if n.startswith("node") and n[4:].isdigit()), 0)
-        chosen.setdefault((node, package, core), cpu)
+        chosen.setdefault((node_of(cpu), package, core), cpu)
     return [chosen[k] for k in sorted(chosen, key=lambda k: (k[0], chosen[k]))]
 
 
-def numa_nodes() -> list[int]:
-    """The NUMA nodes holding CPUs this process may run on ([0] where the kernel shows none)."""
-    nodes = set()
-    for cpu in os.sched_getaffinity(0):
-        d = f"/sys/devices/system/cpu/cpu{cpu}"
-        nodes.update(int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else []) if n.startswith("node")
-                     and n[4:].isdigit())
-    return sorted(nodes) or [0]
-
-
 def nodes_of(cpus: Sequence[int]) -> list[int]:
-    """The NUMA nodes of these CPUs ([0] where the kernel shows none)."""
-    nodes = set()
-    for cpu in cpus:
-        d = f"/sys/devices/system/cpu/cpu{cpu}"
-        nodes.update(int(n[4:]) for n in (os.listdir(d) if os.path.isdir(d) else []) if n.startswith("node")
-                     and n[4:].isdigit())
-    return sorted(nodes) or [0]
+    """The NUMA nodes of these CPUs."""
+    return sorted({node_of(cpu) for cpu in cpus})
+
+
+def numa_nodes() -> list[int]:
+    """The NUMA nodes holding CPUs this process may run on."""
+    return nodes_of(os.sched_getaffinity(0))
 
 
 def bind_memory_to(cpus: Sequence[int]) -> list[int] | None:
@@ -392,10 +385,6 @@ def bind_memory_to(cpus: Sequence[int]) -> list[int] | None:
     for n in nodes:
         mask[n // bits] |= 1 << (n % bits)
     libc = ctypes.CDLL(None, use_errno=True)
-    if platform_machine() != "x86_64" or libc.syscall(SYS_SET_MEMPOLICY, MPOL_BIND, mask, len(mask) * bits + 1) != 0:
+    if os.uname().machine != "x86_64" or libc.syscall(SYS_SET_MEMPOLICY, MPOL_BIND, mask, len(mask) * bits + 1) != 0:
         return None
     return nodes
-
-
-def platform_machine() -> str:
-    return os.uname().machine
