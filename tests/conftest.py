@@ -192,3 +192,19 @@ def assert_chunked_logits_match_hf(model, ref, ids: list[int], kv: str, split: i
     torch.testing.assert_close(logits_by_chunks(model, ids, kv, split=split, window=window), expected, atol=1e-4,
                                rtol=1e-4)
 
+
+
+# the cache settings a family's greedy test runs: every strategy, a small BMC chunk, and speculation in the padding
+GREEDY_SETTINGS = [dict(kv="iterative"), dict(kv="upfront"), dict(kv="bmc", r=3), dict(kv="bmc"),
+                   dict(kv="bmc", speculative="ngram", tree="chain:3")]
+
+
+def assert_greedy_matches_hf(model, path, prompts, n: int, settings=GREEDY_SETTINGS) -> None:
+    """bmc.generate's greedy tokens (the prompts batched) equal HF generate's, one prompt at a time, for each
+    of `settings`."""
+    import bmc
+
+    expected = hf_greedy(hf(path), prompts, n)
+    for kw in settings:
+        out = bmc.generate(model, prompts, max_new_tokens=n, ignore_eos=True, **kw)
+        assert [c.token_ids for c in out] == expected, kw

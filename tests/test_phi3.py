@@ -12,7 +12,7 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import assert_chunked_logits_match_hf, hf, hf_greedy, save_tiny, transformers
+from .conftest import assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, save_tiny, transformers
 from .test_qwen import PROMPTS
 
 
@@ -40,22 +40,14 @@ def test_logits_match_hf(phi3_dir, kv):
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
 def test_greedy_batch_matches_hf_generate(phi3_dir, monkeypatch, native):
     monkeypatch.setenv("BMC_NATIVE", native)
-    model, n = bmc.load(str(phi3_dir)), 14
-    expected = hf_greedy(hf(phi3_dir), PROMPTS, n)
-    for kw in [dict(kv="iterative"), dict(kv="upfront"), dict(kv="bmc", r=3), dict(kv="bmc"),
-               dict(kv="bmc", speculative="ngram", tree="chain:3")]:
-        out = bmc.generate(model, PROMPTS, max_new_tokens=n, ignore_eos=True, **kw)
-        assert [c.token_ids for c in out] == expected, kw
+    assert_greedy_matches_hf(bmc.load(str(phi3_dir)), phi3_dir, PROMPTS, 14)
 
 
 def test_window_matches_hf(tmp_path):
     path = make_phi3(tmp_path / "w", sliding_window=5)
     model = bmc.load(str(path))
     assert model.config.sliding_window == 5
-    expected = hf_greedy(hf(path), PROMPTS, 16)
-    for kw in [dict(kv="bmc", r=3), dict(kv="iterative")]:
-        out = bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, **kw)
-        assert [c.token_ids for c in out] == expected, kw
+    assert_greedy_matches_hf(model, path, PROMPTS, 16, [dict(kv="bmc", r=3), dict(kv="iterative")])
 
 
 def test_partial_rotary_and_longrope_are_refused(tmp_path):

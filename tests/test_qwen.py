@@ -13,7 +13,7 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import assert_chunked_logits_match_hf, hf, hf_greedy, save_tiny, transformers
+from .conftest import assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, hf_greedy, save_tiny, transformers
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
 
@@ -59,11 +59,7 @@ def test_greedy_batch_matches_hf_generate(qwen2_dir, monkeypatch, native):
     model, n = bmc.load(str(qwen2_dir)), 14
     # the native C++ step has no per-head q/k norm: Qwen3 runs the PyTorch path there (exact, slower)
     assert (model.net.native_decoder() is None) == (native == "0" or model.config.qk_norm)
-    expected = hf_greedy(hf(qwen2_dir), PROMPTS, n)
-    for kw in [dict(kv="iterative"), dict(kv="upfront"), dict(kv="bmc", r=3), dict(kv="bmc"),
-               dict(kv="bmc", speculative="ngram", tree="chain:3")]:
-        out = bmc.generate(model, PROMPTS, max_new_tokens=n, ignore_eos=True, **kw)
-        assert [c.token_ids for c in out] == expected, kw
+    assert_greedy_matches_hf(model, qwen2_dir, PROMPTS, n)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -71,10 +67,7 @@ def test_window_on_every_layer_matches_hf(tmp_path, family):
     path = make_qwen2(tmp_path / "w", family=family, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     model = bmc.load(str(path))
     assert model.config.sliding_window == 4
-    expected = hf_greedy(hf(path), PROMPTS, 16)
-    for kw in [dict(kv="bmc", r=3), dict(kv="iterative")]:
-        out = bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, **kw)
-        assert [c.token_ids for c in out] == expected, kw
+    assert_greedy_matches_hf(model, path, PROMPTS, 16, [dict(kv="bmc", r=3), dict(kv="iterative")])
 
 
 def test_window_on_some_layers_is_refused_and_off_means_none(tmp_path):
