@@ -184,3 +184,11 @@ def test_speculative_runs_choose_T_with_eq_9(cache_dir, gqa_dir):
     wide = bmc.generate(model, prompt, max_new_tokens=100, ignore_eos=True, speculative="ngram",
                         tree="dynamic:4x6").stats
     assert wide.T > plain.T  # 25 verified rows per ~3.3 emitted tokens: more, smaller chunks (T grows as sqrt(k/m))
+
+
+def test_one_flat_configuration_does_not_make_the_calibrated_constant_infinite():
+    from bmc.analytic.calibrate import median_of_fitted
+
+    assert median_of_fitted([2e10, float("inf")]) == 2e10  # a neighbour's burst flattened one configuration's fit
+    assert median_of_fitted([1e10, 3e10, -1.0]) == 2e10
+    assert median_of_fitted([float("inf"), 0.0]) == float("inf")  # nothing fitted: calibrate() refuses to write

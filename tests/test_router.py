@@ -164,7 +164,9 @@ def test_a_killed_instance_fails_only_its_requests_and_is_replaced(router, model
         try:
             with httpx.stream("POST", router.url + "/v1/completions", json=dict(body, prompt=prompt), timeout=120,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
-                for line in r.iter_lines():
+                if r.status_code != 200:  # sent to the instance before it died, refused before its first byte
+                    err = json.loads(r.read())["error"]["message"]
+                for line in r.iter_lines() if r.status_code == 200 else ():
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()

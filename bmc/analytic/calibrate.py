@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -147,6 +147,14 @@ def measure_attention(cfg: tuple[int, int, int, int], t: int, grid: Grid, device
             "flops_per_s": flops_per_row / s_per_row if s_per_row > 0 else float("inf")}
 
 
+def median_of_fitted(values: Iterable[float]) -> float:
+    """Median over the configurations whose fit has a slope: on a busy machine one configuration's times can come
+    out flat (a neighbour's burst landed on its small point), and one inf would turn a two-point median into inf.
+    inf when no configuration could be fitted."""
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    return statistics.median(finite) if finite else float("inf")
+
+
 def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
               progress: Progress = lambda s: None) -> dict[str, Any]:
     """Run every measurement; return the profile dict (identity, constants, raw measurements)."""
@@ -170,10 +178,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
                 progress(f"[{done}/{total}] {kind} B={cfg[0]} H={cfg[1]} H_kv={cfg[2]} d={cfg[3]}")
                 out.append(fn())
     consts = Constants(
-        copy_bw=statistics.median(c["copy_bw_bytes_per_s"] for c in copies),
+        copy_bw=median_of_fitted(c["copy_bw_bytes_per_s"] for c in copies),
         alloc_s=statistics.median(c["alloc_s"] for c in copies),
-        attn_flops=statistics.median(a["flops_per_s"] for a in decodes),
-        verify_flops=statistics.median(a["flops_per_s"] for a in verifies),
+        attn_flops=median_of_fitted(a["flops_per_s"] for a in decodes),
+        verify_flops=median_of_fitted(a["flops_per_s"] for a in verifies),
     )
     for name, value in (("copy bandwidth", consts.copy_bw), ("decode attention FLOP/s", consts.attn_flops)):
         if not (math.isfinite(value) and value > 0):  # time did not grow with size: the fit is meaningless
