@@ -5,12 +5,14 @@ with one client of its own (asyncio + httpx, the protocol of `vllm bench serve`)
     python bench/serve.py --llama-server PATH --vllm-python PATH   # + the peers, each started and stopped here
     python bench/serve.py --url http://127.0.0.1:8000 --name mine # an endpoint already running
     python bench/serve.py --scenario seed004                # several clients, prompts 1000-1500, 100-200 generated
+    python bench/serve.py --workload copy --bmc-variant 'ngram=--speculative ngram'   # speculation, A/B in one run
 
 Workloads: random prompts of --input-len tokens (ids drawn from the vocabulary, decoded to text, the same text
 for every engine), --output-len tokens generated with EOS ignored; closed loop (--concurrency C: C clients back to
 back) and open loop (--request-rates: Poisson arrivals). Reported per run: request/s, output tok/s, TTFT, TPOT
 ((latency - TTFT) / (tokens - 1)), ITL (between streamed chunks), end-to-end latency (mean, p50, p90, p99) and
-goodput under --slo-ttft / --slo-tpot. Also the offline reference: generate() at batch --offline-batch on the same
+goodput under --slo-ttft / --slo-tpot. --workload copy
+instead asks (chat template) to copy a list of --input-len tokens or so, the case prompt lookup drafts for. Also the offline reference: generate() at batch --offline-batch on the same
 lengths, so the server's own cost shows (output tok/s served / offline). JSON + PNG under bench/results/cpu/."""
 from __future__ import annotations
 
@@ -238,6 +240,9 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
             cmd += ["--threads", threads] if k == 1 else ["--instances", str(k)]
             cmd += ["--model", args.model] if args.model else []
             out.append(Engine("bmc" if k == 1 else f"bmc x{k}", cmd, extra={"ignore_eos": True}, startup_s=600))
+            for variant in args.bmc_variant if k == 1 else []:  # the same server with other flags, A/B in one run
+                label, _, flags = variant.partition("=")
+                out.append(Engine(f"bmc {label}", cmd + flags.split(), extra={"ignore_eos": True}, startup_s=600))
     if "llamacpp" in args.engines:
         if not args.llama_server:
             print("skipping llama.cpp: pass --llama-server PATH (llama.cpp's llama-server binary)", file=sys.stderr)
@@ -286,6 +291,29 @@ def random_prompts(model: Any, n: int, lo: int, hi: int, seed: int) -> list[str]
     return out
 
 
+def copy_prompts(model: Any, n: int, length: int, seed: int) -> list[str]:
+    """Chat-formatted requests to copy a list of about `length` tokens (items with random colours and counts): the
+    output repeats the context, where prompt-lookup speculation drafts well."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        items, text = [], ""
+        while len(model.tokenizer.encode(text)) < length:
+            i = len(items)
+            items.append(f"Item {i}: a {rng.choice(['red', 'green', 'blue', 'black'])} box of {rng.randint(2, 99)} "
+                         f"{rng.choice(['apples', 'pears', 'nails', 'books'])}.")
+            text = " ".join(items)
+        out.append(model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Copy the following list exactly.\n" + text}], add_generation_prompt=True))
+    return out
+
+
+def workload(model: Any, args: argparse.Namespace, n: int, seed: int) -> list[str]:
+    if args.workload == "copy":
+        return copy_prompts(model, n, args.input_len, seed)
+    return random_prompts(model, n, args.input_len, args.input_len, seed)
+
+
 def offline_reference(model: Any, prompts: list[str], batch: int, output_len: int) -> dict[str, Any]:
     """generate() at batch `batch` on the same prompts: the server's ceiling."""
     import bmc
@@ -326,14 +354,14 @@ def run_engine(engine: Engine, args: argparse.Namespace, model: Any) -> dict[str
             return res
         for c in args.concurrency:
             n = args.num_prompts or max(2 * c, 8)
-            prompts = random_prompts(model, n, args.input_len, args.input_len, 10 + c)
+            prompts = workload(model, args, n, 10 + c)
             results, dur = asyncio.run(closed_loop(url, name, prompts, [args.output_len] * n, c, extra))
             row = dict(summarize(results, dur, args.slo_ttft, args.slo_tpot), concurrency=c)
             res["closed_loop"].append(row)
             print(f"{engine.name:>10} concurrency {c:>3}: {fmt(row)}", flush=True)
         for rate in args.request_rates:
             n = args.num_prompts or max(int(rate * 30), 8)
-            prompts = random_prompts(model, n, args.input_len, args.input_len, 1000 + int(rate * 100))
+            prompts = workload(model, args, n, 1000 + int(rate * 100))
             results, dur = asyncio.run(open_loop(url, name, prompts, [args.output_len] * n, rate, extra))
             row = dict(summarize(results, dur, args.slo_ttft, args.slo_tpot), request_rate=rate)
             res["open_loop"].append(row)
@@ -403,6 +431,11 @@ def main() -> None:
     p.add_argument("--bmc-instances", default="1",
                    help="comma list of bmc-serve --instances values to run, e.g. 1,2,4 (each K splits --max-num-seqs "
                    "and the token budget over its instances; K > 1 pins one thread per physical core)")
+    p.add_argument("--bmc-variant", action="append", default=[],
+                   help="also run bmc-serve with extra flags, as 'LABEL=FLAGS' (repeatable), e.g. "
+                   "'ngram=--speculative ngram --tree chain:4'")
+    p.add_argument("--workload", choices=["random", "copy"], default="random",
+                   help="closed/open loop prompts: random tokens (default) or requests to copy a list")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--context-per-slot", type=int, default=2048, help="llama-server: context of each of its slots")
@@ -440,7 +473,7 @@ def main() -> None:
     result: dict[str, Any] = {"config": dict(vars(args), model_name=os.path.basename(model.path), host=host,
                                              dtype="float32"), "runs": [], "offline": None}
     if args.offline_batch and not args.url and args.scenario is None:
-        prompts = random_prompts(model, args.offline_batch, args.input_len, args.input_len, 7)
+        prompts = workload(model, args, args.offline_batch, 7)
         result["offline"] = offline_reference(model, prompts, args.offline_batch, args.output_len)
         print(f"offline generate() batch {args.offline_batch}: {result['offline']['output_tok_per_s']:.1f} tok/s",
               flush=True)

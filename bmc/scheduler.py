@@ -23,6 +23,7 @@ Thread model: `step()` runs on one engine thread; `add()` and `abort()` may be c
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -31,14 +32,19 @@ from typing import Callable
 
 import torch
 
-from .attention import dense_attention
+from .attention import AttentionFn, AttentionOptions, SparQAttention, dense_attention
 from .engine import GenerationConfig, GenerationStats, eos_ids, make_cache, prefill_attention
 from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
 from .sampling import Sampler
+from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
+from .spec.decode import SpeculativeStep
 from .textstream import TextStream
+
+SERVED_DRAFTERS = ("ngram",)  # drafters without per-row state beyond the tokens (a draft model's KV would have to
+# follow every join, leave and regroup of the batch cache)
 
 
 class QueueFullError(BmcError):
@@ -96,6 +102,7 @@ class _Row:
     sample_index: int
     token: int  # the last sampled token: not in the cache yet, the next decode step's input
     pos: int  # its position
+    key: int = field(default_factory=itertools.count().__next__)  # the row's name for the drafter
     count: int = 1  # tokens generated
     text: TextStream | None = None
     finish: str | None = None
@@ -110,12 +117,15 @@ class SchedulerCounters:
     joins_in_place: int = 0  # requests that took a retired slot (one row copied)
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
+    verify_steps: int = 0  # decode steps that verified draft trees (speculative decoding)
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
 class Scheduler:
     def __init__(self, model: Model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                 max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None) -> None:
+                 max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+                 attention: str = "dense", attention_options: AttentionOptions | None = None,
+                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24) -> None:
         if max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens <= max_num_seqs:
@@ -125,11 +135,20 @@ class Scheduler:
         self.max_queue = max_queue
         self.kv, self.r, self.T = kv, r, T
         self.eos = eos_ids(model)
-        # The batch cache: T chosen for a full batch at the longest context; it starts with no rows.
-        self.cache = make_cache(model, GenerationConfig(kv=kv, r=r, T=T), max_num_seqs, model.max_context,
-                                [0] * max_num_seqs, GenerationStats())
+        options = attention_options or AttentionOptions()
+        gen = GenerationConfig(kv=kv, r=r, T=T, attention=attention, attention_options=options,
+                               speculative=speculative, tree=tree)  # checks the names and the combination
+        # The batch cache: T chosen for a full batch at the longest context (with speculation, Eq. 9's k and m);
+        # it starts with no rows.
+        self.cache = make_cache(model, gen, max_num_seqs, model.max_context, [0] * max_num_seqs, GenerationStats())
         self.cache.keep_spare = True  # joins, leaves and growth copy into the last buffer: no fresh pages
         self.cache.regroup([])
+        self.decode_attention = served_attention(model, self.cache, attention, options)
+        self.spec = served_speculation(speculative, tree)
+        self._drafting: set[int] = set()  # rows the drafter keeps a context for
+        if spec_max_tokens < 2:
+            raise InvalidRequestError(f"spec_max_tokens must be >= 2 (a root and one draft), got {spec_max_tokens}")
+        self.spec_max_tokens = spec_max_tokens
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []
@@ -217,10 +236,15 @@ class Scheduler:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
+        self._forget_drafts()
         self._admit()
         t1 = time.perf_counter()
-        decode = self._decode_part() if self.live_rows else None
-        chunks = self._chunk_parts(self.max_num_batched_tokens - len(self.rows))
+        draft = self._draft() if self.spec is not None and self.live_rows else None
+        decode = self._decode_part() if self.live_rows and draft is None else None
+        chunks = self._chunk_parts(self.max_num_batched_tokens - len(self.rows) * (
+            1 + draft[0].num_nodes if draft is not None else 1))
+        if draft is not None:  # the trees' own forward: verify logits of every node, not the last token's
+            self._verify(*draft)
         parts = ([decode] if decode is not None else []) + [part for _, part in chunks]
         results = self._forward(parts)
         if decode is not None:
@@ -299,7 +323,74 @@ class Scheduler:
         except Exception as e:
             self._fail_batch(e)
             return None
-        return StepPart(tokens, pos, self.cache, self.cache.bias, dense_attention)
+        return StepPart(tokens, pos, self.cache, self.cache.bias, self.decode_attention)
+
+    # ---- speculative decoding (greedy rows; the tree is verified in the batch cache's padding rows) ----
+    def _speculates(self, row: _Row | None) -> bool:
+        """Greedy rows draft: their verification is the argmax, exact. Sampled rows, and rows that report
+        logprobs, take one token per step from the root's logits inside the same forward."""
+        return (row is not None and row.finish is None and row.request.sampler.params.greedy
+                and row.request.logprobs is None)
+
+    def _draft(self) -> tuple[DraftTree, int] | None:
+        """Every greedy row's draft tree, within the token budget (half of it while prompts wait, so prefill
+        keeps moving) and within spec_max_tokens verify rows in all; None when no row has a draft (the step is a
+        plain, fused decode).
+
+        Why a cap on verify rows: drafts are free while the step is bound by reading the weights and cost their
+        FLOPs once it is bound by arithmetic. fp32 weights give 2 FLOP per 4 bytes read per token row, so with a
+        GEMM peak of ~160 GFLOP/s and ~20-26 GB/s (this 2-core EPYC) the step turns compute-bound at about 13-16
+        rows. Measured (default model, copy prompts, chain:4, no cap): 1 stream x 5 rows 1.92x plain, 4 x 5 = 20
+        rows 1.08x, 8 x 5 = 40 rows 0.94x."""
+        spec, rows = self.spec, self.rows
+        assert spec is not None
+        specs = [spec.spec.capped(r.request.gen.max_new_tokens - r.count - 1) if self._speculates(r) else None
+                 for r in rows]
+        tree, _, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
+        share = min(self.spec_max_tokens, self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1))
+        nodes = min(tree.num_nodes, share // len(rows) - 1)
+        if nodes < 1 or not bool(tree.valid[:, :nodes].any()):
+            return None
+        return tree.truncate(nodes), free
+
+    def _verify(self, tree: DraftTree, free: int) -> None:
+        rows, dev = self.rows, self.model.device
+        tokens = torch.tensor([r.token if r else 0 for r in rows], dtype=torch.long, device=dev)
+        pos = torch.tensor([r.pos if r else 0 for r in rows], dtype=torch.long, device=dev)
+        try:
+            logits = SpeculativeStep.verify_forward(self.model, self.cache, self.decode_attention, tree, tokens, pos)
+        except Exception as e:
+            self._fail_batch(e)
+            return
+        preds = argmax(logits).tolist()
+        nodes = tree.tokens.tolist()
+        paths = greedy_accept(nodes, tree.parents.tolist(), tree.valid.tolist(), preds)
+        self.cache.accept(paths, 1 + tree.num_nodes)
+        assert self.spec is not None
+        self.spec.record(tree, paths, free)
+        self.counters.decode_steps += 1
+        self.counters.verify_steps += 1
+        live = [i for i, r in enumerate(rows) if r is not None]
+        plain = [i for i in live if not self._speculates(rows[i])]
+        if plain:  # their trees are empty: path [0], the root's logits as a plain decode step
+            self._sample_and_emit(logits[plain, 0], [rows[i] for i in plain])
+        for i in live:
+            row = rows[i]
+            if not self._speculates(row):
+                continue
+            for tid in [nodes[i][j - 1] for j in paths[i][1:]] + [preds[i][paths[i][-1]]]:
+                self._emit(row, tid, False, None)
+                if row.finish is not None or row.request.done:
+                    break
+
+    def _forget_drafts(self) -> None:
+        """Drop the drafter's state of rows that left (finished, cancelled, failed)."""
+        if self.spec is None:
+            return
+        keep = {r.key for r in self.live_rows} | {r.key for _, rows in self.joining for r in rows}
+        for key in self._drafting - keep:
+            self.spec.drafter.forget(key)
+        self._drafting &= keep
 
     def _finish_decode(self, result: torch.Tensor | BaseException) -> None:
         if isinstance(result, BaseException):  # a failed batch step fails the requests in it, not the server
@@ -391,6 +482,10 @@ class Scheduler:
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
                      text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None)
                  for s in range(n)]
+        if self.spec is not None:
+            for row in filter(self._speculates, rows):
+                self.spec.drafter.start(row.key, req.prompt_ids)  # its tokens follow through _emit
+                self._drafting.add(row.key)
         self._sample_and_emit(result.expand(n, -1), rows, first=True)
         if all(row.finish is not None for row in rows):  # max_tokens=1, or EOS / a stop string at once
             self._finish_request(req, rows[-1].finish or "stop")
@@ -438,6 +533,8 @@ class Scheduler:
             row.pos += 1
         row.token = tid
         self.counters.generation_tokens += 1
+        if row.key in self._drafting:
+            self.spec.drafter.extend(row.key, [tid])  # type: ignore[union-attr]
         gen = req.gen
         finish = "stop" if (tid in self.eos and not gen.ignore_eos) else (
             "length" if row.count >= gen.max_new_tokens else None)
@@ -465,3 +562,29 @@ class Scheduler:
             req.done = True
             self.counters.finished["error"] += 1
             req.emit(error)
+
+
+def served_attention(model: Model, cache: KVCache, attention: str, options: AttentionOptions) -> AttentionFn:
+    """The decode steps' attention over the batch cache. SparQ is served without state that would have to follow
+    the rows through joins, leaves and regroups: no dimension-major K mirror (the same arithmetic, with the
+    keys read strided) and no mean-value step (off by default for GQA models, the paper's choice)."""
+    if attention == "dense":
+        return dense_attention
+    if attention == "sparq":
+        if options.sparq.mean_value:
+            raise InvalidRequestError("SparQ's mean-value step (mean_value=True) is not served: its running sum "
+                                      "of values would have to follow the rows of the continuous batch")
+        sparq = dataclasses.replace(options.sparq, mean_value=False, k_twice=False)
+        return SparQAttention(cache, sparq, model.config.group_size)
+    raise InvalidRequestError(f"attention={attention!r} is not served (dense or sparq): the local window is "
+                              "SparQ's evaluation baseline, for bmc-generate")
+
+
+def served_speculation(speculative: str, tree: str) -> SpeculativeStep | None:
+    if speculative == "off":
+        return None
+    name, _ = parse_speculative(speculative)
+    if name not in SERVED_DRAFTERS:
+        raise InvalidRequestError(f"speculative={speculative!r} is not served (only {', '.join(SERVED_DRAFTERS)}): "
+                                  "a draft model's KV cache would have to follow the rows of the continuous batch")
+    return SpeculativeStep(NGramDrafter(), TreeSpec.parse(tree), trim_to_chunk=True, sampler=None)  # type: ignore[arg-type]

@@ -299,3 +299,42 @@ def _stream_model(client, name: str, prompt: str, max_tokens: int, delay: float)
             text += c.text
             finish = c.finish_reason or finish
     return text, finish
+
+
+@pytest.mark.parametrize("flags, metric", [(["--speculative", "ngram", "--tree", "dynamic:2x4"],
+                                            "bmc:spec_decode_num_accepted_tokens_total"),
+                                           (["--attention", "sparq", "--sparq-r", "4", "--sparq-k", "6"], None)],
+                         ids=["speculative-ngram", "sparq"])
+def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, flags, metric):
+    """bmc-serve --speculative ngram: staggered greedy streams give plain greedy generate()'s text, with drafts
+    accepted (the metric counts them); --attention sparq: each gives generate(attention='sparq')'s text."""
+    srv = ServerProcess(["--model", str(tiny_dir), "--max-num-seqs", "3", "--max-num-batched-tokens", "48",
+                         "--served-model-name", "tiny", *flags])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        prompts = ["abc abc abc abc abc", "hello world, hello world, hello", *PROMPTS[2:]]
+        lengths = [24, 16, 20, 12, 18]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(stream_text, client, p, n, 0.05 * i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+            got = [f.result(timeout=120) for f in futures]
+        sparq = dict(attention="sparq", sparq_r=4, sparq_k=6) if "sparq" in flags else {}
+        for (text, finish), p, n in zip(got, prompts, lengths):
+            want = bmc.generate(model, [p], max_new_tokens=n, **sparq)[0]
+            assert (text, finish) == (want.text, want.finish_reason), p
+        if metric is not None:
+            assert srv.metric(metric) > 0 and srv.metric("bmc:spec_decode_num_drafts_total") > 0
+        assert srv.wait_metric("bmc:num_requests_running", 0) == 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, message", [(["--attention", "window"], "invalid choice"),
+                                            (["--speculative", "draft:x"], "invalid choice"),
+                                            (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
+                                            (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree")])
+def test_serve_refuses_what_it_does_not_serve(flags, message):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "bmc.cli.serve", *flags], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..attention import AttentionOptions, SparQOptions
 from ..engine import GenerationConfig
 from ..errors import BmcError, InvalidRequestError
 from ..models import Model
@@ -45,6 +46,12 @@ class ServeOptions:
     dtype: str = "float32"
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
+    speculative: str = "off"  # "ngram": greedy requests draft by prompt lookup, verified in the padding rows
+    tree: str = "chain:4"
+    spec_max_tokens: int = 24  # verify rows per step at most
+    attention: str = "dense"  # or "sparq" (approximate decode attention)
+    sparq_r: int | None = None
+    sparq_k: int = 128
 
 
 def default_served_name(path: str) -> str:
@@ -74,10 +81,14 @@ class ServerState:
             model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights)
             self.name = o.served_model_name or default_served_name(model.path)
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
-                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T)
+                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, speculative=o.speculative,
+                                  tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
+                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)))
             metrics = ServerMetrics(self.name)
             metrics.bind(lambda: scheduler.num_running, lambda: scheduler.num_waiting, lambda: scheduler.kv_bytes,
                          lambda: scheduler.cache.batch_size)
+            if scheduler.spec is not None:
+                metrics.bind_speculation(lambda: scheduler.spec.stats)
             self.engine = EngineThread(scheduler)
             step_histogram = metrics.step.labels(self.name)
             self.engine.on_step = step_histogram.observe

@@ -2,9 +2,10 @@
 the scheduler at scrape time, counters and latency histograms observed by the HTTP handlers (what a client sees)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 # seconds; vLLM's buckets, which cover a CPU's slower steps too
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -53,5 +54,25 @@ class ServerMetrics:
         self.kv_bytes.labels(m).set_function(kv_bytes)
         self.kv_rows.labels(m).set_function(kv_rows)
 
+    def bind_speculation(self, stats: Callable[[], Any]) -> None:
+        """Speculative decoding's counters (vLLM's spec_decode names), read from the scheduler's SpecStats."""
+        self.registry.register(_SpecCollector(self.model_name, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.stats()
+        for name, doc, value in (
+                ("bmc:spec_decode_num_drafts", "Verify steps (each row's draft tree checked in one forward)",
+                 s.verify_steps),
+                ("bmc:spec_decode_num_draft_tokens", "Draft tokens verified", s.drafted),
+                ("bmc:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.accepted)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

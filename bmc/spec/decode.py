@@ -53,24 +53,55 @@ class SpeculativeStep:
         self.drafter, self.spec, self.trim, self.sampler = drafter, spec, trim_to_chunk, sampler
         self.stats = SpecStats()
 
-    def __call__(self, model: Model, cache: KVCache, attention: AttentionFn, next_tok: torch.Tensor,
-                 pos: torch.Tensor, rows: list[int], remaining: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
-        remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
-        next roots."""
+    def draft(self, cache: KVCache, rows: list[int], specs: list[TreeSpec | None]) -> tuple[DraftTree, list, int]:
+        """Every row's draft tree (specs[b] None: no draft for row b), trimmed to the chunk's free padding rows
+        unless the chunk may grow; also the proposals (sampling reads their q) and the free rows."""
         t0 = time.perf_counter()
-        proposals = self.drafter.propose_batch(rows, [self.spec.capped(left - 1) for left in remaining])
+        proposals = self.drafter.propose_batch(rows, specs)
         self.stats.draft_seconds += time.perf_counter() - t0
         tree = DraftTree.from_lists([(p.tokens, p.parents) for p in proposals], cache.device)
         free = cache.capacity - cache.length if cache.keeps_padding else 0
         if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
             tree = tree.truncate(free - 1)
+        return tree, proposals, free
+
+    @staticmethod
+    def verify_forward(model: Model, cache: KVCache, attention: AttentionFn, tree: DraftTree, next_tok: torch.Tensor,
+                       pos: torch.Tensor) -> torch.Tensor:
+        """One target forward over every row's root and tree, written into the cache's reserved columns (its
+        padding rows when the tree fits them); the logits of every verify token [B, t, V]."""
         t = 1 + tree.num_nodes
         visible, depth = tree_visibility(tree.parents)
         tokens = torch.cat([next_tok[:, None], tree.tokens], dim=1)
         cache.reserve(t, pos[:, None] + depth)
-        logits = model.net(tokens, pos[:, None] + depth, cache, attention, cache.attention_bias(t, visible),
-                           all_logits=True)
+        return model.net(tokens, pos[:, None] + depth, cache, attention, cache.attention_bias(t, visible),
+                         all_logits=True)
+
+    def record(self, tree: DraftTree, paths: list[list[int]], free: int) -> None:
+        """Count one verify step: drafted and accepted nodes, padding use, acceptance by child rank."""
+        s, t = self.stats, 1 + tree.num_nodes
+        s.verify_steps += 1
+        s.row_steps += len(paths)
+        s.drafted += int(tree.valid.sum())
+        s.accepted += sum(len(p) - 1 for p in paths)
+        s.free_rows += max(free, 0)
+        s.used_rows += min(max(free, 0), t)
+        visits, accepted = rank_counts(tree.parents.tolist(), tree.valid.tolist(), paths)
+        for r, (v, a) in enumerate(zip(visits, accepted)):
+            if r == len(s.rank_visits):
+                s.rank_visits.append(0)
+                s.rank_accepted.append(0)
+            s.rank_visits[r] += v
+            s.rank_accepted[r] += a
+
+    def __call__(self, model: Model, cache: KVCache, attention: AttentionFn, next_tok: torch.Tensor,
+                 pos: torch.Tensor, rows: list[int], remaining: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
+        remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
+        next roots."""
+        tree, proposals, free = self.draft(cache, rows, [self.spec.capped(left - 1) for left in remaining])
+        t = 1 + tree.num_nodes
+        logits = self.verify_forward(model, cache, attention, tree, next_tok, pos)
         tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
         if self.sampler.params.greedy:
             preds = argmax(logits).tolist()
@@ -86,18 +117,5 @@ class SpeculativeStep:
             new.append(toks)
             self.drafter.extend(row, toks)
         pos += torch.tensor([len(p) for p in paths], dtype=pos.dtype, device=pos.device)
-        s = self.stats
-        s.verify_steps += 1
-        s.row_steps += len(rows)
-        s.drafted += int(tree.valid.sum())
-        s.accepted += sum(len(p) - 1 for p in paths)
-        s.free_rows += max(free, 0)
-        s.used_rows += min(max(free, 0), t)
-        visits, accepted = rank_counts(parents, valid, paths)
-        for r, (v, a) in enumerate(zip(visits, accepted)):
-            if r == len(s.rank_visits):
-                s.rank_visits.append(0)
-                s.rank_accepted.append(0)
-            s.rank_visits[r] += v
-            s.rank_accepted[r] += a
+        self.record(tree, paths, free)
         return new, torch.tensor([toks[-1] for toks in new], dtype=torch.long, device=next_tok.device)

@@ -58,6 +58,9 @@ class Drafter(ABC):
         """A draft tree for each row of the batch, in batch order (None: no draft for that row). Rows missing
         from `rows` have left the batch for good."""
 
+    def forget(self, row: int) -> None:
+        """A row left for good: drop what the drafter keeps for it (a server's rows come and go)."""
+
 
 class NGramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrences of the row's last n tokens (n = max_n .. 1) and propose
@@ -82,6 +85,10 @@ class NGramDrafter(Drafter):
             end = len(ctx)
             for n in range(1, min(self.max_n, end) + 1):
                 idx.setdefault(tuple(ctx[end - n : end]), []).append(end)  # continuation starts at `end`
+
+    def forget(self, row: int) -> None:
+        self.ctx.pop(row, None)
+        self.index.pop(row, None)
 
     def propose_batch(self, rows: list[int], specs: list[TreeSpec | None]) -> list[Proposal]:
         return [Proposal(*self.propose(row, spec)) if spec is not None else Proposal() for row, spec in zip(rows, specs)]
