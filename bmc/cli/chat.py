@@ -1,0 +1,114 @@
+"""bmc-chat: talk to a model in the terminal. The conversation's KV stays in one BMC cache across turns, so each
+turn prefills only the new message. /reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from .common import MAX_THREADS, Parser, fail, physical_cores
+
+HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="bmc-chat", description=__doc__)
+    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--kv", default="bmc", help="KV cache strategy (default bmc)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="load the weights from the model file instead of mapping them from ~/.cache/bmc/weights")
+    p.add_argument("--verbose", action="store_true",
+                   help="after each reply, print to stderr the tokens prefilled (the rest came from the cache), "
+                   "generated, and the reply's tok/s")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    for name in ("temperature", "top_p"):
+        v = getattr(args, name)
+        if v is not None and not math.isfinite(v):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    torch.set_num_threads(args.threads or physical_cores())
+
+    from .. import load
+    from ..chat import ChatSession, ContextFullError
+    from ..errors import BmcError
+    from ..kv import KV_STRATEGIES
+    from ..sampling import SamplingParams
+
+    if args.kv not in KV_STRATEGIES:
+        fail(f"unknown --kv {args.kv!r}; choose from {', '.join(KV_STRATEGIES)}")
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        model = load(args.model, dtype=args.dtype, device=args.device,
+                     share_weights=args.device == "cpu" and not args.no_weights_cache)
+        session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
+                              kv=args.kv)
+    except (BmcError, OSError, ValueError) as e:
+        fail(str(e))
+    print(f"bmc-chat: {model.path} ({model.config.num_layers} layers, context {model.max_context}); {HELP}",
+          file=sys.stderr, flush=True)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            break
+        except KeyboardInterrupt:
+            print()
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit", "/bye"):
+            break
+        if command == "/reset":
+            session.reset()
+            print("(conversation cleared)", flush=True)
+            continue
+        if command.startswith("/"):
+            print(f"unknown command {command}: {HELP}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            for piece in session.turn(line):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [stopped]")
+        except ContextFullError as e:
+            print(f"bmc-chat: {e}", file=sys.stderr, flush=True)
+            continue
+        except BmcError as e:
+            print(f"bmc-chat: {e}", file=sys.stderr, flush=True)
+            continue
+        print(flush=True)
+        if args.verbose:
+            st, dt = session.last, time.perf_counter() - t0
+            print(f"[prefilled {st.prefilled_tokens} of {st.prompt_tokens} tokens, generated {st.generated_tokens} "
+                  f"({st.finish_reason}), {st.generated_tokens / dt:.1f} tok/s, context {session.context_used}/"
+                  f"{model.max_context}]", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

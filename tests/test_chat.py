@@ -1,0 +1,178 @@
+"""bmc-chat and ChatSession: each reply equals generate() on the whole rendered conversation while the KV of
+earlier turns is reused (only the new message is prefilled); /reset, a full context, an interrupted reply; the
+CLI driven through a pseudo-terminal."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+import bmc
+from bmc.chat import ChatSession, ContextFullError
+from bmc.errors import InvalidRequestError
+
+from .conftest import make_llama
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """The tiny GQA Llama with a long context and SmolLM2's kind of template (ChatML: the assistant's header in
+    the generation prompt is the one the history renders)."""
+    path = make_llama(tmp_path_factory.mktemp("llama-chat"), "gqa", max_pos=1024)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHATML)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(chat_dir):
+    return bmc.load(str(chat_dir))
+
+
+def reference(model, messages, max_new_tokens: int) -> str:
+    """generate() on a conversation rendered and tokenized whole (a first turn: the same tokens as the session's)."""
+    tok = model.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return bmc.generate(model, [ids], max_new_tokens=max_new_tokens)[0].text
+
+
+@pytest.mark.parametrize("kv", ["bmc", "upfront"])
+def test_each_reply_equals_generate_on_the_whole_conversation(model, kv):
+    chat = ChatSession(model, max_new_tokens=12, system="be brief", kv=kv)
+    for i, user in enumerate(["hello there", "the quick brown fox", "and the lazy dog?", "again"]):
+        before = (list(chat.prompt_ids), list(chat._reply_ids), chat._anchor)
+        reply = "".join(chat.turn(user))
+        assert chat.messages[-1] == {"role": "assistant", "content": reply}
+        tok = model.tokenizer
+        rendered = tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True)
+        if i == 0:
+            assert chat.prompt_ids == tok.encode(rendered)
+        else:  # the history exactly as it was generated, then the template's new part
+            prompt, said, anchor = before
+            assert rendered.startswith(anchor)
+            assert chat.prompt_ids == prompt + said + tok.encode(rendered[len(anchor):], add_special_tokens=False)
+        assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=12)[0].text, i
+        st = chat.last
+        assert st.generated_tokens >= 1 and st.finish_reason in ("stop", "length")
+        if i:  # the earlier turns' KV was reused: only the new message (and the reply's end) was prefilled
+            assert st.prefilled_tokens < st.prompt_tokens // 2, st
+        chat.cache.check_integrity()
+        assert chat.cache.length == chat.context_used
+
+
+def test_a_template_that_renders_history_differently_is_tokenized_again(tmp_path):
+    """The tiny default template writes the generation header as 'assistant:' but history as '<s>assistant: ...':
+    the conversation is tokenized whole, the cache cut back to the common prefix, and replies stay exact."""
+    model = bmc.load(str(make_llama(tmp_path, "gqa", max_pos=1024)))
+    chat = ChatSession(model, max_new_tokens=8)
+    for user in ["hello there", "the quick brown fox"]:
+        reply = "".join(chat.turn(user))
+        tok = model.tokenizer
+        assert chat.prompt_ids == tok.encode(tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True))
+        assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=8)[0].text
+        chat.cache.check_integrity()
+    assert chat.last.prefilled_tokens < chat.last.prompt_tokens  # the common prefix was still reused
+
+
+def test_reset_and_a_full_context(model):
+    chat = ChatSession(model, max_new_tokens=4)
+    "".join(chat.turn("hello"))
+    assert chat.context_used > 0
+    chat.reset()
+    assert chat.messages == [] and chat.context_used == 0 and chat.cache.length == 0
+    with pytest.raises(ContextFullError, match="/reset"):
+        "".join(chat.turn("word " * 2000))
+    assert chat.messages == []  # the refused message did not join the conversation
+    assert "".join(chat.turn("hello")) == reference(model, [{"role": "user", "content": "hello"}], 4)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        "".join(chat.turn("   "))
+
+
+def test_a_reply_stopped_early_is_kept_and_the_next_turn_is_exact(model):
+    chat = ChatSession(model, max_new_tokens=20)
+    stream = chat.turn("tell me a story")
+    next(stream)
+    stream.close()  # the reader stopped it (Ctrl-C): what came so far is the reply
+    assert chat.messages[-1]["role"] == "assistant" and chat.last.generated_tokens >= 1
+    reply = "".join(chat.turn("go on"))
+    assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=20)[0].text
+
+
+def read_until(fd: int, marker: bytes, buf: bytearray, timeout: float = 60.0) -> bytes:
+    """Read the pseudo-terminal until `marker` appears after what was consumed; return the text before it."""
+    deadline = time.monotonic() + timeout
+    while marker not in buf:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} in {bytes(buf)!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            buf.extend(chunk)
+    i = buf.index(marker)
+    out = bytes(buf[:i])
+    del buf[: i + len(marker)]
+    return out
+
+
+def prefilled_of(output: str) -> tuple[int, int]:
+    """(prefilled, prompt tokens) from --verbose's line after a reply."""
+    a, b = output.split("[prefilled ")[1].split(" tokens")[0].split(" of ")
+    return int(a), int(b)
+
+
+def test_the_cli_in_a_terminal(chat_dir, model):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "bmc.cli.chat", "--model", str(chat_dir), "--max-new-tokens", "8",
+                             "--verbose", "--no-weights-cache"], stdin=slave, stdout=slave, stderr=slave,
+                            env=dict(os.environ, TERM="dumb"), close_fds=True)
+    os.close(slave)
+    buf = bytearray()
+    try:
+        banner = read_until(master, b"> ", buf)
+        assert b"/reset" in banner and b"/exit" in banner
+        first_message = "the quick brown fox jumps over the lazy dog " * 6
+        os.write(master, first_message.encode() + b"\n")
+        first = read_until(master, b"> ", buf).decode().replace("\r\n", "\n")
+        want = reference(model, [{"role": "user", "content": first_message}], 8)
+        assert want in first and prefilled_of(first)[0] == prefilled_of(first)[1]
+        os.write(master, b"and more\n")
+        prefilled, total = prefilled_of(read_until(master, b"> ", buf).decode())
+        assert prefilled < total // 2  # the first turn's KV was kept
+        os.write(master, b"/nonsense\n")
+        assert "unknown command" in read_until(master, b"> ", buf).decode()
+        os.write(master, b"/reset\n")
+        assert "conversation cleared" in read_until(master, b"> ", buf).decode()
+        os.write(master, first_message.encode() + b"\n")
+        again = read_until(master, b"> ", buf).decode().replace("\r\n", "\n")
+        assert want in again and prefilled_of(again) == prefilled_of(first)  # all of it again, the same reply
+        os.write(master, b"/exit\n")
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+
+
+def test_the_cli_refuses_bad_flags_in_one_line():
+    for flags, message in ((["--threads", "0"], "--threads"), (["--temperature", "nan"], "finite"),
+                           (["--kv", "nope"], "unknown --kv"), (["--model", "/nonexistent/x.gguf"], "")):
+        proc = subprocess.run([sys.executable, "-m", "bmc.cli.chat", *flags], capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
