@@ -236,7 +236,7 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
             seqs = -(-args.max_num_seqs // k)
             budget = max(seqs + 1, -(-args.max_num_batched_tokens // k))
             cmd = [sys.executable, "-m", "bmc.cli.serve", "--port", "{port}", "--max-num-seqs", str(seqs),
-                   "--max-num-batched-tokens", str(budget), "--log-level", "warning"]
+                   "--max-num-batched-tokens", str(budget), "--log-level", "warning", "--quant", args.bmc_quant]
             cmd += ["--threads", threads] if k == 1 else ["--instances", str(k)]
             cmd += ["--model", args.model] if args.model else []
             out.append(Engine("bmc" if k == 1 else f"bmc x{k}", cmd, extra={"ignore_eos": True}, startup_s=600))
@@ -434,6 +434,8 @@ def main() -> None:
     p.add_argument("--bmc-variant", action="append", default=[],
                    help="also run bmc-serve with extra flags, as 'LABEL=FLAGS' (repeatable), e.g. "
                    "'ngram=--speculative ngram --tree chain:4'")
+    p.add_argument("--bmc-quant", default="none",
+                   help="bmc-serve --quant (default none: float32 weights, as the peers run them)")
     p.add_argument("--workload", choices=["random", "copy"], default="random",
                    help="closed/open loop prompts: random tokens (default) or requests to copy a list")
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -468,7 +470,7 @@ def main() -> None:
     from bmc.analytic.profile import device_name
 
     torch.set_num_threads(args.threads)
-    model = bmc.load(args.model)
+    model = bmc.load(args.model, quant="none")
     host = f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cpus"
     result: dict[str, Any] = {"config": dict(vars(args), model_name=os.path.basename(model.path), host=host,
                                              dtype="float32"), "runs": [], "offline": None}

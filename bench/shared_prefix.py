@@ -175,7 +175,7 @@ def main() -> None:
                              f"{r['native_shared_gflops']:.0f} GFLOP/s = {100 * r['native_shared_of_peak']:.0f} % "
                              f"of peak; bound x{r['native_speedup_bound']:.1f}]")
                 print(f"attention B={b:3d} prefix={p:5d} suffix={s:4d}  {line}", flush=True)
-    e2e = (end_to_end(bmc.load(), args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
+    e2e = (end_to_end(bmc.load(quant="none"), args.e2e_samples, args.e2e_prompt, args.e2e_gen, args.e2e_rounds)
            if args.e2e_samples else None)  # --e2e-samples 0: attention only, no model needed
     if e2e:
         rounds = ", ".join(f"{x:.2f}" for x in e2e["speedup_per_round"])

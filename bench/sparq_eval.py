@@ -235,7 +235,7 @@ def main() -> None:
     if args.quick:
         args.examples, args.context, args.ppl_texts, args.ppl_tokens = 2, 600, 1, 32
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    model = bmc.load(args.model, device=args.device)
+    model = bmc.load(args.model, device=args.device, quant="none")
     args.tasks = [t for t in args.tasks.split(",") if t]
     results = run(model, args)
     meta = {"model": str(model.path), "dtype": str(model.dtype), "device": str(model.device),

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = bmc.load()
+    model = bmc.load(quant="none")
     report = {"model": model.path, "batch": 1, "dtype": "float32", "threads": args.threads, "device": "cpu",
               "gen_len": args.gen_len, "tree": args.tree, "doc_tokens": args.doc_tokens,
               "tasks": end_to_end(model, args.gen_len, args.tree, args.doc_tokens,

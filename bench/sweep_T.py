@@ -149,7 +149,7 @@ def main() -> None:
         sys.exit("no calibration profile for this machine: run bmc-calibrate first")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = bmc.load() if args.e2e else None
+    model = bmc.load(quant="none") if args.e2e else None
     if model is not None:
         e2e_seconds(model, 64, 1, 1)  # warm-up: first-call costs stay out of the first point
     results = []

@@ -53,33 +53,36 @@ class TokenStream:
 
 
 def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-         share_weights: bool = False) -> Model:
+         share_weights: bool = False, quant: str = "auto") -> Model:
     """Load an HF model directory or a llama GGUF file; no path loads the embedded default model. On a CPU in
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
-    a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it."""
+    a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it.
+    quant: "auto" (a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices kept as stored, on a CPU in float32; else "none"),
+    "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py."""
     model = None
     if share_weights:
-        from .models import default_model_path, parse_dtype
+        from .models import default_model_path, parse_device, parse_dtype, resolve_quant
         from .models.weight_file import load_mapped, share_weights as map_shared
 
         if torch.device(device).type == "cpu":  # the weight file written by an earlier load: nothing to dequantize
+            source = default_model_path() if path is None else os.path.expanduser(str(path))
             try:
-                model = load_mapped(default_model_path() if path is None else os.path.expanduser(str(path)),
-                                    parse_dtype(dtype))
+                mode = resolve_quant(quant, source, parse_dtype(dtype), parse_device(device))
+                model = load_mapped(source, parse_dtype(dtype), mode)
             except OSError:
                 model = None
         if model is None:
             if sys.stderr.isatty() and torch.device(device).type == "cpu":  # seconds, once per model file
                 print("bmc: first load of this model here: converting its weights and caching them in "
                       "~/.cache/bmc/weights (later runs map them)", file=sys.stderr, flush=True)
-            model = load_model(path, dtype=dtype, device=device)
+            model = load_model(path, dtype=dtype, device=device, quant=quant)
             try:
                 map_shared(model)
             except OSError as e:  # a read-only or full cache directory: run on the model's own weights
                 print(f"bmc: weights cache unavailable ({e}); using this process's own copy", file=sys.stderr)
     else:
-        model = load_model(path, dtype=dtype, device=device)
+        model = load_model(path, dtype=dtype, device=device, quant=quant)
     model.net.native_decoder()
     return model
 

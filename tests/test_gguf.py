@@ -156,8 +156,10 @@ def _sp_vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 def _write(path: str, *, arch: str = "llama", tokenizer: str | None = "gpt2", tied: bool = False,
-           rope_freqs: np.ndarray | None = None, norm_f64: bool = False) -> dict[str, np.ndarray]:
+           rope_freqs: np.ndarray | None = None, norm_f64: bool = False, plan: list | None = None,
+           embed_type: Any = None) -> dict[str, np.ndarray]:
     """A tiny random llama GGUF, tensors converted exactly as llama.cpp does (Q/K rows permuted, then quantized).
+    plan: (GGUF layer tensor, HF name, GGML type) per layer tensor (default LAYER_PLAN: every type we read).
     Returns the HF-named float32 weights it was made from."""
     rng = np.random.default_rng(0)
     vocab = len(_gpt2_vocab()) if tokenizer == "gpt2" else len(_sp_vocab()[0]) if tokenizer == "llama" else 300
@@ -208,9 +210,9 @@ def _write(path: str, *, arch: str = "llama", tokenizer: str | None = "gpt2", ti
         else:
             w.add_tensor(gguf_name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
 
-    put("token_embd.weight", "model.embed_tokens.weight", Q.Q8_0, (vocab, HIDDEN))
+    put("token_embd.weight", "model.embed_tokens.weight", embed_type or Q.Q8_0, (vocab, HIDDEN))
     for i in range(LAYERS):
-        for g, h, qtype in LAYER_PLAN:
+        for g, h, qtype in plan or LAYER_PLAN:
             n_head = HEADS if g == "attn_q" else KV_HEADS if g == "attn_k" else None
             put(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", qtype, shapes[h], n_head)
     put("output_norm.weight", "model.norm.weight", Q.F64 if norm_f64 else Q.F32, (HIDDEN,))

@@ -263,14 +263,14 @@ def _server_pss_mib(srv: ServerProcess, requests: int) -> float:
 @pytest.mark.slow
 @needs_two_cores
 def test_two_instances_of_the_real_model_hold_its_weights_once():
-    """Two instances of the default model (fp32 weights and panels ~1 GB) with the router: their memory together
-    stays within 1.2x of one instance holding its own weights (the weights are one shared mapping)."""
-    one = ServerProcess(["--log-level", "warning", "--no-weights-cache"], startup_timeout=300)
+    """Two instances of the default model (fp32 weights and panels ~1 GB: --quant none) with the router: their
+    memory together stays within 1.2x of one instance holding its own weights (the weights are one shared mapping)."""
+    one = ServerProcess(["--log-level", "warning", "--no-weights-cache", "--quant", "none"], startup_timeout=300)
     try:
         single = _server_pss_mib(one, 4)
     finally:
         one.stop()
-    two = ServerProcess(["--instances", "2"], startup_timeout=300)
+    two = ServerProcess(["--instances", "2", "--quant", "none"], startup_timeout=300)
     try:
         wait_health(two.url, "ok", timeout=300)
         pair = _server_pss_mib(two, 4)

@@ -87,7 +87,7 @@ def load_models(spec: str | None, need_hf: bool) -> tuple[Model, Any, str]:
         hf = transformers.OPTForCausalLM(cfg).eval()
         model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin=spec)
         return model, hf if need_hf else None, spec
-    model = load(spec)
+    model = load(spec, quant="none")  # the peers run float weights of the same model: so does bmc here
     if need_hf:
         import transformers
         if model.path.endswith(".gguf"):

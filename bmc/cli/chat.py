@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
+                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
+                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
+                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="load the weights from the model file instead of mapping them from ~/.cache/bmc/weights")
     p.add_argument("--verbose", action="store_true",
@@ -57,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         model = load(args.model, dtype=args.dtype, device=args.device,
-                     share_weights=args.device == "cpu" and not args.no_weights_cache)
+                     share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
         session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
                               kv=args.kv)
     except (BmcError, OSError, ValueError) as e:

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
+                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
+                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
+                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="read the weights from the model file, instead of mapping the float weights derived from it "
                    "from ~/.cache/bmc/weights (written on the first run, rebuilt when the file changes; a fast start)")
@@ -173,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prompts: list = read_prompts(args)  # before the load: a bad file fails in a moment, not after it
         t0 = time.perf_counter()
         model = load(args.model, dtype=args.dtype, device=args.device,
-                     share_weights=args.device == "cpu" and not args.no_weights_cache)
+                     share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",

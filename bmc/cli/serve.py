@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
+                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
+                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
+                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="load the weights from the model file into this process alone, instead of mapping them "
                    "read-only from ~/.cache/bmc/weights (written on first use; one copy in memory for every process "
@@ -174,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         spec_max_tokens=args.spec_max_tokens,
                         sparq_r=args.sparq_r, sparq_k=args.sparq_k,
                         device=args.device,
-                        share_weights=args.device == "cpu" and not args.no_weights_cache)
+                        share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
     app = build_app(opts)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown))

@@ -35,6 +35,7 @@ class Model:
     path: str
     dtype: torch.dtype
     device: torch.device
+    quant: str = "none"  # "none", or the kind of the GEMM matrices kept quantized ("gguf", "q8_0", "q4_0")
 
     @property
     def max_context(self) -> int:
@@ -52,7 +53,8 @@ class Model:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         for obj in [self.net, *self.net.layers]:
             for v in vars(obj).values():
-                for x in (v.wt, v.b) if isinstance(v, Linear) else v if isinstance(v, tuple) else (v,):
+                for x in ((v.wt if v.wt is not None else v.panels, v.b) if isinstance(v, Linear)
+                          else v if isinstance(v, tuple) else (v,)):
                     add(x)
         return sum(seen.values())
 
@@ -134,19 +136,41 @@ def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{model_dir}: no model.safetensors, sharded index or pytorch_model.bin found")
 
 
+def resolve_quant(quant: str, path: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The quantization a load runs with: "auto" is "gguf" for a GGUF file where the native step runs (CPU,
+    float32), else "none"; anything else is checked against the file and the device."""
+    from ..kernels.native import native_supported
+    from .quant import check_mode
+
+    quant = check_mode(quant)
+    is_gguf = os.path.isfile(path) and path.endswith(".gguf")
+    if quant == "auto":
+        return "gguf" if is_gguf and native_supported(device, dtype) else "none"
+    if quant == "gguf" and not is_gguf:
+        raise ModelLoadError(f"quant='gguf' keeps a GGUF file's blocks, and {path} is not a GGUF file: use "
+                             "quant='q8_0', 'q4_0' or 'none'")
+    if quant != "none" and not native_supported(device, dtype):
+        raise ModelLoadError(f"quant={quant!r} runs on the native CPU step in float32 (here: {device.type}, "
+                             f"{str(dtype).split('.')[-1]}, BMC_NATIVE={os.environ.get('BMC_NATIVE', '1')}): use "
+                             "quant='none'")
+    return quant
+
+
 def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> Model:
-    """Load an HF model directory or a llama GGUF file; no path = the embedded default model."""
+               device: str | torch.device = "cpu", quant: str = "auto") -> Model:
+    """Load an HF model directory or a llama GGUF file; no path = the embedded default model. quant: see
+    models/quant.py ("auto": a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32)."""
     path = default_model_path() if path is None else os.path.expanduser(str(path))
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path does not exist: {path}")
+    quant = resolve_quant(quant, path, torch_dtype, dev)
     tokenizer: Tokenizer | None
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a GGUF file or an HF model directory")
         from .gguf import load_gguf
-        hf_config, tensors, tokenizer = load_gguf(path)
+        hf_config, tensors, tokenizer = load_gguf(path, keep_blocks=quant == "gguf")
     else:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
@@ -158,21 +182,27 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
             raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
         tensors = _read_hf_tensors(path)
         tokenizer = load_hf_tokenizer(path, hf_config)
-    return model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev)
+    return model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev, quant=quant)
 
 
 def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None = None,
                        *, origin: str = "<memory>", dtype: str | torch.dtype = "float32",
-                       device: str | torch.device = "cpu", source_type: type[WeightSource] = WeightSource) -> Model:
+                       device: str | torch.device = "cpu", source_type: type[WeightSource] = WeightSource,
+                       quant: str = "none") -> Model:
     """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory).
-    source_type=ShapeSource: shapes only, uninitialised tensors (a weight file's mapping replaces them)."""
+    source_type=ShapeSource: shapes only, uninitialised tensors (a weight file's mapping replaces them).
+    quant: "none", "gguf" (the state dict's QuantWeights kept), "q8_0" / "q4_0" (every GEMM matrix quantized)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     config = ModelConfig.from_hf(hf_config)
+    if quant != "none" and MODEL_FAMILIES[config.model_type] is not LlamaModel:
+        raise ModelLoadError(f"quant={quant!r} is implemented for the Llama family; {config.model_type} loads with "
+                             "quant='none'")
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
-    source = source_type(tensors, dtype=torch_dtype, device=dev, origin=origin)
+    source = source_type(tensors, dtype=torch_dtype, device=dev, origin=origin,
+                         quantize=quant if quant in ("q8_0", "q4_0") else None)
     net = MODEL_FAMILIES[config.model_type](config, source)
-    return Model(config=config, net=net, tokenizer=tokenizer, path=origin, dtype=torch_dtype, device=dev)
+    return Model(config=config, net=net, tokenizer=tokenizer, path=origin, dtype=torch_dtype, device=dev, quant=quant)
 
 
-__all__ = ["Model", "ModelConfig", "load_model", "model_from_tensors", "default_model_path", "MODEL_FAMILIES", "parse_dtype"]
+__all__ = ["Model", "ModelConfig", "load_model", "resolve_quant", "model_from_tensors", "default_model_path", "MODEL_FAMILIES", "parse_dtype"]

@@ -33,7 +33,7 @@ class Int8Linear:
     __slots__ = ("q", "scale", "b", "packed")
 
     def __init__(self, lin: Linear) -> None:
-        w = lin.wt.t().float()  # [out, in]
+        w = lin.dense_weight().t().float()  # [out, in] (a quantized target's weights dequantized)
         self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).t().contiguous()  # [in, out]
         self.b = lin.b
@@ -66,6 +66,8 @@ def quantize_int8(model: Model) -> Model:
     """A copy of the model whose matrices are Int8Linear (embeddings, norms and biases stay as they are)."""
     net = copy.copy(model.net)
     net.layers = [copy.copy(layer) for layer in model.net.layers]
+    if getattr(net, "embed", False) is None:  # a quantized tied table read from the LM head's panels: a float copy
+        net.embed = model.net.lm_head.dense_weight().t()
     for obj in [net, *net.layers]:
         for name, value in list(vars(obj).items()):
             if isinstance(value, Linear):

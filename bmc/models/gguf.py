@@ -16,6 +16,7 @@ import torch
 from ..errors import BmcError, ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .gguf_file import GGUFFile
+from .quant import BLOCK_BYTES, QK, QuantWeight
 
 # GGUF tensor names (llama.cpp) -> HF llama names.
 _TOP_NAMES = {
@@ -65,10 +66,12 @@ _PRE_SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def load_gguf(path: str, *, shapes_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
+              ) -> tuple[dict[str, Any], dict[str, Any], Tokenizer | None]:
     """(HF LlamaConfig-style dict, float32 state dict with HF names and [out, in] shapes, tokenizer or None).
     shapes_only: the state dict holds tensors on the meta device (names and shapes, nothing read or dequantized),
-    for a model whose weights come from its weight file (weight_file.py)."""
+    for a model whose weights come from its weight file (weight_file.py). keep_blocks: matrices stored as Q8_0,
+    Q4_0 or Q4_1 come as QuantWeights of the file's blocks (quant="gguf"), not dequantized."""
     import gguf
 
     if not os.path.isfile(path):
@@ -124,23 +127,29 @@ def load_gguf(path: str, *, shapes_only: bool = False) -> tuple[dict[str, Any], 
         raise UnsupportedModelError(
             f"{path}: tensors bmc's llama does not implement: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     try:
         for name, shape in expected.items():
+            m = _LAYER_RE.fullmatch(name)
+            hf_name = (_TOP_NAMES[name] if m is None
+                       else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
+            kind = tensors[name].tensor_type.name.lower()
+            if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % QK == 0:
+                blocks = None
+                if not shapes_only:
+                    blocks = np.asarray(tensors[name].data).reshape(shape[0], -1)
+                    if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
+                        blocks = _unpermute_rows(blocks, heads if m.group(2) == "attn_q" else kv_heads)
+                state[hf_name] = QuantWeight(kind, shape, np.ascontiguousarray(blocks) if blocks is not None else None)
+                continue
             if shapes_only:
-                m = _LAYER_RE.fullmatch(name)
-                hf_name = (_TOP_NAMES[name] if m is None
-                           else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
                 state[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
                 continue
             w = read(name)
             if w.shape != shape:
                 raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")
-            m = _LAYER_RE.fullmatch(name)
             if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
                 w = _unpermute_rows(w, heads if m.group(2) == "attn_q" else kv_heads)
-            hf_name = (_TOP_NAMES[name] if m is None
-                       else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
             # Dequantized arrays are fresh; F32 ones are read-only views of the file's memmap and get copied.
             state[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     except (ValueError, IndexError) as e:  # tensor data runs past the end of a truncated file

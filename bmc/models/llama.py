@@ -70,13 +70,18 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, w: WeightSource) -> None:
         self.cfg = cfg
         D = cfg.hidden_size
-        embed = w.get("model.embed_tokens.weight", (cfg.vocab_size, D))
+        embed = w.get_matrix("model.embed_tokens.weight", (cfg.vocab_size, D))
         self.layers = [LlamaLayer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = w.get("model.norm.weight", (D,))
         tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
-        # lm_head is stored [D, V]; a tied embedding table is its transposed view (one copy of the weights)
-        self.lm_head = Linear(embed.t().contiguous() if tied else w.get_t("lm_head.weight", (cfg.vocab_size, D)))
-        self.embed = self.lm_head.wt.t() if tied else embed
+        # lm_head is stored [D, V]; a tied embedding table is its transposed view (one copy of the weights), or,
+        # quantized, its panels (embed None: embed_tokens dequantizes the rows it looks up)
+        self.lm_head = Linear(w.as_linear(embed) if tied else w.get_t("lm_head.weight", (cfg.vocab_size, D)))
+        if tied:
+            self.embed = self.lm_head.wt.t() if self.lm_head.wt is not None else None
+        else:
+            self.embed = embed if isinstance(embed, torch.Tensor) else w.get("model.embed_tokens.weight",
+                                                                            (cfg.vocab_size, D))
         self.inv_freq = rope_inv_freq(cfg).to(w.device)
         self.scale = cfg.head_dim**-0.5
         self.native = NativeDecoders()
@@ -100,8 +105,14 @@ class LlamaModel:
             dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
                           L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
                           or_empty(L.down.b))
-        dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.wt.shape[1])
+        dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(tokens, self.embed)
+        rows = native_module().quant_rows(self.lm_head.panels, self.cfg.hidden_size, tokens.reshape(-1))
+        return rows.view(*tokens.shape, self.cfg.hidden_size)
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
         """Several batches in one native step (decode rows and a prompt chunk: each weight read once for all);
@@ -112,7 +123,7 @@ class LlamaModel:
         hd, xs, coss, sins = self.cfg.head_dim, [], [], []
         for p in parts:
             B, t = p.tokens.shape
-            x = F.embedding(p.tokens, self.embed)
+            x = self.embed_tokens(p.tokens)
             cos, sin = rope_tables(p.positions, self.inv_freq, x.dtype)
             xs.append(x)
             coss.append(cos.view(B, t, hd))
@@ -134,7 +145,7 @@ class LlamaModel:
         cfg = self.cfg
         B, t = tokens.shape
         hd, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        x = F.embedding(tokens, self.embed)
+        x = self.embed_tokens(tokens)
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
         native = self.native_decoder() if segments is not None else None

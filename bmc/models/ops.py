@@ -6,8 +6,13 @@ Weights are stored transposed, [in, out] contiguous: measured on a 2-core AVX-51
 (MKL's transposed-B path), and the same at M = 1."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .quant import QuantWeight
 
 
 def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,23 +35,50 @@ class Linear:
     measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
     packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
 
-    __slots__ = ("wt", "b", "packed", "packed_m", "panels")
+    __slots__ = ("wt", "b", "packed", "packed_m", "panels", "in_features", "out_features", "quant")
 
-    def __init__(self, wt: torch.Tensor, b: torch.Tensor | None = None) -> None:
-        self.wt, self.b = wt, b
+    def __init__(self, wt: "torch.Tensor | QuantWeight", b: torch.Tensor | None = None) -> None:
+        from .quant import QuantWeight
+
+        self.b = b
         self.packed: torch.Tensor | None = None
         self.packed_m = 0
         self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
+        self.quant: str | None = None  # "q8_0", "q4_0", "q4_1": the panels are the only copy (wt is None)
+        if isinstance(wt, QuantWeight):
+            self.wt = None
+            self.out_features, self.in_features = wt.shape
+            self.panels, self.quant = wt.panels(), wt.kind
+        else:
+            self.wt = wt
+            self.in_features, self.out_features = wt.shape
 
     def gemm_weight(self) -> torch.Tensor:
         """What the native step is given: its panels where a weight file holds them, else wt (packed there)."""
         return self.panels if self.panels is not None else self.wt
 
+    def dense_weight(self) -> torch.Tensor:
+        """[in, out] in float: wt, or the quantized panels dequantized (a copy)."""
+        if self.wt is not None:
+            return self.wt
+        from ..kernels.native import native_module
+
+        p = native_module().dequantize_panels(self.panels, self.in_features)  # [np, K, 16]
+        return p.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features].contiguous()
+
     def pack(self, m: int) -> None:
+        if self.wt is None:
+            return  # quantized: the native GEMM reads the panels
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.wt.t(), m) if m > 0 else None
         self.packed_m = m
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wt is None:  # quantized panels: the native GEMM, each panel dequantized as it is read
+            from ..kernels.native import native_module
+
+            y = native_module().panel_linear(x.reshape(-1, self.in_features).float(), self.panels,
+                                             self.out_features, self.b)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.packed is not None and x.numel() == self.packed_m * x.shape[-1]:
             y = torch.ops.mkl._mkl_linear(x.reshape(self.packed_m, -1), self.packed, self.wt.t(), self.b,
                                           self.packed_m)

@@ -80,7 +80,7 @@ class OPTModel:
                           or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.gemm_weight(), or_empty(L.fc1.b),
                           L.fc2.gemm_weight(), or_empty(L.fc2.b))
         final_w, final_b = self.final_ln if self.final_ln is not None else (none, none)
-        dec.set_head(final_w, final_b, self.lm_head.gemm_weight(), self.lm_head.wt.shape[1])
+        dec.set_head(final_w, final_b, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:

@@ -36,31 +36,32 @@ def cache_dir() -> str:
 
 
 def weight_file_path(model: Any) -> str:
-    return weight_file_for(model.path, model.dtype)
+    return weight_file_for(model.path, model.dtype, model.quant)
 
 
-def weight_file_for(source: str, dtype: torch.dtype) -> str:
+def weight_file_for(source: str, dtype: torch.dtype, quant: str = "none") -> str:
     st = os.stat(source)
-    key = json.dumps([os.path.abspath(source), st.st_size, st.st_mtime_ns, str(dtype), FORMAT_VERSION])
+    key = json.dumps([os.path.abspath(source), st.st_size, st.st_mtime_ns, str(dtype), quant, FORMAT_VERSION])
     name = os.path.basename(os.path.normpath(source)).replace(".gguf", "")
     return os.path.join(cache_dir(), f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bmcw")
 
 
-def load_mapped(source: str, dtype: torch.dtype) -> Any | None:
+def load_mapped(source: str, dtype: torch.dtype, quant: str = "none") -> Any | None:
     """A GGUF model built straight from its weight file, nothing read from the source but its metadata (config and
-    tokenizer): the fast start. None where there is no readable weight file for it or it does not fit."""
+    tokenizer): the fast start. None where there is no readable weight file for it or it does not fit.
+    quant: as resolved by models.resolve_quant ("none", "gguf", "q8_0", "q4_0")."""
     from . import model_from_tensors
     from .gguf import load_gguf
 
     if not source.endswith(".gguf") or not os.path.isfile(source):
         return None
-    path = weight_file_for(source, dtype)
+    path = weight_file_for(source, dtype, quant)
     header = _read_header(path)
     if header is None:
         return None
-    config, shapes, tokenizer = load_gguf(source, shapes_only=True)
+    config, shapes, tokenizer = load_gguf(source, shapes_only=True, keep_blocks=quant == "gguf")
     model = model_from_tensors(config, shapes, tokenizer, origin=source, dtype=dtype, device="cpu",
-                               source_type=ShapeSource)
+                               source_type=ShapeSource, quant=quant)
     try:
         map_weight_file(model, path, header)
     except ValueError:

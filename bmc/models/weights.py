@@ -1,21 +1,30 @@
 """Checked access to a checkpoint's tensors: every weight is validated against the shape the config implies."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 import torch
 
 from ..errors import ModelLoadError
+from .quant import QuantWeight, quantize
+
+
+Matrix = Union[torch.Tensor, QuantWeight]
 
 
 class WeightSource:
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype, device: torch.device, origin: str):
+    """quantize: "q8_0" / "q4_0" quantizes every GEMM matrix (get_t, cat_t, as_linear) at load; a QuantWeight in
+    `tensors` (a GGUF file's blocks kept as stored) is handed to the GEMM as it is."""
+
+    def __init__(self, tensors: Mapping[str, Matrix], *, dtype: torch.dtype, device: torch.device, origin: str,
+                 quantize: str | None = None):
         self.tensors, self.dtype, self.device, self.origin = tensors, dtype, device, origin
+        self.quantize = quantize
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+    def _entry(self, name: str, shape: Sequence[int]) -> Matrix:
         if name not in self.tensors:
             raise ModelLoadError(f"{self.origin}: missing tensor {name!r}")
         t = self.tensors[name]
@@ -23,19 +32,42 @@ class WeightSource:
             raise ModelLoadError(
                 f"{self.origin}: tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(shape)}"
             )
+        return t
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """A tensor in the model's dtype (a quantized matrix dequantized)."""
+        t = self._entry(name, shape)
+        if isinstance(t, QuantWeight):
+            t = t.dequantize()
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def get_matrix(self, name: str, shape: Sequence[int]) -> Matrix:
+        """A matrix for the GEMMs or a tied embedding: a QuantWeight as stored, else get()'s tensor."""
+        t = self._entry(name, shape)
+        return t if isinstance(t, QuantWeight) else self.get(name, shape)
 
     def cat(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
         """Fuse several matrices (q/k/v, gate/up) into one along the output axis: one GEMM instead of several."""
         return torch.cat([self.get(n, s) for n, s in zip(names, shapes)], dim=0).contiguous()
 
-    def get_t(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        """A [out, in] matrix stored transposed, [in, out] contiguous, for `ops.linear`."""
-        return self.get(name, shape).t().contiguous()
+    def get_t(self, name: str, shape: Sequence[int]) -> Matrix:
+        """A [out, in] matrix for Linear: stored transposed, [in, out] contiguous, for `ops.linear`; or quantized."""
+        return self.as_linear(self.get_matrix(name, shape))
 
-    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
-        """`cat` stored transposed: [in, sum(out)]."""
-        return self.cat(names, shapes).t().contiguous()
+    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Matrix:
+        """`cat` for Linear: [in, sum(out)], or quantized blocks stacked when every part is of one kind."""
+        parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
+        if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
+            return QuantWeight.cat(parts)  # type: ignore[arg-type]
+        return self.as_linear(self.cat(names, shapes))
+
+    def as_linear(self, w: Matrix) -> Matrix:
+        """An [out, in] matrix as Linear takes it: kept quantized, quantized now, or transposed [in, out]."""
+        if isinstance(w, QuantWeight):
+            return w
+        if self.quantize is not None:
+            return quantize(w, self.quantize)
+        return w.t().contiguous()
 
 
 class ShapeSource(WeightSource):
@@ -60,9 +92,26 @@ class ShapeSource(WeightSource):
         rows = sum(self._check(n, s)[0] for n, s in zip(names, shapes))
         return torch.empty((rows, *shapes[0][1:]), dtype=self.dtype, device=self.device)
 
-    def get_t(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        return torch.empty(tuple(reversed(self._check(name, shape))), dtype=self.dtype, device=self.device)
+    def get_matrix(self, name: str, shape: Sequence[int]) -> Matrix:
+        t = self.tensors.get(name)
+        if isinstance(t, QuantWeight):
+            self._check(name, shape)
+            return t
+        return self.get(name, shape)
 
-    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
+    def get_t(self, name: str, shape: Sequence[int]) -> Matrix:
+        return self.as_linear(self.get_matrix(name, shape))
+
+    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Matrix:
+        parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
+        if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
+            return QuantWeight.cat(parts)  # type: ignore[arg-type]
         rows = sum(self._check(n, s)[0] for n, s in zip(names, shapes))
-        return torch.empty((*reversed(shapes[0][1:]), rows), dtype=self.dtype, device=self.device)
+        return self.as_linear(torch.empty((rows, *shapes[0][1:]), dtype=self.dtype, device=self.device))
+
+    def as_linear(self, w: Matrix) -> Matrix:
+        if isinstance(w, QuantWeight):
+            return w
+        if self.quantize is not None:  # the shapes of what quantize() would make, without the work
+            return QuantWeight(self.quantize, tuple(w.shape), None)  # type: ignore[arg-type]
+        return torch.empty(tuple(reversed(w.shape)), dtype=self.dtype, device=self.device)

@@ -46,6 +46,7 @@ class ServeOptions:
     dtype: str = "float32"
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
+    quant: str = "auto"  # see bmc/models/quant.py
     speculative: str = "off"  # "ngram": greedy requests draft by prompt lookup, verified in the padding rows
     tree: str = "chain:4"
     spec_max_tokens: int = 24  # verify rows per step at most
@@ -78,7 +79,7 @@ class ServerState:
 
         try:
             o = self.opts
-            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights)
+            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant)
             self.name = o.served_model_name or default_served_name(model.path)
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, speculative=o.speculative,

@@ -1,0 +1,164 @@
+"""Quantized weights: GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as stored (quant="gguf") and q8_0 / q4_0 made at load.
+
+The claim under test: a quantized matrix computes with exactly the float32 weights the `gguf` package dequantizes
+it to, so quant="gguf" gives quant="none"'s greedy tokens (and its logits within float32 rounding); our
+quantizers write the bytes llama.cpp's reference quantizers (as the `gguf` package implements them) write."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import bmc
+from bmc.errors import BmcError
+from bmc.kernels.native import native_module, native_supported
+from bmc.models.quant import QuantWeight, quantize
+
+from .conftest import make_llama, transformers  # noqa: F401
+from .test_gguf import LAYER_PLAN, Q, _write
+
+pytestmark = pytest.mark.skipif(not native_supported(torch.device("cpu"), torch.float32),
+                                reason="quantized weights run on the native CPU step")
+KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+
+
+def random_blocks(kind: str, shape: tuple[int, int], seed: int = 0) -> QuantWeight:
+    x = (np.random.default_rng(seed).standard_normal(shape) * 0.05).astype(np.float32)
+    return QuantWeight(kind, shape, gguf.quants.quantize(x, KINDS[kind]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_panels_dequantize_to_what_gguf_dequantizes(kind):
+    w = random_blocks(kind, (50, 96))  # 50 outputs: a partial last panel
+    lin = bmc.models.ops.Linear(w)
+    assert lin.quant == kind and lin.wt is None
+    assert torch.equal(lin.dense_weight(), w.dequantize().t())  # bit for bit
+    ids = torch.tensor([0, 7, 16, 49])
+    assert torch.equal(native_module().quant_rows(lin.panels, 96, ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantize_writes_the_reference_quantizers_bytes(kind):
+    x = torch.randn(40, 128) * 0.1
+    x[3, :32] = 0.0  # an all-zero block: scale 0
+    x[5, 7] = 2.5  # a block whose largest value is exact
+    np.testing.assert_array_equal(quantize(x, kind).blocks, gguf.quants.quantize(x.numpy(), KINDS[kind]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 13, 40])
+def test_quantized_gemm_equals_the_float_gemm_on_the_dequantized_weights(kind, rows):
+    w = random_blocks(kind, (50, 96), seed=rows)
+    lin = bmc.models.ops.Linear(w, torch.randn(50))
+    x = torch.randn(rows, 96)
+    want = x @ w.dequantize().t() + lin.b
+    got = lin(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    packed = native_module().pack_panels(w.dequantize().t().contiguous())  # the float kernels, same panel values
+    torch.testing.assert_close(got, native_module().panel_linear(x, packed, 50, lin.b), rtol=1e-6, atol=1e-6)
+
+
+def uniform_plan(qtype) -> list:
+    return [(g, h, qtype if not g.endswith("norm") else Q.F32) for g, h, _ in LAYER_PLAN]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tied):
+    path = str(tmp_path / f"{kind}.gguf")
+    _write(path, tied=tied, plan=uniform_plan(KINDS[kind]), embed_type=KINDS[kind])
+    mq, mf = bmc.load(path), bmc.load(path, quant="none")  # auto: gguf on a CPU in float32
+    assert mq.quant == "gguf" and mf.quant == "none"
+    for lq, lf in zip(mq.linears(), mf.linears()):
+        if lq.quant is not None:
+            assert torch.equal(lq.dense_weight(), lf.wt)
+    assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + tied  # every layer matrix (+ the tied head)
+    assert mq.weight_bytes < 0.6 * mf.weight_bytes  # the matrices 3.8-6.4x smaller; norms and an untied table not
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42], [100, 3, 99, 98, 97, 96]]
+    a = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True)
+    b = bmc.generate(mf, prompts, max_new_tokens=24, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    spec = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True, speculative="ngram")
+    assert [c.token_ids for c in spec] == [c.token_ids for c in b]
+
+
+def test_mixed_types_and_the_weights_cache(tmp_path, monkeypatch):
+    """LAYER_PLAN mixes types within q|k|v and gate|up: those fused matrices are dequantized (float), the others
+    kept; a weights-cache round trip maps the quantized panels and computes the same."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(tmp_path / "mixed.gguf")
+    _write(path)
+    mq, mf = bmc.load(path), bmc.load(path, quant="none")
+    kinds = {name: getattr(mq.net.layers[0], name).quant for name in ("qkv", "o", "gate_up", "down")}
+    assert kinds == {"qkv": None, "o": "q4_1", "gate_up": None, "down": None}
+    shared = bmc.load(path, share_weights=True)
+    again = bmc.load(path, share_weights=True)  # built from the weight file: no dequantization
+    assert getattr(again, "weight_file", None) and again.net.layers[0].o.quant == "q4_1"
+    want = bmc.generate(mf, [[5, 6, 7]], max_new_tokens=16, ignore_eos=True)[0].token_ids
+    for m in (mq, shared, again):
+        assert bmc.generate(m, [[5, 6, 7]], max_new_tokens=16, ignore_eos=True)[0].token_ids == want
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantize_at_load_an_hf_directory(tmp_path, kind):
+    """quant='q8_0' / 'q4_0' on an HF directory: every GEMM matrix holds what quantize() makes of it (the
+    reference quantizer's bytes), and the model runs: the eager and native paths agree."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    m = bmc.load(str(tmp_path), quant=kind)
+    assert m.quant == kind and all(lin.quant == kind for lin in m.linears())
+    down = hf.model.layers[1].mlp.down_proj.weight.detach()
+    assert torch.equal(m.net.layers[1].down.dense_weight(), quantize(down, kind).dequantize().t())
+    out = bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=12, ignore_eos=True)[0].token_ids
+    with pytest.MonkeyPatch.context() as mp:  # the same weights through the eager path (Linear -> panel_linear)
+        mp.setenv("BMC_NATIVE", "0")
+        eager = bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=12, ignore_eos=True)[0].token_ids
+    assert out == eager and len(out) == 12
+
+
+def test_refused_where_it_cannot_run(tmp_path, gqa_dir, monkeypatch):
+    with pytest.raises(BmcError, match="not a GGUF file"):
+        bmc.load(str(gqa_dir), quant="gguf")
+    with pytest.raises(BmcError, match="unknown quant"):
+        bmc.load(str(gqa_dir), quant="q3_k")
+    with pytest.raises(BmcError, match="whole blocks of 32"):  # the tiny GQA model's hidden size is 48
+        bmc.load(str(gqa_dir), quant="q8_0")
+    with pytest.raises(BmcError, match="float32"):
+        bmc.load(str(gqa_dir), quant="q8_0", dtype="bfloat16")
+    monkeypatch.setenv("BMC_NATIVE", "0")
+    path = str(tmp_path / "m.gguf")
+    _write(path, plan=uniform_plan(Q.Q8_0))
+    assert bmc.load(path).quant == "none"  # auto without the native step: dequantized, as before
+
+
+def test_cli_flag(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    _write(path, plan=uniform_plan(Q.Q4_1))
+    ok = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--quant", "gguf",
+                         "--max-new-tokens", "4", "hello"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--quant", "int3", "hi"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--quant" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_default_model_as_stored_gives_the_float_models_tokens(real_model):
+    from .conftest import require_real_model
+
+    path = require_real_model()
+    mq, mf = bmc.load(path, quant="gguf"), bmc.load(path, quant="none")
+    assert real_model.quant == "gguf"  # the default
+    assert mq.weight_bytes < 120e6 < 500e6 < mf.weight_bytes
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three prime numbers:"]
+    a = bmc.generate(mq, prompts, max_new_tokens=32)
+    b = bmc.generate(mf, prompts, max_new_tokens=32)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
