@@ -151,5 +151,14 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
     return out
 
 
-__all__ = ["load", "generate", "stream", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",
+def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, max_chunks: int | None = None,
+               progress=None):
+    """The model's perplexity on `text`, scored as llama.cpp's llama-perplexity scores it (bmc/ppl.py):
+    chunks of `context` tokens, the second half of each scored. Returns a PerplexityResult (.ppl, .ppl_stderr)."""
+    from .ppl import perplexity as _perplexity
+
+    return _perplexity(model, text, context=context, batch=batch, max_chunks=max_chunks, progress=progress)
+
+
+__all__ = ["load", "generate", "stream", "perplexity", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",
            "GenerationStats", "BmcError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError"]

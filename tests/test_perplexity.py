@@ -1,0 +1,76 @@
+"""bmc.perplexity and bmc-perplexity against a direct computation with HF transformers: the same chunks, the
+second half of each scored, BOS replacing each chunk's first token where the tokenizer adds one."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bmc
+from bmc.errors import InvalidRequestError
+
+from .conftest import CORPUS, transformers  # noqa: F401
+
+TEXT = " ".join(CORPUS) * 6
+
+
+def hf_perplexity(model_dir, text: str, context: int) -> float:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = bmc.load(str(model_dir)).tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    bos = tok.encode("a")[0] if len(tok.encode("a")) > len(tok.encode("a", add_special_tokens=False)) else None
+    nll, n = 0.0, 0
+    with torch.inference_mode():
+        for c in range(len(ids) // context):
+            chunk = torch.tensor([ids[c * context : (c + 1) * context]])
+            targets = chunk[0, context // 2 + 1 :].clone()
+            if bos is not None:
+                chunk[0, 0] = bos
+            logp = torch.log_softmax(hf(chunk).logits[0, context // 2 : -1].double(), -1)
+            nll -= float(logp.gather(-1, targets[:, None]).sum())
+            n += len(targets)
+    return math.exp(nll / n)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_perplexity_equals_a_direct_computation_with_transformers(gqa_dir, batch):
+    model = bmc.load(str(gqa_dir))
+    seen = []
+    res = bmc.perplexity(model, TEXT, context=32, batch=batch, progress=lambda d, n, p: seen.append((d, n)))
+    want = hf_perplexity(gqa_dir, TEXT, 32)
+    assert res.ppl == pytest.approx(want, rel=1e-4)
+    n_chunks = len(model.tokenizer.encode(TEXT, add_special_tokens=False)) // 32
+    assert res.chunks == n_chunks >= 4 and seen == [(i + 1, n_chunks) for i in range(n_chunks)]
+    assert res.scored_tokens == n_chunks * (32 - 1 - 16) and 0 < res.ppl_stderr < res.ppl
+    assert res.chunk_ppl[-1] == pytest.approx(res.ppl)
+
+
+def test_bad_arguments(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    with pytest.raises(InvalidRequestError, match="at least one chunk"):
+        bmc.perplexity(model, "too short", context=32)
+    with pytest.raises(InvalidRequestError, match="context"):
+        bmc.perplexity(model, TEXT, context=4)
+    with pytest.raises(InvalidRequestError, match="context"):
+        bmc.perplexity(model, TEXT, context=10**6)
+
+
+def test_cli(gqa_dir, tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "bmc.cli.perplexity", str(f), "--model", str(gqa_dir), "-c", "32",
+                        "--chunks", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert out["chunks"] == 3 and out["ppl"] > 1 and "[3]" in r.stderr
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    for args, message in (([str(tmp_path / "bin.txt")], "not UTF-8"), ([str(tmp_path)], "directory"),
+                          ([str(tmp_path / "none.txt")], "cannot read"), ([str(f), "--chunks", "0"], "--chunks")):
+        r = subprocess.run([sys.executable, "-m", "bmc.cli.perplexity", *args, "--model", str(gqa_dir)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
