@@ -516,11 +516,14 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
 
 using QuantBlockKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
                                   int64_t, int64_t, bool);
+// 5-8 rows x 1-3 panels: Q8 takes three panels a pass (24 accumulators, 3 weight rows, 3 scales), Q4 two (its
+// offsets m take registers too)
 template <bool Q8>
-constexpr QuantBlockKernel QUANT_WIDE_KERNELS[8] = {  // 5-8 rows x 1-2 panels
-    quant_block_kernel<5, 1, Q8>, quant_block_kernel<5, 2, Q8>, quant_block_kernel<6, 1, Q8>,
-    quant_block_kernel<6, 2, Q8>, quant_block_kernel<7, 1, Q8>, quant_block_kernel<7, 2, Q8>,
-    quant_block_kernel<8, 1, Q8>, quant_block_kernel<8, 2, Q8>};
+constexpr QuantBlockKernel QUANT_WIDE_KERNELS[12] = {
+    quant_block_kernel<5, 1, Q8>, quant_block_kernel<5, 2, Q8>, quant_block_kernel<5, 3, Q8>,
+    quant_block_kernel<6, 1, Q8>, quant_block_kernel<6, 2, Q8>, quant_block_kernel<6, 3, Q8>,
+    quant_block_kernel<7, 1, Q8>, quant_block_kernel<7, 2, Q8>, quant_block_kernel<7, 3, Q8>,
+    quant_block_kernel<8, 1, Q8>, quant_block_kernel<8, 2, Q8>, quant_block_kernel<8, 3, Q8>};
 
 template <bool Q8>
 void quant_rows_kernel(int64_t mb, const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* bias,
@@ -560,15 +563,16 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     });
     return;
   }
-  if (M <= 8) {  // 5-8 rows: two panels a pass (16 accumulators, 2 weight rows, 4 scale registers)
+  if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (Q4) panels a pass
     const bool q8 = wq.scalar_type() == torch::kChar;
-    const int64_t panel_bytes = K / QK * quant_block_bytes(wq), groups = (np + 1) / 2;
+    const int64_t per = q8 ? 3 : 2;
+    const int64_t panel_bytes = K / QK * quant_block_bytes(wq), groups = (np + per - 1) / per;
     const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
     at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = 2 * g, nb = std::min<int64_t>(2, np - p0), n0 = p0 * P;
+        const int64_t p0 = per * g, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
-        (q8 ? QUANT_WIDE_KERNELS<true> : QUANT_WIDE_KERNELS<false>)[(M - 5) * 2 + nb - 1](
+        (q8 ? QUANT_WIDE_KERNELS<true> : QUANT_WIDE_KERNELS<false>)[(M - 5) * 3 + nb - 1](
             x, ldx, base + p0 * panel_bytes, panel_bytes, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw,
             accumulate);
       }
