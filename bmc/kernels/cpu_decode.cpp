@@ -866,6 +866,7 @@ struct Layer {
   torch::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // *_b undefined for RMSNorm
   torch::Tensor qkv, o, up, down;            // panels; up = fused gate|up (gated MLP) or fc1
   torch::Tensor qkv_b, o_b, up_b, down_b;    // optional biases
+  torch::Tensor q_norm, k_norm;              // Qwen3: RMSNorm weights over head_dim of each query / key head
 };
 
 }  // namespace
@@ -901,6 +902,14 @@ class NativeDecoder {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Qwen3's per-head RMSNorm of queries and keys (before RoPE) for layer `layer`: [head_dim] weights each.
+  void set_qk_norm(int64_t layer, const torch::Tensor& q_norm, const torch::Tensor& k_norm) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_qk_norm: no layer ", layer);
+    TORCH_CHECK(q_norm.numel() == hd_ && k_norm.numel() == hd_, "set_qk_norm: [head_dim] weights");
+    layers_[layer].q_norm = f32(q_norm);
+    layers_[layer].k_norm = f32(k_norm);
+  }
 
   // A weight as the GEMMs read it: [in, out] float32 packed here, or panels packed beforehand by pack_panels
   // ([ceil(out/16), in, 16]: a memory-mapped file shared by several processes hands them over as they are).
@@ -1033,6 +1042,14 @@ class NativeDecoder {
       const Layer& L = layers_[l];
       norm(xp, L.ln1_w, L.ln1_b, hp, M);
       gemm(hp, D_, M, D_, L.qkv, nq, ptr(L.qkv_b), qp, false);
+      if (L.q_norm.defined()) {  // in place, each head of each row: q heads, then the k heads after them
+        const float *qn = L.q_norm.data_ptr<float>(), *kn = L.k_norm.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t head = 0; head < h_ + kvh_; ++head) {
+            float* v = qp + m * nq + head * hd_;
+            rms_norm(v, head < h_ ? qn : kn, v, hd_, eps_);
+          }
+      }
       int64_t row = 0;
       for (const Part& part : parts) {
         const int64_t rows = part.B * part.t, layer_stride = 2 * part.B * kvh_ * part.cap * hd_;
@@ -1791,6 +1808,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, std::string, double, double>())
       .def("add_layer", &NativeDecoder::add_layer)
       .def("set_head", &NativeDecoder::set_head)
+      .def("set_qk_norm", &NativeDecoder::set_qk_norm)
       .def("num_layers", &NativeDecoder::num_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile)

@@ -96,15 +96,15 @@ class LlamaModel:
             return None
         if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "gate_up", "down")):
             return None  # quantized drafts keep their own kernels
-        if cfg.qk_norm:
-            return None  # the C++ step has no per-head q/k norm yet: Qwen3 decodes on the PyTorch path
         none = torch.empty(0)
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
-        for L in self.layers:
+        for i, L in enumerate(self.layers):
             dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
                           L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
                           or_empty(L.down.b))
+            if L.q_norm is not None:  # Qwen3
+                dec.set_qk_norm(i, L.q_norm, L.k_norm)
         dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
 
