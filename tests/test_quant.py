@@ -162,3 +162,32 @@ def test_default_model_as_stored_gives_the_float_models_tokens(real_model):
     a = bmc.generate(mq, prompts, max_new_tokens=32)
     b = bmc.generate(mf, prompts, max_new_tokens=32)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+LOAD_RSS = """
+import sys, torch
+import bmc.kernels.native as kn
+kn.native_module()  # the runtime: torch and the kernel, before the model
+def rss():
+    with open("/proc/self/status") as f:
+        d = dict(line.split(":", 1) for line in f)
+    return int(d["VmRSS"].split()[0]) * 1024, int(d["VmHWM"].split()[0]) * 1024
+base = rss()[0]
+import bmc
+m = bmc.load(quant=sys.argv[1])
+now, peak = rss()
+print(m.weight_bytes, now - base, peak - base)
+"""
+
+
+@pytest.mark.slow
+def test_the_default_model_as_stored_is_resident_once():
+    """Loaded as stored, the default model costs its quantized weights (~106 MiB) plus its tokenizer above the bare
+    runtime, not the 1.1 GB of fp32 weights and panels: resident <= 250 MB above the runtime after the load."""
+    from .conftest import require_real_model
+
+    require_real_model()
+    out = subprocess.run([sys.executable, "-c", LOAD_RSS, "gguf"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    weights, resident, peak = (int(x) for x in out.stdout.split())
+    assert weights < 120e6 and resident <= 250e6 and resident < peak < 3 * weights + 250e6, (weights, resident, peak)
