@@ -75,7 +75,7 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     assert mq.quant == "gguf" and mf.quant == "none"
     for lq, lf in zip(mq.linears(), mf.linears()):
         if lq.quant is not None:
-            assert torch.equal(lq.dense_weight(), lf.wt)
+            assert torch.equal(lq.dense_weight(), lf.dense_weight())
     assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + tied  # every layer matrix (+ the tied head)
     assert mq.weight_bytes < 0.6 * mf.weight_bytes  # the matrices 3.8-6.4x smaller; norms and an untied table not
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42], [100, 3, 99, 98, 97, 96]]

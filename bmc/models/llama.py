@@ -99,6 +99,12 @@ class LlamaModel:
         none = torch.empty(0)
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
+        tied = (self.embed is not None and self.lm_head.wt is not None
+                and self.embed.data_ptr() == self.lm_head.wt.data_ptr())
+        for lin in [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]:
+            lin.keep_panels_only()  # the panels are the weights from here on: one copy
+        if tied:
+            self.embed = None  # looked up in the LM head's panels
         for i, L in enumerate(self.layers):
             dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
                           L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
@@ -111,8 +117,7 @@ class LlamaModel:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return F.embedding(tokens, self.embed)
-        rows = native_module().quant_rows(self.lm_head.panels, self.cfg.hidden_size, tokens.reshape(-1))
-        return rows.view(*tokens.shape, self.cfg.hidden_size)
+        return self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
         """Several batches in one native step (decode rows and a prompt chunk: each weight read once for all);

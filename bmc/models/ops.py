@@ -58,13 +58,36 @@ class Linear:
         return self.panels if self.panels is not None else self.wt
 
     def dense_weight(self) -> torch.Tensor:
-        """[in, out] in float: wt, or the quantized panels dequantized (a copy)."""
+        """[in, out] in float: wt, or the panels laid out again (quantized ones dequantized): a copy."""
         if self.wt is not None:
             return self.wt
         from ..kernels.native import native_module
 
-        p = native_module().dequantize_panels(self.panels, self.in_features)  # [np, K, 16]
+        p = self.panels
+        if p.dtype != torch.float32:
+            p = native_module().dequantize_panels(p, self.in_features)  # [np, K, 16]
         return p.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features].contiguous()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the [out, in] matrix (a tied embedding table looked up in its LM head), float [n, in]."""
+        if self.wt is not None:
+            return self.wt.t()[ids]
+        if self.panels.dtype == torch.float32:
+            return self.panels[ids // 16, :, ids % 16]
+        from ..kernels.native import native_module
+
+        return native_module().quant_rows(self.panels, self.in_features, ids)
+
+    def keep_panels_only(self) -> None:
+        """Pack wt into the native step's panels (where not packed yet) and drop wt: one copy of the weight in
+        memory, read by the native step and, through the same GEMM, by the PyTorch path."""
+        if self.wt is None or self.wt.device.type != "cpu" or self.wt.dtype != torch.float32:
+            return
+        if self.panels is None:
+            from ..kernels.native import native_module
+
+            self.panels = native_module().pack_panels(self.wt)
+        self.wt, self.packed, self.packed_m = None, None, 0
 
     def pack(self, m: int) -> None:
         if self.wt is None:

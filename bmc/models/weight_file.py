@@ -206,6 +206,8 @@ def map_weight_file(model: Any, path: str, header: dict[str, Any]) -> None:
         if isinstance(old, tuple):  # a tuple's tensors are listed in order under one name
             index = seen[e["name"]] = seen.get(e["name"], -1) + 1
             old = old[index]
+        if old is None and attr == "wt" and isinstance(owner, Linear) and owner.panels is not None:
+            continue  # a weight kept as panels only (the native step built): its eager layout is not needed
         if old is None and attr == "panels" and isinstance(owner, Linear):  # panels the model has not built
             k, n = owner.wt.shape
             if tuple(t.shape) != ((n + 15) // 16, k, 16) or t.dtype != owner.wt.dtype:
