@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .common import MAX_THREADS, Parser, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -25,15 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--kv", default="bmc", help="KV cache strategy (default bmc)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
-                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
-                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
-                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
-    p.add_argument("--no-weights-cache", action="store_true",
-                   help="load the weights from the model file instead of mapping them from ~/.cache/bmc/weights")
+    add_load_arguments(p)
     p.add_argument("--verbose", action="store_true",
                    help="after each reply, print to stderr the tokens prefilled (the rest came from the cache), "
                    "generated, and the reply's tok/s")

@@ -13,7 +13,7 @@ import torch
 from .. import generate, load, stream
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, Parser, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
 
 BENCH_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
@@ -58,16 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-k", type=int, default=256, help="window attention: positions kept (default 256)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of one captured graph per BMC capacity bucket")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
-                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
-                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
-                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
-    p.add_argument("--no-weights-cache", action="store_true",
-                   help="read the weights from the model file, instead of mapping the float weights derived from it "
-                   "from ~/.cache/bmc/weights (written on the first run, rebuilt when the file changes; a fast start)")
+    add_load_arguments(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per completion per line")

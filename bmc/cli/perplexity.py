@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .common import MAX_THREADS, Parser, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,11 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (default 512, as llama.cpp)")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="chunks per forward (default 4)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
-                   help="weights, as bmc-generate --quant (default auto: a GGUF file's blocks as stored)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    add_load_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -59,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"[{done}]{ppl:.4f},", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     try:
-        model = load(args.model, dtype=args.dtype, device=args.device, share_weights=args.device == "cpu",
+        model = load(args.model, dtype=args.dtype, device=args.device, share_weights=args.device == "cpu" and not args.no_weights_cache,
                      quant=args.quant)
         print(f"bmc-perplexity: {model.path} (quant {model.quant}), chunks of {args.ctx_size} tokens, "
               f"{args.batch_size} per forward", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, Parser, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,18 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a row at most; more are answered 503 with Retry-After (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("BMC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $BMC_API_KEY; /health is open)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "gguf", "q8_0", "q4_0"],
-                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
-                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
-                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
-    p.add_argument("--no-weights-cache", action="store_true",
-                   help="load the weights from the model file into this process alone, instead of mapping them "
-                   "read-only from ~/.cache/bmc/weights (written on first use; one copy in memory for every process "
-                   "serving the model, and a fast start)")
+    add_load_arguments(p)
     p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
                    "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
@@ -66,8 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "components pick the top --sparq-k positions of each row)")
     p.add_argument("--sparq-r", type=int, default=None, help="SparQ query components (default head_dim/4)")
     p.add_argument("--sparq-k", type=int, default=128, help="SparQ positions attended per step (default 128)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are cut (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

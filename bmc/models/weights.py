@@ -99,16 +99,6 @@ class ShapeSource(WeightSource):
             return t
         return self.get(name, shape)
 
-    def get_t(self, name: str, shape: Sequence[int]) -> Matrix:
-        return self.as_linear(self.get_matrix(name, shape))
-
-    def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Matrix:
-        parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
-        if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
-            return QuantWeight.cat(parts)  # type: ignore[arg-type]
-        rows = sum(self._check(n, s)[0] for n, s in zip(names, shapes))
-        return self.as_linear(torch.empty((rows, *shapes[0][1:]), dtype=self.dtype, device=self.device))
-
     def as_linear(self, w: Matrix) -> Matrix:
         if isinstance(w, QuantWeight):
             return w
