@@ -56,3 +56,78 @@ def test_partial_rotary_and_longrope_are_refused(tmp_path):
     long = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "rope_theta": 10000.0}
     with pytest.raises(UnsupportedModelError, match="longrope"):
         bmc.load(str(make_phi3(tmp_path / "long", rope_scaling=long)))
+
+
+def write_phi3_gguf(model_dir: Path, path: Path, qtype=None) -> None:
+    """A `phi3` GGUF of an HF directory's tensors, named as llama.cpp's converter names them (attn_qkv, ffn_up holding
+    gate and up fused, no Q/K permute: Phi-3 rotates halves as HF does); matrices as `qtype` when given."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_eos_token_id(2)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        x = t.float().numpy()
+        if qtype is not None and x.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, x)
+
+    names = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, g in names.items():
+            put(f"blk.{i}.{g}.weight", sd[f"model.layers.{i}.{hf_name}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])
+def test_phi3_gguf_matches_hf(tmp_path, window):
+    """A `phi3` GGUF written from the HF tensors loads to the same model: logits and greedy tokens against HF."""
+    d = make_phi3(tmp_path / "hf", sliding_window=window)
+    path = tmp_path / "phi3.gguf"
+    write_phi3_gguf(d, path)
+    model = bmc.load(str(path))
+    assert model.config.model_type == "phi3" and model.config.fused_projections
+    assert model.config.sliding_window == window
+    assert_chunked_logits_match_hf(model, hf(d), PROMPTS[0] + [11, 12, 13, 14, 15], "bmc", split=9, window=window)
+    assert_greedy_matches_hf(model, d, PROMPTS, 14, [dict(kv="bmc", r=3), dict(kv="upfront")])
+
+
+def test_phi3_gguf_quantized_blocks_run_as_stored(tmp_path):
+    """Q8_0 matrices of a phi3 GGUF (hidden 64: whole blocks) stay quantized, fused q|k|v and gate|up included, and
+    give the tokens of the same file dequantized."""
+    import gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  original_max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    d = save_tiny(tmp_path / "hf64", transformers.Phi3ForCausalLM(cfg).eval(), 320)
+    path = tmp_path / "phi3-q8.gguf"
+    write_phi3_gguf(d, path, gguf.GGMLQuantizationType.Q8_0)
+    mq, mf = bmc.load(str(path)), bmc.load(str(path), quant="none")
+    assert {L.qkv.quant for L in mq.net.layers} == {L.gate_up.quant for L in mq.net.layers} == {"q8_0"}
+    a = bmc.generate(mq, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    b = bmc.generate(mf, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]

@@ -1,4 +1,4 @@
-"""Read a llama- or qwen2-architecture GGUF file as an HF-style config dict, a float32 HF-named state dict and a Tokenizer.
+"""Read a llama-, qwen2-, qwen3- or phi3-architecture GGUF file as an HF-style config dict, a float32 HF-named state dict and a Tokenizer.
 
 Tensors are dequantized with the `gguf` package; the tokenizer is rebuilt from the vocabulary in the file's
 metadata with the `tokenizers` library, the same way transformers' GGUF converter does it, so both tokenize alike.
@@ -31,9 +31,12 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Phi-3 stores q|k|v and gate|up fused, as its HF checkpoints do (llama.cpp's `phi3`: attn_qkv, and ffn_up holding
+# gate then up)
+_PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # arch -> HF model_type. llama.cpp's converter permutes Q/K rows for GGML's interleaved rope in `llama` files only
 # (Mistral included); qwen2 keeps HF's rotate-half layout (llama.cpp's llama_model_rope_type: NEOX).
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _PERMUTED_QK = {"llama"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
 
@@ -111,6 +114,14 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
         "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
         "attn_norm": (hidden,), "ffn_norm": (hidden,)}
+    layer_names = _LAYER_NAMES
+    if arch == "phi3":
+        for fused in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            del layer_shapes[fused]
+        layer_shapes.update(attn_qkv=((heads + 2 * kv_heads) * head_dim, hidden), ffn_up=(2 * inter, hidden))
+        layer_names = _PHI3_NAMES
+        if any(k in tensors for k in ("rope_factors_long.weight", "rope_factors_short.weight")):
+            raise UnsupportedModelError(f"{path}: longrope scaling (rope_factors_long/short) is not supported yet")
     for i in range(n_layers):
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
         if arch == "qwen2":  # q/k/v biases
@@ -132,7 +143,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         for name, shape in expected.items():
             m = _LAYER_RE.fullmatch(name)
             hf_name = (_TOP_NAMES[name] if m is None
-                       else f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}")
+                       else f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}")
             kind = tensors[name].tensor_type.name.lower()
             if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % QK == 0:
                 blocks = None
@@ -192,16 +203,25 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
         raise ModelLoadError(f"{path}: no {arch}.vocab_size and no token_embd.weight tensor")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
-    return {
+    extra: dict[str, Any] = {}
+    if arch == "phi3":  # its window, and RoPE on part of each head (Phi-4-mini), which ModelConfig refuses by name
+        head_dim = int(get("attention.key_length", hidden // heads))
+        extra["sliding_window"] = meta.get("phi3.attention.sliding_window")
+        rope_dim = int(get("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            extra["partial_rotary_factor"] = rope_dim / head_dim
+    return extra | {
         "model_type": _ARCHS[arch],
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "phi3": "Phi3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
-        "head_dim": int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
+        "head_dim": int(get("attention.key_length", hidden // heads if arch == "phi3"
+                            else get("rope.dimension_count", hidden // heads))),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
