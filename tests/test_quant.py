@@ -191,3 +191,22 @@ def test_the_default_model_as_stored_is_resident_once():
     assert out.returncode == 0, out.stderr
     weights, resident, peak = (int(x) for x in out.stdout.split())
     assert weights < 120e6 and resident <= 250e6 and resident < peak < 3 * weights + 250e6, (weights, resident, peak)
+
+
+def test_opt_quantized_at_load(tmp_path):
+    """OPT (pre-norm, tied embeddings) with q8_0: every matrix quantized, the tied table looked up in the LM head's
+    panels, native and eager paths agree."""
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=320, max_position_embeddings=256, word_embed_proj_dim=64)
+    hf = transformers.OPTForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    m = bmc.load(str(tmp_path), quant="q8_0")
+    assert m.net.embed is None and all(lin.quant == "q8_0" for lin in m.linears())
+    table = hf.model.decoder.embed_tokens.weight.detach()
+    ids = torch.tensor([[3, 17, 319]])
+    assert torch.equal(m.net.embed_tokens(ids)[0], quantize(table, "q8_0").dequantize()[ids[0]])
+    out = bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=10, ignore_eos=True)[0].token_ids
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BMC_NATIVE", "0")
+        assert bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=10, ignore_eos=True)[0].token_ids == out

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every engine this many times, alternating; keep each one's fastest run")
     p.add_argument("--no-split", action="store_true", help="skip the per-strategy decode time split runs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--quant", default="none", choices=["none", "gguf", "q8_0", "q4_0"],
+                   help="bmc's weights (default none: float, as the peers and HF run them); quantized runs compare "
+                   "bmc's strategies with each other, not with the float engines' tokens")
     p.add_argument("--out", default="bench/out/bench", help="output prefix: PREFIX.json and PREFIX-*.png")
     p.add_argument("--smoke", action="store_true", help="B=2, 16-token prompts, 8 tokens; exit 1 on any mismatch")
     return p
@@ -77,17 +80,18 @@ def csv_ints(s: str, name: str) -> list[int]:
     return vals
 
 
-def load_models(spec: str | None, need_hf: bool) -> tuple[Model, Any, str]:
-    """(bmc model, HF model or None, description); both hold the same weights."""
+def load_models(spec: str | None, need_hf: bool, quant: str = "none") -> tuple[Model, Any, str]:
+    """(bmc model, HF model or None, description); both hold the same weights (bmc's quantized with --quant)."""
     hf = None
     if spec in RANDOM_MODELS:
         import transformers
         torch.manual_seed(0)
         cfg = transformers.OPTConfig(**RANDOM_MODELS[spec])
         hf = transformers.OPTForCausalLM(cfg).eval()
-        model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin=spec)
-        return model, hf if need_hf else None, spec
-    model = load(spec, quant="none")  # the peers run float weights of the same model: so does bmc here
+        model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin=spec, quant=quant)
+        model.net.native_decoder()
+        return model, hf if need_hf else None, spec + ("" if quant == "none" else f" ({quant})")
+    model = load(spec, quant=quant)  # by default float weights, as the peers run them
     if need_hf:
         import transformers
         if model.path.endswith(".gguf"):
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or physical_cores()
     torch.set_num_threads(threads)
     try:
-        model, hf, desc = load_models(args.model, need_hf)
+        model, hf, desc = load_models(args.model, need_hf, args.quant)
     except BmcError as e:
         fail(str(e))
     peers = prepare_peers(engines, args, model)

@@ -194,9 +194,6 @@ def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tenso
     quant: "none", "gguf" (the state dict's QuantWeights kept), "q8_0" / "q4_0" (every GEMM matrix quantized)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     config = ModelConfig.from_hf(hf_config)
-    if quant != "none" and MODEL_FAMILIES[config.model_type] is not LlamaModel:
-        raise ModelLoadError(f"quant={quant!r} is implemented for the Llama family; {config.model_type} loads with "
-                             "quant='none'")
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
     source = source_type(tensors, dtype=torch_dtype, device=dev, origin=origin,

@@ -53,9 +53,9 @@ class OPTModel:
         self.layers = [OPTLayer(cfg, w, i) for i in range(cfg.num_layers)]
         # lm_head is stored [E, V]; a tied embedding table is its transposed view (one copy of the weights)
         untied = w.has("lm_head.weight") and not cfg.tie_word_embeddings
-        self.lm_head = Linear(w.get_t("lm_head.weight", (cfg.vocab_size, E)) if untied else self.embed.t().contiguous())
-        if not untied:
-            self.embed = self.lm_head.wt.t()
+        self.lm_head = Linear(w.get_t("lm_head.weight", (cfg.vocab_size, E)) if untied else w.as_linear(self.embed))
+        if not untied:  # the LM head's view; quantized: None, rows looked up in its panels (embed_tokens)
+            self.embed = self.lm_head.wt.t() if self.lm_head.wt is not None else None
         self.scale = cfg.head_dim**-0.5
         self.act = F.relu if cfg.activation == "relu" else F.gelu
         self.native = NativeDecoders()
@@ -66,7 +66,7 @@ class OPTModel:
 
     def _build_native(self) -> Any:
         cfg = self.cfg
-        if (not self.layers or not native_supported(self.embed.device, self.embed.dtype) or not cfg.do_layer_norm_before
+        if (not self.layers or not native_supported(self.pos_embed.device, self.pos_embed.dtype) or not cfg.do_layer_norm_before
                 or self.project_in is not None or self.project_out is not None):
             return None
         if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")):
@@ -83,6 +83,11 @@ class OPTModel:
         dec.set_head(final_w, final_b, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(tokens, self.embed)
+        return self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.lm_head.in_features)
+
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
         """As LlamaModel.forward_parts: several batches in one native step, or None."""
         native = self.native_decoder()
@@ -90,7 +95,7 @@ class OPTModel:
             return None
         xs = []
         for p in parts:
-            x = F.embedding(p.tokens, self.embed)
+            x = self.embed_tokens(p.tokens)
             xs.append(x + F.embedding(p.positions + POSITION_OFFSET, self.pos_embed))
         none = torch.empty(0)
         return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], [none] * len(parts),
@@ -108,7 +113,7 @@ class OPTModel:
         cfg = self.cfg
         B, t = tokens.shape
         D, h, hd, pre, eps = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.do_layer_norm_before, cfg.norm_eps
-        x = F.embedding(tokens, self.embed)
+        x = self.embed_tokens(tokens)
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + F.embedding(positions + POSITION_OFFSET, self.pos_embed)
