@@ -210,3 +210,53 @@ def test_opt_quantized_at_load(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BMC_NATIVE", "0")
         assert bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=10, ignore_eos=True)[0].token_ids == out
+
+
+def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid Q4_K super-blocks with random quants, scales and mins (gguf cannot quantize Q4_K): [n, k/256*144]."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    b[..., 0:2] = (rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16)).view(np.uint8).reshape(n, k // 256, 2)
+    b[..., 2:4] = (rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16)).view(np.uint8).reshape(n, k // 256, 2)
+    return b.reshape(n, -1)
+
+
+def test_q4_k_super_blocks_become_exact_q4_panels():
+    w = QuantWeight("q4_k", (40, 512), random_q4k(40, 512))
+    lin = bmc.models.ops.Linear(w)
+    assert lin.quant == "q4_k" and lin.panels.dtype == torch.uint8
+    assert torch.equal(lin.dense_weight(), w.dequantize().t())  # bit for bit what gguf dequantizes
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(lin(x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_q4_k_gguf_runs_as_stored(tmp_path):
+    """A llama GGUF whose matrices are Q4_K: kept as stored (fused q|k|v and gate|up too), the tokens of the same
+    file dequantized."""
+    D, I, V, L = 256, 512, 300, 2
+    path = str(tmp_path / "q4k.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for add, v in ((w.add_block_count, L), (w.add_context_length, 256), (w.add_embedding_length, D),
+                   (w.add_feed_forward_length, I), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                   (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, V)):
+        add(v)
+    seed = iter(range(100))
+    w.add_tensor("token_embd.weight", random_q4k(V, D, next(seed)), raw_dtype=Q.Q4_K)
+    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    shapes = {"attn_q": (D, D), "attn_k": (128, D), "attn_v": (128, D), "attn_output": (D, D), "ffn_gate": (I, D),
+              "ffn_up": (I, D), "ffn_down": (D, I)}
+    for i in range(L):
+        for name, (n, k) in shapes.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", random_q4k(n, k, next(seed)), raw_dtype=Q.Q4_K)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(D, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mq, mf = bmc.load(path), bmc.load(path, quant="none")
+    assert {lin.quant for lin in mq.linears()} == {"q4_k"} and mq.net.embed is None
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    a = bmc.generate(mq, prompts, max_new_tokens=12, ignore_eos=True)
+    b = bmc.generate(mf, prompts, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]

@@ -16,7 +16,7 @@ import torch
 from ..errors import BmcError, ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .gguf_file import GGUFFile
-from .quant import BLOCK_BYTES, QK, QuantWeight
+from .quant import BLOCK_BYTES, BLOCK_VALUES, QuantWeight
 
 # GGUF tensor names (llama.cpp) -> HF llama names.
 _TOP_NAMES = {
@@ -145,7 +145,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             hf_name = (_TOP_NAMES[name] if m is None
                        else f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}")
             kind = tensors[name].tensor_type.name.lower()
-            if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % QK == 0:
+            if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % BLOCK_VALUES[kind] == 0:
                 blocks = None
                 if not shapes_only:
                     blocks = np.asarray(tensors[name].data).reshape(shape[0], -1)

@@ -20,9 +20,10 @@ import torch
 
 from ..errors import InvalidRequestError
 
-QK = 32  # values per block
+QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # GGUF's block sizes
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}  # GGUF's block sizes
+BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}  # values per GGUF block (Q4_K: a super-block)
 PANEL = 16
 
 
@@ -37,9 +38,10 @@ class QuantWeight:
 
     def __post_init__(self) -> None:
         N, K = self.shape
-        if K % QK:
-            raise InvalidRequestError(f"a {self.kind} matrix needs rows of whole blocks of {QK}, got {K} columns")
-        if self.blocks is not None and self.blocks.shape != (N, K // QK * BLOCK_BYTES[self.kind]):
+        per = BLOCK_VALUES[self.kind]
+        if K % per:
+            raise InvalidRequestError(f"a {self.kind} matrix needs rows of whole blocks of {per}, got {K} columns")
+        if self.blocks is not None and self.blocks.shape != (N, K // per * BLOCK_BYTES[self.kind]):
             raise ValueError(f"{self.kind} blocks {self.blocks.shape} do not match the shape {self.shape}")
 
     @staticmethod
@@ -76,6 +78,8 @@ class QuantWeight:
             return torch.empty(shape, dtype=dtype)
         N, K = self.shape
         npanels, nblk, _ = shape
+        if self.kind == "q4_k":
+            return q4k_panels(self.blocks, N, K)
         b = np.zeros((npanels * PANEL, nblk, BLOCK_BYTES[self.kind]), dtype=np.uint8)
         b[:N] = self.blocks.reshape(N, nblk, -1)
         b = b.reshape(npanels, PANEL, nblk, -1).transpose(0, 2, 1, 3)  # [np, nblk, 16 columns, block bytes]
@@ -95,6 +99,37 @@ class QuantWeight:
             out[..., 4 * PANEL : 8 * PANEL] = m.astype(np.float32).view(np.uint8).reshape(npanels, nblk, -1)
             out[..., 8 * PANEL :] = qs.transpose(0, 1, 3, 2).reshape(npanels, nblk, -1)  # [np, nblk, 16 j, 16 c]
         return torch.from_numpy(out).view(dtype)
+
+
+def q4k_panels(blocks: np.ndarray, N: int, K: int) -> torch.Tensor:
+    """Q4_K super-blocks (256 values: fp16 d and dmin, eight 6-bit sub-block scales and mins, 4-bit quants) as Q4
+    panels, exactly: each 32-value sub-block j has w = (d * sc_j) * q - dmin * m_j, so its panel scale is d * sc_j
+    and its offset -(dmin * m_j), both exact in float32 (fp16 times a 6-bit integer), and d * sc_j * q is exact
+    too: the kernel's d' * q + m' rounds once, where `gguf`'s d * q - dm does."""
+    import gguf
+
+    ns = K // 256
+    b = blocks.reshape(N, ns, 144)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [N, ns]
+    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(N * ns, 12))
+    scale = (d[..., None] * sc.reshape(N, ns, 8).astype(np.float32)).reshape(N, ns * 8)  # per 32-value block
+    offset = -(dmin[..., None] * mn.reshape(N, ns, 8).astype(np.float32)).reshape(N, ns * 8)
+    qs = b[..., 16:].reshape(N, ns, 4, 32)  # group g: low nibbles = sub-block 2g, high = 2g + 1, value i at byte i
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(N, ns * 8, 32)  # [N, block, 32 values]
+    packed = q[..., :16] | (q[..., 16:] << 4)  # Q4 panels' order: byte i = value i (low) and value i + 16 (high)
+    npanels, nblk = (N + PANEL - 1) // PANEL, K // QK
+    out = np.zeros((npanels, nblk, 8 * PANEL + QK * PANEL // 2), dtype=np.uint8)
+
+    def by_panel(x: np.ndarray) -> np.ndarray:  # [N, nblk, ...] -> [np, nblk, 16 columns, ...]
+        pad = np.zeros((npanels * PANEL, *x.shape[1:]), dtype=x.dtype)
+        pad[:N] = x
+        return pad.reshape(npanels, PANEL, *x.shape[1:]).swapaxes(1, 2)
+
+    out[..., : 4 * PANEL] = np.ascontiguousarray(by_panel(scale)).view(np.uint8).reshape(npanels, nblk, -1)
+    out[..., 4 * PANEL : 8 * PANEL] = np.ascontiguousarray(by_panel(offset)).view(np.uint8).reshape(npanels, nblk, -1)
+    out[..., 8 * PANEL :] = by_panel(packed).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [np, nblk, 16 j, 16 c]
+    return torch.from_numpy(out)
 
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
