@@ -23,9 +23,9 @@ def make_qwen2(path: Path, seed: int = 0, family: str = "qwen2", **kw) -> Path:
     Config, Model = ((transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if family == "qwen3"
                      else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
     extra = dict(head_dim=16) if family == "qwen3" else {}  # Qwen3: head_dim other than hidden / heads
-    cfg = Config(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=True,
-                 bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra, **kw)
+    cfg = Config(**dict(dict(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=1e6,
+                             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra), **kw))
     model = Model(cfg).eval()
     with torch.no_grad():  # HF initialises biases to zero and norms to one: make them matter
         for layer in model.model.layers:
@@ -132,3 +132,21 @@ def test_qwen2_gguf_loads_as_the_hf_directory(qwen2_dir, tmp_path):
     a = bmc.generate(from_gguf, PROMPTS, max_new_tokens=10, ignore_eos=True)
     b = bmc.generate(from_dir, PROMPTS, max_new_tokens=10, ignore_eos=True)
     assert [c.token_ids for c in a] == [c.token_ids for c in b] == hf_greedy(hf(qwen2_dir), PROMPTS, 10)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_quantized_at_load_native_equals_eager(tmp_path, family):
+    """q8_0 at load (hidden 64: whole blocks): every matrix holds what the reference quantizer makes of it, and the
+    native step (q/k norms and biases included) gives the PyTorch path's greedy tokens."""
+    from bmc.models.quant import quantize
+
+    path = make_qwen2(tmp_path / family, family=family, hidden_size=64, intermediate_size=128)
+    model = bmc.load(str(path), quant="q8_0")
+    assert all(lin.quant == "q8_0" for lin in model.linears()) and model.net.native_decoder() is not None
+    down = transformers.AutoModelForCausalLM.from_pretrained(path).model.layers[1].mlp.down_proj.weight.detach()
+    assert torch.equal(model.net.layers[1].down.dense_weight(), quantize(down, "q8_0").dequantize().t())
+    native = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=12, ignore_eos=True)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BMC_NATIVE", "0")
+        eager = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=12, ignore_eos=True)]
+    assert native == eager
