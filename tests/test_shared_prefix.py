@@ -165,3 +165,23 @@ def test_two_segments_equal_attention_over_the_concatenation():
     bias = torch.cat([torch.zeros(4, 1, 1, 6), mid_bias[rows], sbias], dim=3)
     torch.testing.assert_close(got, dense_attention(q, K, V, bias, 0.3), atol=1e-5, rtol=1e-5)
     assert shared.num_groups == 3 and shared.nbytes == (head.numel() + mid.numel()) * 4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+def test_other_families_share_the_prompt_kv(tmp_path, family):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Phi-3 (fused projections): samples of each prompt read its KV
+    once, natively, with the greedy tokens of replicated KV and of HF generate."""
+    from .conftest import hf, hf_greedy
+    from .test_phi3 import make_phi3
+    from .test_qwen import make_qwen2
+
+    path = make_phi3(tmp_path / family) if family == "phi3" else make_qwen2(tmp_path / family, family=family)
+    model = bmc.load(str(path))
+    prompts = [[5, 17, 33, 80, 101, 7, 9], [40, 41, 42]]
+    kw = dict(max_new_tokens=10, num_samples=3, ignore_eos=True)
+    on = bmc.generate(model, prompts, **kw)
+    off = bmc.generate(model, prompts, share_prefix="off", **kw)
+    assert on.stats.prefix_kv_bytes > 0 and off.stats.prefix_kv_bytes == 0
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    want = hf_greedy(hf(path), prompts, 10)
+    assert [c.token_ids for c in on] == [t for t in want for _ in range(3)]
