@@ -251,3 +251,22 @@ def test_fused_cpu_kernel_matches_the_reference_path():
                 _, i2_fast = kernel(qg, K[:, :, :S], V[:, :, :S], Kt, bias[:, 0, 0, :S], mean_arg, S, r, k, window, 0.3)
                 # the same visible positions (k beyond them takes some masked ones, which are interchangeable)
                 assert visible_sets(i2_fast, bias) == visible_sets(i2, bias)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+def test_other_families_run_sparq(tmp_path, family):
+    """Qwen2, Qwen3 and Phi-3 decode with SparQ: at full rank and k over the context it is dense attention (HF's
+    greedy tokens); at r = head_dim / 4 and k = 4 it reads less than dense attention would."""
+    from .conftest import hf, hf_greedy
+    from .test_phi3 import make_phi3
+    from .test_qwen import make_qwen2
+
+    path = make_phi3(tmp_path / family) if family == "phi3" else make_qwen2(tmp_path / family, family=family)
+    model = bmc.load(str(path))
+    prompts = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42]]
+    full = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
+                        sparq_r=model.config.head_dim, sparq_k=128)
+    assert [c.token_ids for c in full] == hf_greedy(hf(path), prompts, 12)
+    cut = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
+                       sparq_r=max(1, model.config.head_dim // 4), sparq_k=4)
+    assert 0 < cut.stats.attention_transfers < cut.stats.attention_dense_transfers
