@@ -182,3 +182,18 @@ def test_cuda_scheduler_equals_generate_alone(tiny_dirs):
     for i, p in enumerate(PROMPTS):
         assert got[i] == bmc.generate(gpu, [p], max_new_tokens=10 + i, ignore_eos=True)[0].token_ids
     assert sched.cache.batch_size == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+def test_cuda_other_families_match_cpu(tmp_path, family):
+    """Qwen2 (biases), Qwen3 (q/k norms, head_dim apart) and Phi-3 (fused projections) on the GPU: every cache,
+    CUDA graphs and speculative trees give the CPU's tokens."""
+    from .test_phi3 import make_phi3
+    from .test_qwen import make_qwen2
+
+    path = str(make_phi3(tmp_path / family) if family == "phi3" else make_qwen2(tmp_path / family, family=family))
+    cpu, gpu = bmc.load(path), bmc.load(path, device="cuda")
+    want = [c.token_ids for c in bmc.generate(cpu, PROMPTS, max_new_tokens=16, ignore_eos=True)]
+    for kw in CONFIGS:
+        got = bmc.generate(gpu, PROMPTS, max_new_tokens=16, ignore_eos=True, **kw)
+        assert [c.token_ids for c in got] == want, kw
