@@ -23,9 +23,9 @@ CONFIGS = [dict(kv="iterative"), dict(kv="upfront"), dict(kv="bmc", r=1), dict(k
            dict(kv="bmc")]
 
 
-def make_mistral(path: Path, window: int | None, kv_heads: int = 2, seed: int = 0) -> Path:
+def make_mistral(path: Path, window: int | None, kv_heads: int = 2, seed: int = 0, hidden: int = 48) -> Path:
     torch.manual_seed(seed)
-    cfg = transformers.MistralConfig(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    cfg = transformers.MistralConfig(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
                                      sliding_window=window, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return save_tiny(path, transformers.MistralForCausalLM(cfg).eval(), 320)
@@ -170,3 +170,17 @@ def test_dead_prefix_counts_columns_no_row_reads():
     # kept only the last 3 columns are read (both rows' queries sit at the last column)
     assert cache.length < 14 and cache.capacity <= 3 + 4 + 4
     assert cache.dead_prefix() == cache.length - 3
+
+
+def test_quantized_window_model_native_equals_eager(tmp_path):
+    """Mistral with its window and q8_0 weights (hidden 64): past the window, the native step and the PyTorch path
+    give the same greedy tokens, every cache."""
+    path = make_mistral(tmp_path / "q", WINDOW, hidden=64)
+    model = bmc.load(str(path), quant="q8_0")
+    assert model.config.sliding_window == WINDOW and {lin.quant for lin in model.linears()} == {"q8_0"}
+    for kv in ("bmc", "iterative", "upfront"):
+        native = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, kv=kv)]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BMC_NATIVE", "0")
+            eager = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, kv=kv)]
+        assert native == eager, kv

@@ -270,3 +270,17 @@ def test_other_families_run_sparq(tmp_path, family):
     cut = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
                        sparq_r=max(1, model.config.head_dim // 4), sparq_k=4)
     assert 0 < cut.stats.attention_transfers < cut.stats.attention_dense_transfers
+
+
+def test_opt_runs_sparq(tiny_dirs):
+    """OPT (MHA, learned positions) under SparQ: at full rank and k over the context it is dense attention (the
+    tokens of plain decoding); at a quarter of the rank it reads less, with step 3 (MHA: on by default)."""
+    model = bmc.load(str(tiny_dirs["opt-pre_norm"]))
+    prompts = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42]]
+    plain = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+    full = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
+                        sparq_r=model.config.head_dim, sparq_k=128)
+    assert [c.token_ids for c in full] == [c.token_ids for c in plain]
+    cut = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
+                       sparq_r=max(1, model.config.head_dim // 4), sparq_k=4)
+    assert 0 < cut.stats.attention_transfers < cut.stats.attention_dense_transfers
