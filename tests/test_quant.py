@@ -226,8 +226,8 @@ def test_q4_k_super_blocks_become_exact_q4_panels():
     lin = bmc.models.ops.Linear(w)
     assert lin.quant == "q4_k" and lin.panels.dtype == torch.uint8
     assert torch.equal(lin.dense_weight(), w.dequantize().t())  # bit for bit what gguf dequantizes
-    x = torch.randn(3, 512)
-    torch.testing.assert_close(lin(x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 512)  # decode rows apply each block's scale and offset once: float32 rounding, K = 512
+    torch.testing.assert_close(lin(x), x @ w.dequantize().t(), rtol=1e-4, atol=1e-4)
 
 
 def test_a_q4_k_gguf_runs_as_stored(tmp_path):
