@@ -5,19 +5,13 @@
 # quant none, q8_0 and q4_0 made at load. llama.cpp is not on these hosts: ratios to it are this machine's only.
 # Run with the device tool, carry [".whl", ".devcarry"]. Writes $OUT/quant-decode-16core.json.
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_setup.sh
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/\(Flags:\).*\(avx512[a-z_]*\).*/\1 ... \2 .../' || true
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_quant.py tests/test_perplexity.py \
   tests/test_qwen.py tests/test_phi3.py 2>&1 | tail -3
 python3 - <<'PY'
-import json, os, shutil, torch, transformers
-src, dst = ".devcarry/smollm2-shape", "/tmp/smollm2-random"
-cfg = transformers.AutoConfig.from_pretrained(src)
-torch.manual_seed(0)
-transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(dst)
-for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    shutil.copy(f"{src}/{f}", dst)
+import json, os, torch
+dst = "/tmp/smollm2-random"
 import bmc
 from bmc.cli.common import physical_cores
 from bmc.cli.generate import synthetic_prompts

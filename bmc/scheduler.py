@@ -117,7 +117,6 @@ class SchedulerCounters:
     joins_in_place: int = 0  # requests that took a retired slot (one row copied)
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
-    verify_steps: int = 0  # decode steps that verified draft trees (speculative decoding)
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -369,7 +368,6 @@ class Scheduler:
         assert self.spec is not None
         self.spec.record(tree, paths, free)
         self.counters.decode_steps += 1
-        self.counters.verify_steps += 1
         live = [i for i, r in enumerate(rows) if r is not None]
         plain = [i for i in live if not self._speculates(rows[i])]
         if plain:  # their trees are empty: path [0], the root's logits as a plain decode step

@@ -208,3 +208,32 @@ def assert_greedy_matches_hf(model, path, prompts, n: int, settings=GREEDY_SETTI
     for kw in settings:
         out = bmc.generate(model, prompts, max_new_tokens=n, ignore_eos=True, **kw)
         assert [c.token_ids for c in out] == expected, kw
+
+
+def gguf_from_hf(hf_dir, path, arch: str | None = None):
+    """A GGUFWriter for `arch` (default: the config's model_type) at `path` holding the hyperparameters every llama.cpp converter writes for a tiny
+    HF model (layers, context, widths, heads, RMSNorm eps, RoPE base, EOS id 2), with the model's config and
+    safetensors state dict, for the caller to add its tensors and close with close_gguf()."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), arch or cfg.model_type)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
+    w.add_eos_token_id(2)
+    return w, cfg, sd
+
+
+def close_gguf(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -12,7 +12,8 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, save_tiny, transformers
+from .conftest import (assert_chunked_logits_match_hf, assert_greedy_matches_hf, close_gguf, gguf_from_hf, hf, save_tiny,
+                       transformers)
 from .test_qwen import PROMPTS
 
 
@@ -62,23 +63,11 @@ def write_phi3_gguf(model_dir: Path, path: Path, qtype=None) -> None:
     """A `phi3` GGUF of an HF directory's tensors, named as llama.cpp's converter names them (attn_qkv, ffn_up holding
     gate and up fused, no Q/K permute: Phi-3 rotates halves as HF does); matrices as `qtype` when given."""
     import gguf
-    from safetensors.torch import load_file
 
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    sd = load_file(str(model_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w, cfg, sd = gguf_from_hf(model_dir, path, "phi3")
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
     if cfg.sliding_window is not None:
         w.add_sliding_window(cfg.sliding_window)
-    w.add_eos_token_id(2)
 
     def put(name: str, t: torch.Tensor) -> None:
         x = t.float().numpy()
@@ -95,10 +84,7 @@ def write_phi3_gguf(model_dir: Path, path: Path, qtype=None) -> None:
     for i in range(cfg.num_hidden_layers):
         for hf_name, g in names.items():
             put(f"blk.{i}.{g}.weight", sd[f"model.layers.{i}.{hf_name}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])

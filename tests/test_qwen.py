@@ -13,7 +13,8 @@ import bmc
 from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, hf_greedy, save_tiny, transformers
+from .conftest import (assert_chunked_logits_match_hf, assert_greedy_matches_hf, close_gguf, gguf_from_hf, hf, hf_greedy,
+                       save_tiny, transformers)
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
 
@@ -79,24 +80,10 @@ def test_window_on_some_layers_is_refused_and_off_means_none(tmp_path):
 def write_qwen2_gguf(hf_dir: Path, path: Path) -> None:
     """The tiny HF model as llama.cpp's converter writes a qwen2 GGUF: Q/K rows in HF's order (no permute, NEOX
     rope), q/k/v biases, tied embeddings (no output.weight); F32 tensors, no tokenizer."""
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
-    sd = load_file(str(hf_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), cfg.model_type)
+    w, cfg, sd = gguf_from_hf(hf_dir, path)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
-    w.add_eos_token_id(2)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -109,10 +96,7 @@ def write_qwen2_gguf(hf_dir: Path, path: Path) -> None:
                 t = sd.get(f"model.layers.{i}.{hf_name}.{kind}")
                 if t is not None:
                     w.add_tensor(f"blk.{i}.{g}.{kind}", t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def test_qwen2_gguf_loads_as_the_hf_directory(qwen2_dir, tmp_path):

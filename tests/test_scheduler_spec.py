@@ -36,7 +36,7 @@ def test_speculative_serving_equals_plain_generate_alone(gqa_dir, kv):
     assert scol.tokens == {0: alone(model, LOOPING[1], 9, temperature=0.9, seed=3)}
     assert ccol.error is None and 0 < len(ccol.tokens.get(0, [])) < 30
     stats = sched.spec.stats
-    assert sched.counters.verify_steps > 0 and stats.accepted > 0
+    assert stats.verify_steps > 0 and stats.accepted > 0
     assert sched.counters.generation_tokens > sched.counters.decode_steps  # more than one token per step somewhere
     assert not sched.spec.drafter.ctx and not sched._drafting
     assert_idle(sched)
@@ -54,7 +54,7 @@ def test_speculation_leaves_room_for_prompts_waiting(gqa_dir):
     first_b = cb.steps[0]
     assert first_b - 3 >= 40 // 11  # the prompt took several chunks (at most 11 tokens each) ...
     assert set(range(3, first_b + 1)) <= set(ca.steps)  # ... and `a` got tokens at every step meanwhile
-    assert sched.counters.verify_steps > 0
+    assert sched.spec.stats.verify_steps > 0
     assert_idle(sched)
 
 

@@ -21,6 +21,5 @@ _SOURCE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels
 @functools.lru_cache(maxsize=None)
 def fused_decode() -> Any:
     """The compiled `sparq_decode`, or None (BMC_SPARQ_KERNEL=0, or the build failed: logged once)."""
-    with open(_SOURCE_FILE) as f:
-        mod = build("bmc_sparq_v8", f.read(), None, "BMC_SPARQ_KERNEL")
+    mod = build("bmc_sparq_v8", _SOURCE_FILE, None, "BMC_SPARQ_KERNEL")
     return None if mod is None else mod.sparq_decode

@@ -48,15 +48,14 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-QUANT_CHOICES = ["auto", "none", "gguf", "q8_0", "q4_0"]
-
-
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     """How a CLI loads its model: threads, dtype, device, quantization, the weights cache."""
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
+    from ..models.quant import QUANT_MODES
+
+    p.add_argument("--quant", default="auto", choices=QUANT_MODES,
                    help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
                    "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
                    "does). Quantized matrices compute with exactly the float weights they dequantize to")

@@ -17,9 +17,10 @@ LDFLAGS = ["-fopenmp", "-lmvec"]
 _built: dict[str, Any] = {}
 
 
-def build(name: str, source: str, functions: list[str] | None, switch: str) -> Any:
-    """The compiled module `name` from C++ `source`, or None when the environment variable `switch` is "0" or the
-    build fails (logged once). `functions=None` means the source has its own PYBIND11_MODULE."""
+def build(name: str, source_file: str, functions: list[str] | None, switch: str) -> Any:
+    """The compiled module `name` from the C++ file `source_file`, or None when the environment variable `switch`
+    is "0" or the build fails (logged once). `functions=None` means the source has its own PYBIND11_MODULE. Called
+    on every use (a GEMM of the PyTorch path, a SparQ step): after the first call, one dictionary lookup."""
     if name in _built:
         return _built[name]
     _built[name] = None
@@ -32,6 +33,8 @@ def build(name: str, source: str, functions: list[str] | None, switch: str) -> A
             # a minute of silence would look like a hang: say what is happening, once per machine
             print(f"bmc: compiling the C++ kernel {name} (first use on this machine, about a minute; cached "
                   f"afterwards; {switch}=0 skips it)", file=sys.stderr, flush=True)
+        with open(source_file) as f:
+            source = f.read()
         _built[name] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
                                    extra_ldflags=LDFLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower

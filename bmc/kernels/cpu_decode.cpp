@@ -215,6 +215,19 @@ inline int64_t split_spans(int64_t items, int64_t chunks, int64_t threads) {
   return best;
 }
 
+// The GEMM kernels' epilogue: a panel's bias (its first `width` columns; none: zero), and one row's result r
+// written to (or added into) its first `width` output columns.
+inline v16 load_bias(const float* bias, int64_t width) {
+  return bias == nullptr ? v16{} : width == P ? load16(bias) : load_part(bias, width);
+}
+inline void store_out(float* out, v16 r, int64_t width, bool accumulate) {
+  if (width == P) {
+    store16(out, accumulate ? load16(out) + r : r);
+  } else {
+    for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + r[c] : r[c];
+  }
+}
+
 // y[MB rows][16] (+)= x[MB rows][K] @ panel[K][16] (+ bias); two partial sums over k halve the FMA chains.
 template <int MB>
 void panel_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y,
@@ -235,16 +248,8 @@ void panel_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
     const v16 w0 = load16(wp + k * P);
     for (int i = 0; i < MB; ++i) a0[i] += x[i * ldx + k] * w0;
   }
-  const v16 b = bias == nullptr ? v16{} : nw == P ? load16(bias) : load_part(bias, nw);
-  for (int i = 0; i < MB; ++i) {
-    v16 r = (a0[i] + a1[i]) + b;
-    float* out = y + i * ldy;
-    if (nw == P) {
-      store16(out, accumulate ? load16(out) + r : r);
-    } else {
-      for (int64_t j = 0; j < nw; ++j) out[j] = accumulate ? out[j] + r[j] : r[j];
-    }
-  }
+  const v16 b = load_bias(bias, nw);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, (a0[i] + a1[i]) + b, nw, accumulate);
 }
 
 // 1-4 rows, each panel streamed once with the rows in registers (5 and more: block_kernel)
@@ -283,16 +288,8 @@ void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t width = j == NB - 1 ? nw : P;
-    const v16 b = bias == nullptr ? v16{} : width == P ? load16(bias + j * P) : load_part(bias + j * P, width);
-    for (int i = 0; i < MB; ++i) {
-      const v16 r = acc[i][j] + b;
-      float* out = y + i * ldy + j * P;
-      if (width == P) {
-        store16(out, accumulate ? load16(out) + r : r);
-      } else {
-        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + r[c] : r[c];
-      }
-    }
+    const v16 b = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
+    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + b, width, accumulate);
   }
 }
 
@@ -459,16 +456,8 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]) + m * xsum[i * nblk + b];
     }
   }
-  const v16 bv = bias == nullptr ? v16{} : nw == P ? load16(bias) : load_part(bias, nw);
-  for (int i = 0; i < MB; ++i) {
-    v16 r = acc[i] + bv;
-    float* out = y + i * ldy;
-    if (nw == P) {
-      store16(out, accumulate ? load16(out) + r : r);
-    } else {
-      for (int64_t j = 0; j < nw; ++j) out[j] = accumulate ? out[j] + r[j] : r[j];
-    }
-  }
+  const v16 bv = load_bias(bias, nw);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
 }
 
 // 5-8 rows against NB panels, dequantized in registers: one accumulator chain per (row, column) over k in order,
@@ -520,16 +509,8 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t width = j == NB - 1 ? nw : P;
-    const v16 bv = bias == nullptr ? v16{} : width == P ? load16(bias + j * P) : load_part(bias + j * P, width);
-    for (int i = 0; i < MB; ++i) {
-      const v16 r = acc[i][j] + bv;
-      float* out = y + i * ldy + j * P;
-      if (width == P) {
-        store16(out, accumulate ? load16(out) + r : r);
-      } else {
-        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + r[c] : r[c];
-      }
-    }
+    const v16 bv = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
+    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + bv, width, accumulate);
   }
 }
 
@@ -572,7 +553,11 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     const bool q8 = wq.scalar_type() == torch::kChar;
     const int64_t panel_bytes = K / QK * quant_block_bytes(wq), nblk = K / QK;
     const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
-    std::vector<float> xsum(q8 ? 0 : M * nblk);  // each row's sum over each block of K (the Q4 offsets' factor)
+    // each row's sum over each block of K (the Q4 offsets' factor), in a buffer kept by the calling thread: no
+    // allocation per GEMM on the decode path
+    static thread_local std::vector<float> xsum_buf;
+    if (static_cast<int64_t>(xsum_buf.size()) < M * nblk) xsum_buf.resize(M * nblk);
+    float* xsum = xsum_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
     for (int64_t i = 0; i < (q8 ? 0 : M); ++i)
       for (int64_t b = 0; b < nblk; ++b) {
         float t = 0.0f;
@@ -584,7 +569,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
         (q8 ? quant_rows_kernel<true> : quant_rows_kernel<false>)(M, x, ldx, base + p * panel_bytes, K,
                                                                    bias == nullptr ? nullptr : bias + n0, y + n0, N,
-                                                                   nw, accumulate, xsum.data());
+                                                                   nw, accumulate, xsum);
       }
     });
     return;

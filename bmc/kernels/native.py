@@ -34,9 +34,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 
 
 def native_module() -> Any:
-    with open(_SOURCE_FILE) as f:
-        source = f.read()
-    return build("bmc_cpu_decode_v35", source, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v37", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:
