@@ -167,7 +167,7 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
     cfg = model.config
     kw = dict(num_layers=cfg.num_layers, batch_size=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_length=max_length, dtype=model.dtype, device=model.device, left_pad=left_pad,
-              window=window_in_reach(cfg, max_length))
+              window=window_in_reach(cfg, max_length), window_every_layer=cfg.local_layers is None)
     stats.kv_strategy = gen.kv
     if gen.kv != "bmc":
         return KV_STRATEGIES[gen.kv](**kw)
@@ -285,8 +285,16 @@ class Rows:
         self.next_tok, self.pos = self.next_tok.index_select(0, idx), self.pos.index_select(0, idx)
 
 
+def check_attention(model: Model, attention: str) -> None:
+    """Refuse approximate attention for a model whose scores it does not compute (Gemma 2's soft-capping)."""
+    if attention != "dense" and model.config.attn_softcap is not None:
+        raise InvalidRequestError(f"attention={attention!r} does not implement {model.config.model_type}'s "
+                                  "attention-logit soft-capping: use attention='dense'")
+
+
 def check_length(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig) -> int:
     """The run's maximum length N (longest prompt + max_new_tokens), refused beyond the model's context."""
+    check_attention(model, gen.attention)
     P = max(len(p) for p in prompt_ids)
     max_length = P + gen.max_new_tokens
     if max_length > model.max_context:
@@ -339,8 +347,9 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     # A shared segment is attended by rows at different positions through one bias: a sliding window that a run
     # can pass would need a bias per row there, so such runs keep every row's KV to itself (exact, not shared).
+    # Soft-capped scores (Gemma 2) have no shared-segment kernel: such runs do not share either.
     sharing = (gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
-               and window_in_reach(cfg, max_length) is None)
+               and window_in_reach(cfg, max_length) is None and cfg.attn_softcap is None)
     common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
     common = common if common >= MIN_SHARED_PREFIX else 0  # each prompt keeps at least one own token
     root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts) if common else None

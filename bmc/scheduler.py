@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionFn, AttentionOptions, SparQAttention, dense_attention
-from .engine import GenerationConfig, GenerationStats, eos_ids, make_cache, prefill_attention
+from .engine import GenerationConfig, GenerationStats, check_attention, eos_ids, make_cache, prefill_attention
 from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
@@ -568,6 +568,7 @@ def served_attention(model: Model, cache: KVCache, attention: str, options: Atte
     keys read strided) and no mean-value step (off by default for GQA models, the paper's choice)."""
     if attention == "dense":
         return dense_attention
+    check_attention(model, attention)
     if attention == "sparq":
         if options.sparq.mean_value:
             raise InvalidRequestError("SparQ's mean-value step (mean_value=True) is not served: its running sum "

@@ -96,6 +96,7 @@ def logits_by_chunks(model, ids: list[int], kv: str, split: int, window: int | N
     cfg = model.config
     cache = KV_STRATEGIES[kv](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, max_length=len(ids), window=window,
+                              window_every_layer=cfg.local_layers is None,
                               **({"r": 3} if kv == "bmc" else {}))
     got, start = [], 0
     with torch.inference_mode():
@@ -227,7 +228,9 @@ def gguf_from_hf(hf_dir, path, arch: str | None = None):
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta)
+    rope = getattr(cfg, "rope_parameters", None)
+    rope = rope.get("full_attention", rope) if rope else None  # Gemma 3: keyed by layer type, the global one here
+    w.add_rope_freq_base(rope["rope_theta"] if rope else cfg.rope_theta)
     w.add_eos_token_id(2)
     return w, cfg, sd
 

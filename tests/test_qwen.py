@@ -1,7 +1,7 @@
 """Qwen2/2.5 (q/k/v biases, no o_proj bias, tied embeddings, optional sliding window) and Qwen3 (per-head q/k
 RMSNorm before RoPE, explicit head_dim) from HF directories and GGUF files against HF transformers: logits on every
 cache, greedy tokens batched with left padding on the native step and the PyTorch path, under speculative decoding,
-with a window on every layer; a window on some layers only is refused."""
+with a window on every layer or on some layers only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import bmc
-from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 
 from .conftest import (assert_chunked_logits_match_hf, assert_greedy_matches_hf, close_gguf, gguf_from_hf, hf, hf_greedy,
@@ -70,9 +69,18 @@ def test_window_on_every_layer_matches_hf(tmp_path, family):
     assert_greedy_matches_hf(model, path, PROMPTS, 16, [dict(kv="bmc", r=3), dict(kv="iterative")])
 
 
-def test_window_on_some_layers_is_refused_and_off_means_none(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="max_window_layers"):
-        bmc.load(str(make_qwen2(tmp_path / "mixed", use_sliding_window=True, sliding_window=4, max_window_layers=1)))
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_window_on_some_layers_matches_hf(tmp_path, monkeypatch, native):
+    """max_window_layers=1: layer 0 attends everything, layer 1 through the window (the layers' own bias)."""
+    monkeypatch.setenv("BMC_NATIVE", native)
+    path = make_qwen2(tmp_path / "mixed", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = bmc.load(str(path))
+    assert (model.config.sliding_window, model.config.local_layers) == (4, (False, True))
+    assert_greedy_matches_hf(model, path, PROMPTS, 16, [dict(kv="bmc", r=3), dict(kv="upfront"),
+                                                       dict(kv="bmc", speculative="ngram", tree="chain:3")])
+
+
+def test_window_off_means_none(tmp_path):
     off = bmc.load(str(make_qwen2(tmp_path / "off", use_sliding_window=False, sliding_window=4)))
     assert off.config.sliding_window is None  # released configs: use_sliding_window false, full attention
 

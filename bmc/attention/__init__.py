@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from .dense import causal_attention, dense_attention, group_bias
+from .dense import causal_attention, dense_attention, group_bias, softcapped_attention
 from .shared_prefix import SharedPrefix, attention_with_lse, merge_by_lse
 from .sparq import (SparQAttention, SparQOptions, WindowAttention, sparq_attention, sparq_budget, sparq_select,
                     sparq_transfers, window_budget)
@@ -33,5 +33,6 @@ ATTENTION_BACKENDS: dict[str, Callable[[Any, AttentionOptions, int], AttentionFn
 }
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionFn", "AttentionOptions", "causal_attention", "dense_attention", "group_bias",
+           "softcapped_attention",
            "SharedPrefix", "attention_with_lse", "merge_by_lse", "SparQAttention", "SparQOptions", "WindowAttention",
            "sparq_attention", "sparq_select", "sparq_transfers", "sparq_budget", "window_budget"]

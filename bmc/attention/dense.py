@@ -43,3 +43,17 @@ def causal_attention(
         # math path (1.7x slower than the mask on an H100); repeating the t new KV rows is cheap beside it
         k, v, groups = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 1
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """dense_attention with Gemma 2's soft-capped scores, cap * tanh(q.k * scale / cap), before the bias: in the
+    order HF's eager attention computes them (SDPA has no soft-cap). bias from group_bias()."""
+    B, H, t, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(B, kv_heads, (H // kv_heads) * t, d)
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap + bias
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v).reshape(B, H, t, d)

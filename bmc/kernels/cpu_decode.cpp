@@ -878,6 +878,8 @@ struct Layer {
   torch::Tensor qkv, o, up, down;            // panels; up = fused gate|up (gated MLP) or fc1
   torch::Tensor qkv_b, o_b, up_b, down_b;    // optional biases
   torch::Tensor q_norm, k_norm;              // Qwen3: RMSNorm weights over head_dim of each query / key head
+  torch::Tensor post_attn, post_mlp;         // Gemma 2/3: RMSNorms of the attention's and the MLP's outputs
+  bool local = false;                        // attends with the step's window bias and RoPE (Gemma 2/3)
 };
 
 }  // namespace
@@ -890,7 +892,8 @@ class NativeDecoder {
       : D_(hidden), h_(heads), kvh_(kv_heads), hd_(head_dim), I_(inter), rms_(rms), gated_(gated),
         act_(std::move(act)), eps_(eps), scale_(scale) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-    TORCH_CHECK(act_ == "silu" || act_ == "relu" || act_ == "gelu", "activation ", act_, " not supported");
+    TORCH_CHECK(act_ == "silu" || act_ == "relu" || act_ == "gelu" || (gated && act_ == "gelu_tanh"), "activation ",
+                act_, " not supported");
   }
 
   void add_layer(const torch::Tensor& ln1_w, const torch::Tensor& ln1_b, const torch::Tensor& qkv,
@@ -920,6 +923,28 @@ class NativeDecoder {
     TORCH_CHECK(q_norm.numel() == hd_ && k_norm.numel() == hd_, "set_qk_norm: [head_dim] weights");
     layers_[layer].q_norm = f32(q_norm);
     layers_[layer].k_norm = f32(k_norm);
+  }
+
+  // Gemma 2/3: RMSNorms ([hidden] weights) applied to the attention's and the MLP's outputs before each joins the
+  // residual stream.
+  void set_post_norms(int64_t layer, const torch::Tensor& post_attn, const torch::Tensor& post_mlp) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_post_norms: no layer ", layer);
+    TORCH_CHECK(post_attn.numel() == D_ && post_mlp.numel() == D_, "set_post_norms: [hidden] weights");
+    layers_[layer].post_attn = f32(post_attn);
+    layers_[layer].post_mlp = f32(post_mlp);
+  }
+
+  // A layer that attends through the sliding window where only some do (Gemma 2/3): it reads the step's `local`
+  // bias and RoPE tables (forward's last argument) instead of the main ones.
+  void set_local(int64_t layer, bool local) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_local: no layer ", layer);
+    layers_[layer].local = local;
+  }
+
+  // Gemma 2: attention scores become cap * tanh(score / cap) before the bias is added (0: off).
+  void set_softcap(double cap) {
+    TORCH_CHECK(cap >= 0.0, "set_softcap: cap >= 0");
+    softcap_ = cap;
   }
 
   // A weight as the GEMMs read it: [in, out] float32 packed here, or panels packed beforehand by pack_panels
@@ -952,13 +977,15 @@ class NativeDecoder {
   // bias [B, 1, 1 or t, cap] additive, cos / sin_signed [B, t, d] or empty (no RoPE). Returns logits
   // [B, t or 1, vocab].
   // Shared segments (optional): seg_kv[i] [L, 2, groups, H_kv, len, d], seg_bias[i] [groups, 1, 1, len],
-  // seg_group[i] [B] int64, the group each row reads.
+  // seg_group[i] [B] int64, the group each row reads. local: empty, or the window layers' (set_local) bias (empty:
+  // the main one), cos and sin, shaped as the main ones.
   torch::Tensor forward(torch::Tensor x, torch::Tensor kv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
-                        std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group) {
+                        std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group,
+                        std::vector<torch::Tensor> local) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(2) == D_, "x: float32 [B, t, hidden]");
     const int64_t B = x.size(0), t = x.size(1);
-    std::vector<Part> parts{make_part(kv, bias, cos, sin, start, B, t)};
+    std::vector<Part> parts{make_part(kv, bias, cos, sin, start, B, t, local)};
     parts[0].segs = parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
     x = x.reshape({B * t, D_}).contiguous();
     auto logits = run(x, parts, all_logits);
@@ -972,15 +999,18 @@ class NativeDecoder {
   // logits of every row's last token, [sum B_i, vocab], in part order.
   torch::Tensor forward_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> kvs,
                               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> coss,
-                              std::vector<torch::Tensor> sins, std::vector<int64_t> starts) {
+                              std::vector<torch::Tensor> sins, std::vector<int64_t> starts,
+                              std::vector<std::vector<torch::Tensor>> locals) {
     const size_t n = xs.size();
     TORCH_CHECK(n > 0 && kvs.size() == n && biases.size() == n && coss.size() == n && sins.size() == n &&
-                    starts.size() == n, "forward_parts: one x, kv, bias, cos, sin and start per part");
+                    starts.size() == n && locals.size() == n,
+                "forward_parts: one x, kv, bias, cos, sin, start and local per part");
     std::vector<Part> parts;
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(xs[i].scalar_type() == torch::kFloat && xs[i].dim() == 3 && xs[i].size(2) == D_,
                   "x: float32 [B, t, hidden]");
-      parts.push_back(make_part(kvs[i], biases[i], coss[i], sins[i], starts[i], xs[i].size(0), xs[i].size(1)));
+      parts.push_back(make_part(kvs[i], biases[i], coss[i], sins[i], starts[i], xs[i].size(0), xs[i].size(1),
+                                locals[i]));
       TORCH_CHECK((coss[i].numel() > 0) == (coss[0].numel() > 0), "forward_parts: RoPE on every part or none");
     }
     std::vector<torch::Tensor> flat;
@@ -1017,11 +1047,22 @@ class NativeDecoder {
   struct Part {  // one batch of a step: B rows of t new tokens each, over its own cache
     int64_t B, t, cap, start;
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
+    torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     std::vector<Segment> segs;
+    const torch::Tensor& bias_of(const Layer& L) const {
+      return L.local && local_bias.numel() > 0 ? local_bias : bias;
+    }
+    const float* cos_of(const Layer& L) const {
+      return (L.local && local_cos.numel() > 0 ? local_cos : cos).data_ptr<float>();
+    }
+    const float* sin_of(const Layer& L) const {
+      return (L.local && local_sin.numel() > 0 ? local_sin : sin).data_ptr<float>();
+    }
   };
 
   Part make_part(const torch::Tensor& kv, const torch::Tensor& bias, const torch::Tensor& cos,
-                 const torch::Tensor& sin, int64_t start, int64_t B, int64_t t) const {
+                 const torch::Tensor& sin, int64_t start, int64_t B, int64_t t,
+                 const std::vector<torch::Tensor>& local) const {
     TORCH_CHECK(kv.scalar_type() == torch::kFloat, "float32 only");
     TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
                     kv.size(3) == kvh_ && kv.size(5) == hd_,
@@ -1032,8 +1073,22 @@ class NativeDecoder {
                 "bias shape");
     if (cos.numel() > 0)
       TORCH_CHECK(cos.numel() == B * t * hd_ && sin.numel() == B * t * hd_, "cos / sin: [B, t, head_dim]");
-    return Part{B, t, cap, start, kv, bias.to(torch::kFloat).contiguous(),
-                cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin, {}};
+    Part part{B, t, cap, start, kv, bias.to(torch::kFloat).contiguous(),
+              cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin};
+    if (!local.empty()) {
+      TORCH_CHECK(local.size() == 3, "local: [bias, cos, sin] of the window layers");
+      if (local[0].numel() > 0) {
+        TORCH_CHECK(local[0].sizes() == bias.sizes(), "local bias: shaped as the bias");
+        part.local_bias = local[0].to(torch::kFloat).contiguous();
+      }
+      if (local[1].numel() > 0) {
+        TORCH_CHECK(cos.numel() > 0 && local[1].numel() == cos.numel() && local[2].numel() == sin.numel(),
+                    "local cos / sin: shaped as cos / sin");
+        part.local_cos = local[1].contiguous();
+        part.local_sin = local[2].contiguous();
+      }
+    }
+    return part;
   }
 
   // Every layer over x [M, D] (contiguous, overwritten; M = the parts' rows in order), then the final norm and
@@ -1065,22 +1120,33 @@ class NativeDecoder {
       for (const Part& part : parts) {
         const int64_t rows = part.B * part.t, layer_stride = 2 * part.B * kvh_ * part.cap * hd_;
         float* q = qp + row * nq;
-        if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos.data_ptr<float>(), part.sin.data_ptr<float>());
+        if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos_of(L), part.sin_of(L));
         float* kc = part.kv.data_ptr<float>() + l * layer_stride;
         float* vc = kc + layer_stride / 2;
         clock.lap(2);
         write_kv(q, nq, kc, vc, part.B, part.t, part.cap, part.start);
         clock.lap(0);
-        attention(l, q, nq, kc, vc, part.cap, part.bias.data_ptr<float>(), part.bias.size(2), part.B, part.t,
-                  part.segs, ap + row * h_ * hd_);
+        const torch::Tensor& bias = part.bias_of(L);
+        attention(l, q, nq, kc, vc, part.cap, bias.data_ptr<float>(), bias.size(2), part.B, part.t, part.segs,
+                  ap + row * h_ * hd_);
         clock.lap(1);
         row += rows;
       }
-      gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true);
+      if (L.post_attn.defined()) {  // Gemma 2/3: x += norm(o(attn)); hp is free again
+        gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), hp, false);
+        add_normed(hp, L.post_attn, xp, M);
+      } else {
+        gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true);
+      }
       norm(xp, L.ln2_w, L.ln2_b, hp, M);
       gemm(hp, D_, M, D_, L.up, nu, ptr(L.up_b), mp, false);
       activate(mp, M);
-      gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), xp, true);
+      if (L.post_mlp.defined()) {
+        gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), hp, false);
+        add_normed(hp, L.post_mlp, xp, M);
+      } else {
+        gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), xp, true);
+      }
     }
     std::vector<int64_t> out_rows;  // the rows of x whose logits are returned
     int64_t row = 0;
@@ -1127,6 +1193,16 @@ class NativeDecoder {
       segs.push_back(Segment{sk.data_ptr<float>(), seg_bias[n].data_ptr<float>(), grp, sk.size(2), sk.size(4)});
     }
     return segs;
+  }
+
+  // x[m] += rms_norm(y[m]) * w for `rows` rows (y normalised in place)
+  void add_normed(float* y, const torch::Tensor& w, float* x, int64_t rows) const {
+    for (int64_t m = 0; m < rows; ++m) {
+      float* ym = y + m * D_;
+      rms_norm(ym, w.data_ptr<float>(), ym, D_, eps_);
+      float* xm = x + m * D_;
+      for (int64_t j = 0; j < D_; ++j) xm[j] += ym[j];
+    }
   }
 
   void norm(const float* x, const torch::Tensor& w, const torch::Tensor& b, float* out, int64_t rows) const {
@@ -1183,6 +1259,7 @@ class NativeDecoder {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
+    TORCH_CHECK(!prior || softcap_ == 0.0, "soft-capped attention reads no shared segments");
     std::vector<float> run_m, run_s;
     if (prior) {
       run_m.assign(B * t * h_, -FLT_MAX);
@@ -1510,7 +1587,10 @@ class NativeDecoder {
     if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
-      if (!wide) {
+      if (!wide && softcap_ > 0.0) {
+        const float cap = static_cast<float>(softcap_);
+        for (int64_t j = 0; j < n; ++j) pr[j] = std::tanh(dot(rows.q[r], K + j * hd_, hd_) * scale / cap) * cap + rows.bias[r][j];
+      } else if (!wide) {
         switch (hd_) {
           case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr, share(K_next, n, r, R)); break;
           case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr, share(K_next, n, r, R)); break;
@@ -1617,6 +1697,11 @@ class NativeDecoder {
     for (int64_t r = 0; r < R; ++r) {  // scale and bias, over the n valid keys only
       float* pr = p + r * ldp;
       const float* br = rows.bias[r];
+      if (softcap_ > 0.0) {  // Gemma 2's cap * tanh(score / cap), before the bias
+        const float cap = static_cast<float>(softcap_);
+        for (int64_t j = 0; j < n; ++j) pr[j] = std::tanh(pr[j] * scale / cap) * cap + br[j];
+        continue;
+      }
       int64_t j = 0;
       for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
       for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
@@ -1770,7 +1855,12 @@ class NativeDecoder {
     const int64_t n = gated_ ? 2 * I_ : I_;
     for (int64_t m = 0; m < M; ++m) {
       float* row = mid + m * n;
-      if (gated_) {  // silu(gate) * up, written over the gate half (the down GEMM reads rows of stride 2I)
+      if (gated_ && act_ == "gelu_tanh") {  // Gemma's GeGLU: torch's gelu(approximate="tanh")(gate) * up
+        for (int64_t j = 0; j < I_; ++j) {
+          const float g = row[j];
+          row[j] = 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * row[I_ + j];
+        }
+      } else if (gated_) {  // silu(gate) * up, written over the gate half (the down GEMM reads rows of stride 2I)
         for (int64_t j = 0; j < I_; ++j) row[j] = row[j] / (1.0f + std::exp(-row[j])) * row[I_ + j];
       } else if (act_ == "relu") {
         for (int64_t j = 0; j < I_; ++j) row[j] = std::max(row[j], 0.0f);
@@ -1800,7 +1890,7 @@ class NativeDecoder {
   int64_t D_, h_, kvh_, hd_, I_;
   bool rms_, gated_;
   std::string act_;
-  double eps_, scale_;
+  double eps_, scale_, softcap_ = 0.0;
   std::vector<Layer> layers_;
   torch::Tensor norm_w_, norm_b_, head_;
   int64_t vocab_ = 0;
@@ -1820,6 +1910,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &NativeDecoder::add_layer)
       .def("set_head", &NativeDecoder::set_head)
       .def("set_qk_norm", &NativeDecoder::set_qk_norm)
+      .def("set_post_norms", &NativeDecoder::set_post_norms)
+      .def("set_local", &NativeDecoder::set_local)
+      .def("set_softcap", &NativeDecoder::set_softcap)
       .def("num_layers", &NativeDecoder::num_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile)

@@ -45,6 +45,7 @@ class KVCache(ABC):
         device: torch.device | str = "cpu",
         left_pad: Sequence[int] | None = None,
         window: int | None = None,
+        window_every_layer: bool = True,
     ) -> None:
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -66,6 +67,9 @@ class KVCache(ABC):
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
+        # False: the window is some layers' only (Gemma 2/3): the kept bias stays the full causal one, every column
+        # stays (the other layers read it) and those layers' bias comes from window_bias() per forward
+        self.window_every_layer = window_every_layer
         self.keep_spare = False  # keep the last KV tensor a copy left for the next copy (see _keep_as_spare)
         # drop the columns that left every row's window at a reallocation; off for attention backends that keep
         # state by column (SparQ's K copy)
@@ -306,6 +310,8 @@ class KVCache(ABC):
             raise ValueError("a sliding-window cache needs the new tokens' positions in reserve()")
         positions = positions.to(self.device, torch.long).expand(self.batch_size, end - start)
         self.col_pos[:, start:end] = positions
+        if not self.window_every_layer:
+            return
         self.window_floor = torch.maximum(self.window_floor, positions[:, 0] - self.window)
         left = self.col_pos[:, :start] <= self.window_floor[:, None]
         self.bias[:, 0, 0, :start].masked_fill_(left, self.min_value)
@@ -313,11 +319,18 @@ class KVCache(ABC):
     def _window_queries(self, bias: torch.Tensor, num_new: int) -> torch.Tensor:
         """A forward's [B, 1, num_new, capacity] bias with each query's own window applied (the kept bias has the
         first query's); unchanged without a window."""
-        if self.window is None or num_new == 1:
+        if self.window is None or num_new == 1 or not self.window_every_layer:
             return bias
         q_pos = self.col_pos[:, self.length : self.length + num_new]  # the queries are the new columns
         left = self.col_pos[:, None, :] <= (q_pos - self.window)[:, :, None]  # [B, num_new, capacity]
         return bias.masked_fill_(left[:, None], self.min_value)
+
+    def window_bias(self, bias: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A forward's bias ([B, 1, t or 1, capacity], tree masks included) for the layers with the sliding window,
+        where only some layers have it: each query (at `positions`, [B, t]) also masks the columns at positions
+        <= its own - window. Device ops only: a CUDA graph replays it with the step's positions."""
+        left = self.col_pos[:, None, None, :] <= (positions.to(self.device) - self.window)[:, None, :, None]
+        return bias.masked_fill(left, self.min_value)
 
     def _recount_holes(self) -> None:
         """After a crop or reorder that may have removed every hole: look again (only while the flag is set, so

@@ -13,15 +13,14 @@ import torch
 
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer, load_hf_tokenizer
-from .config import ModelConfig
+from .config import LLAMA_LIKE, ModelConfig
 from .llama import LlamaModel
 from .ops import Linear, mkl_packing_available
 from .opt import OPTModel
 from .weights import WeightSource
 
 Net = Union[LlamaModel, OPTModel]
-MODEL_FAMILIES: dict[str, type] = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": LlamaModel, "phi3": LlamaModel,
-                                   "opt": OPTModel}
+MODEL_FAMILIES: dict[str, type] = {**{name: LlamaModel for name in LLAMA_LIKE}, "opt": OPTModel}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

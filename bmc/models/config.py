@@ -6,7 +6,8 @@ from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "opt")
 
 
@@ -32,6 +33,18 @@ class ModelConfig:
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     # keys a query attends: positions in (q - sliding_window, q] (Mistral); None = the whole causal past
     sliding_window: int | None = None
+    # which layers the window applies to where only some do (Gemma 2/3, Qwen2's max_window_layers); None = all
+    local_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the window layers' own RoPE base (default scaling)
+    # Gemma: RMSNorm scales by (1 + weight) (folded into the weights at load), embeddings scaled by
+    # sqrt(hidden_size), a norm after attention and after the MLP as well as before (Gemma 2/3), tanh soft-capping
+    # of attention scores and of the final logits (Gemma 2), and a query scale of query_pre_attn_scalar**-0.5
+    norm_plus_one: bool = False
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
     # opt
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
@@ -47,6 +60,15 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (1 = MHA, num_heads = MQA)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """What query-key products are scaled by before the softmax."""
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window (when the model has one)."""
+        return self.sliding_window is not None and (self.local_layers is None or self.local_layers[layer])
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
@@ -86,30 +108,62 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window every layer attends with, or None. Mistral: `sliding_window` alone (transformers' MistralModel
-    ignores `layer_types`). Qwen2: only with `use_sliding_window`, on the layers `layer_types` marks (by default
-    those from `max_window_layers` on); windows on some layers only are refused, never run as full attention.
-    Llama has none (transformers' LlamaModel ignores the field)."""
-    kind = cfg["model_type"]
+def _layer_types(cfg: dict[str, Any], default: list[bool]) -> tuple[bool, ...]:
+    """Which layers are "sliding_attention" by `layer_types`, else by the family's default pattern."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(default)
+    n = int(cfg["num_hidden_layers"])
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {sorted(set(types))} ({len(types)} for {n} layers): bmc implements "
+                                    "sliding_attention and full_attention, one per layer")
+    return tuple(t == "sliding_attention" for t in types)
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """Gemma 3's two RoPEs: the global layers' (base 1e6 by default, maybe linearly scaled) and the window layers'
+    (`rope_local_base_freq`, 1e4 by default, unscaled). transformers >= 5 writes them as `rope_parameters` keyed by
+    layer type."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params["full_attention"] or {})
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", 1e6)
+        local_theta = float(local.get("rope_theta", 1e4))
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"Gemma 3 window layers with rope_type {local['rope_type']!r} (only default)")
+        theta, scaling = _rope({"rope_parameters": full})
+        return theta, scaling, local_theta
+    theta, scaling = _rope(dict(cfg, rope_theta=cfg.get("rope_theta", 1e6)))
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 1e4))
+
+
+def _sliding_window(cfg: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The window and the layers it applies to (None: every layer), or (None, None). Mistral: `sliding_window`
+    on every layer (transformers' MistralModel ignores `layer_types`). Qwen2/3: only with `use_sliding_window`, on
+    the layers `layer_types` marks (by default those from `max_window_layers` on). Gemma 2: every other layer from
+    the first, Gemma 3: five of every six (`sliding_window_pattern`), or as `layer_types` says. Llama has none
+    (transformers' LlamaModel ignores the field)."""
+    kind, n = cfg["model_type"], int(cfg["num_hidden_layers"])
     if kind in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
-            return None
-        n = int(cfg["num_hidden_layers"])
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
-                                           else "full_attention" for i in range(n)]
-        if set(types) == {"full_attention"}:
-            return None
-        if set(types) != {"sliding_attention"}:
-            raise UnsupportedModelError(
-                f"{kind} with a sliding window on some layers only (use_sliding_window with max_window_layers="
-                f"{cfg.get('max_window_layers')}, layer_types {sorted(set(types))}) is not supported yet")
-    window = cfg.get("sliding_window") if kind in ("mistral", "qwen2", "qwen3", "phi3") else None
-    if window is None:
-        return None
+            return None, None
+        local = _layer_types(cfg, [i >= int(cfg.get("max_window_layers", 28)) for i in range(n)])
+    elif kind == "gemma2":
+        local = _layer_types(cfg, [(i + 1) % 2 == 1 for i in range(n)])
+    elif kind == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        local = _layer_types(cfg, [(i + 1) % pattern != 0 for i in range(n)])
+    elif kind in ("mistral", "phi3"):
+        local = (True,) * n
+    else:
+        return None, None
+    window = cfg.get("sliding_window")
+    if window is None or not any(local):
+        return None, None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer or null, got {window!r}")
-    return window
+    return window, None if all(local) else local
 
 
 def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
@@ -117,16 +171,24 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r} for a llama model (only silu)")
-    theta, scaling = _rope(cfg)
+    kind = cfg["model_type"]
+    gemma = kind in GEMMA
+    act_field = "hidden_activation" if kind in ("gemma2", "gemma3_text") else "hidden_act"  # what HF reads
+    act = cfg.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+    if kind == "gemma" and act == "gelu":  # transformers reads Gemma's legacy "gelu" as the tanh approximation
+        act = "gelu_pytorch_tanh"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(f"unsupported {act_field} {act!r} for {kind} (silu, gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention (Gemma 3 embedding models) is not supported")
+    theta, scaling, local_theta = _gemma3_rope(cfg) if kind == "gemma3_text" else (*_rope(cfg), None)
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported yet")
-    window = _sliding_window(cfg)
-    qkv_bias = cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False))  # Qwen2: always, o_proj none
+    window, local_layers = _sliding_window(cfg)
+    qkv_bias = kind == "qwen2" or bool(cfg.get("attention_bias", False))  # Qwen2: always, o_proj none
+    softcaps = [cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")] if gemma else [None, None]
     return ModelConfig(
         model_type=cfg["model_type"],
         vocab_size=int(cfg["vocab_size"]),
@@ -143,11 +205,20 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=qkv_bias,
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=cfg["model_type"] == "qwen3",
-        fused_projections=cfg["model_type"] == "phi3",
+        qk_norm=kind in ("qwen3", "gemma3_text"),
+        fused_projections=kind == "phi3",
         sliding_window=window,
-        activation="silu",
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        local_layers=local_layers,
+        local_rope_theta=local_theta if window is not None else None,
+        norm_plus_one=gemma,
+        embed_scale=hidden**0.5 if gemma else None,
+        sandwich_norms=kind in ("gemma2", "gemma3_text"),
+        attn_softcap=float(softcaps[0]) if softcaps[0] is not None else None,
+        final_softcap=float(softcaps[1]) if softcaps[1] is not None else None,
+        query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if kind in ("gemma2", "gemma3_text")
+                               else None),
+        activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
         pad_token_id=cfg.get("pad_token_id"),

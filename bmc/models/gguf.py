@@ -36,7 +36,15 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # arch -> HF model_type. llama.cpp's converter permutes Q/K rows for GGML's interleaved rope in `llama` files only
 # (Mistral included); qwen2 keeps HF's rotate-half layout (llama.cpp's llama_model_rope_type: NEOX).
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2",
+          "gemma3": "gemma3_text"}
+# Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the MLP's input norm there too (HF pre_feedforward_layernorm);
+# HF's post_attention_layernorm is the attention output's norm
+_GEMMA2_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's layer count of the 27B Gemma 2 / 3, whose query scale is hidden / heads instead of head_dim (the
+# models' query_pre_attn_scalar, which GGUF does not store: llama.cpp hard-codes the same rule)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _PERMUTED_QK = {"llama"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
 
@@ -115,6 +123,9 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
         "attn_norm": (hidden,), "ffn_norm": (hidden,)}
     layer_names = _LAYER_NAMES
+    if arch in ("gemma2", "gemma3"):
+        layer_shapes.update(post_attention_norm=(hidden,), post_ffw_norm=(hidden,))
+        layer_names = _GEMMA2_NAMES
     if arch == "phi3":
         for fused in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
             del layer_shapes[fused]
@@ -126,7 +137,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
         if arch == "qwen2":  # q/k/v biases
             expected.update({f"blk.{i}.{k}.bias": (layer_shapes[k][0],) for k in ("attn_q", "attn_k", "attn_v")})
-        if arch == "qwen3":  # per-head q/k norms
+        if arch in ("qwen3", "gemma3"):  # per-head q/k norms
             expected.update({f"blk.{i}.{k}.weight": (head_dim,) for k in ("attn_q_norm", "attn_k_norm")})
 
     missing = [n for n in expected if n not in tensors]
@@ -161,6 +172,11 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
                 raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")
             if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
                 w = _unpermute_rows(w, heads if m.group(2) == "attn_q" else kv_heads)
+            if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's norms as 1 + weight (rounded: the low bits of a small weight
+                # are gone); the subtraction is exact for stored values in [0.5, 2] (Sterbenz), so the factor
+                # 1 + weight that every path folds back is the file's value, the one HF multiplies by
+                w = w.astype(np.float32) - np.float32(1.0)
             # Dequantized arrays are fresh; F32 ones are read-only views of the file's memmap and get copied.
             state[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     except (ValueError, IndexError) as e:  # tensor data runs past the end of a truncated file
@@ -204,6 +220,9 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
     extra: dict[str, Any] = {}
+    if arch in ("gemma", "gemma2", "gemma3"):
+        extra.update(_gemma_config(meta, arch, hidden, heads, int(get("attention.key_length", hidden // heads)),
+                                   int(get("block_count"))))
     if arch == "phi3":  # its window, and RoPE on part of each head (Phi-4-mini), which ModelConfig refuses by name
         head_dim = int(get("attention.key_length", hidden // heads))
         extra["sliding_window"] = meta.get("phi3.attention.sliding_window")
@@ -212,21 +231,22 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
             extra["partial_rotary_factor"] = rope_dim / head_dim
     return extra | {
         "model_type": _ARCHS[arch],
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "phi3": "Phi3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                           "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
-        "head_dim": int(get("attention.key_length", hidden // heads if arch == "phi3"
+        "head_dim": int(get("attention.key_length", hidden // heads if arch in ("phi3", "gemma", "gemma2", "gemma3")
                             else get("rope.dimension_count", hidden // heads))),
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,  # filled in by _rope_scaling once the tensors are read
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
@@ -234,6 +254,34 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
         "attention_bias": False,
         "mlp_bias": False,
     }
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict[str, Any]:
+    """Gemma's HF config fields from llama.cpp's metadata and its defaults (src/models/gemma2.cpp, gemma3.cpp):
+    Gemma 2 windows every other layer (4096 unless stored) and caps scores and logits; Gemma 3 windows five of every
+    six layers when a window is stored, with its own RoPE base there (10000 unless `rope.freq_base_swa`)."""
+    out: dict[str, Any] = {}
+    if arch == "gemma":
+        return out
+    window = meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # per layer: whether it is a window layer
+        local = [bool(x) for x in pattern]
+    else:
+        local = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    if window:
+        out.update(sliding_window=int(window),
+                   layer_types=["sliding_attention" if x else "full_attention" for x in local])
+    else:
+        out.update(sliding_window=None)
+    if arch == "gemma2":
+        out.update(attn_logit_softcapping=meta.get("gemma2.attn_logit_softcapping"))
+    else:
+        out.update(rope_local_base_freq=float(meta.get("gemma3.rope.freq_base_swa", 10000.0)))
+    out.update(final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
+               query_pre_attn_scalar=hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+    return out
 
 
 def _rope_scaling(path: str, meta: dict[str, Any], freqs: np.ndarray | None, theta: float,

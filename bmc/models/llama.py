@@ -1,6 +1,9 @@
-"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM): RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA.
+"""Llama family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 1-3, SmolLM): RMSNorm, RoPE, a gated
+MLP (SwiGLU, Gemma's GeGLU), MHA/GQA/MQA.
 
-Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode step runs 4 GEMMs per layer."""
+Weights are kept fused (one QKV and one gate+up matrix per layer) so a decode step runs 4 GEMMs per layer.
+Gemma's differences are flags of the config (see ModelConfig): its (1 + weight) norms are folded into the weights
+here, so every path runs a plain RMSNorm."""
 from __future__ import annotations
 
 import math
@@ -9,7 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionFn, causal_attention, group_bias
+from ..attention import AttentionFn, causal_attention, dense_attention, group_bias, softcapped_attention
+from ..errors import UnsupportedModelError
 from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
                               or_empty)
 from ..kv import KVCache
@@ -18,11 +22,13 @@ from .ops import Linear, apply_rope, rms_norm, rope_tables
 from .weights import WeightSource
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with the `linear` and `llama3` scalings computed as HF transformers does."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies, with the `linear` and `llama3` scalings computed as HF transformers does; `local`: the
+    window layers' own unscaled RoPE (Gemma 3)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv
     if s["rope_type"] == "linear":
@@ -58,12 +64,21 @@ class LlamaLayer:
         self.gate_up = Linear(gate_up_wt, w.cat([m + ".bias" for m in mlp], [(I,), (I,)]) if cfg.mlp_bias else None)
         self.down = Linear(w.get_t(p + "mlp.down_proj.weight", (D, I)),
                            w.get(p + "mlp.down_proj.bias", (D,)) if cfg.mlp_bias else None)
-        self.ln1 = w.get(p + "input_layernorm.weight", (D,))
-        self.ln2 = w.get(p + "post_attention_layernorm.weight", (D,))
+        def norm(name: str, n: int = D) -> torch.Tensor:
+            t = w.get(p + name + ".weight", (n,))
+            return (1.0 + t.float()).to(t.dtype) if cfg.norm_plus_one else t  # Gemma: x_hat * (1 + weight)
+
+        self.ln1 = norm("input_layernorm")
+        # Gemma 2/3 name the norm of the attention's output post_attention_layernorm and the MLP's input one
+        # pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP's input norm
+        self.post_attn_norm = norm("post_attention_layernorm") if cfg.sandwich_norms else None
+        self.ln2 = norm("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
+        self.post_mlp_norm = norm("post_feedforward_layernorm") if cfg.sandwich_norms else None
         self.qk_width = (h + kvh) * hd  # queries and keys are rotated together, values follow
-        # Qwen3's per-head RMSNorm of queries and keys (before RoPE)
-        self.q_norm = w.get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None
-        self.k_norm = w.get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None
+        # Qwen3's and Gemma 3's per-head RMSNorm of queries and keys (before RoPE)
+        self.q_norm = norm("self_attn.q_norm", hd) if cfg.qk_norm else None
+        self.k_norm = norm("self_attn.k_norm", hd) if cfg.qk_norm else None
+        self.local = cfg.is_local(i)  # attends through the sliding window (some layers only: Gemma 2/3)
 
 
 class LlamaModel:
@@ -73,6 +88,8 @@ class LlamaModel:
         embed = w.get_matrix("model.embed_tokens.weight", (cfg.vocab_size, D))
         self.layers = [LlamaLayer(cfg, w, i) for i in range(cfg.num_layers)]
         self.norm = w.get("model.norm.weight", (D,))
+        if cfg.norm_plus_one:
+            self.norm = (1.0 + self.norm.float()).to(self.norm.dtype)
         tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
         # lm_head is stored [D, V]; a tied embedding table is its transposed view (one copy of the weights), or,
         # quantized, its panels (embed None: embed_tokens dequantizes the rows it looks up)
@@ -83,7 +100,9 @@ class LlamaModel:
             self.embed = embed if isinstance(embed, torch.Tensor) else w.get("model.embed_tokens.weight",
                                                                             (cfg.vocab_size, D))
         self.inv_freq = rope_inv_freq(cfg).to(w.device)
-        self.scale = cfg.head_dim**-0.5
+        # Gemma 3's window layers rotate with their own base; None: every layer uses inv_freq
+        self.local_inv_freq = rope_inv_freq(cfg, local=True).to(w.device) if cfg.local_rope_theta else None
+        self.scale = cfg.attn_scale
         self.native = NativeDecoders()
 
     def native_decoder(self) -> Any:
@@ -98,7 +117,9 @@ class LlamaModel:
             return None  # quantized drafts keep their own kernels
         none = torch.empty(0)
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                            cfg.intermediate_size, True, True, "silu", cfg.norm_eps, self.scale)
+                                            cfg.intermediate_size, True, True, cfg.activation, cfg.norm_eps, self.scale)
+        if cfg.attn_softcap is not None:
+            dec.set_softcap(cfg.attn_softcap)
         tied = (self.embed is not None and self.lm_head.wt is not None
                 and self.embed.data_ptr() == self.lm_head.wt.data_ptr())
         for lin in [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]:
@@ -109,15 +130,36 @@ class LlamaModel:
             dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
                           L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
                           or_empty(L.down.b))
-            if L.q_norm is not None:  # Qwen3
+            if L.q_norm is not None:  # Qwen3, Gemma 3
                 dec.set_qk_norm(i, L.q_norm, L.k_norm)
+            if L.post_attn_norm is not None:  # Gemma 2/3
+                dec.set_post_norms(i, L.post_attn_norm, L.post_mlp_norm)
+            dec.set_local(i, L.local)
         dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            return F.embedding(tokens, self.embed)
-        return self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
+            x = F.embedding(tokens, self.embed)
+        else:
+            x = self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
+        if self.cfg.embed_scale is not None:  # Gemma: as HF rounds it, float32 first, then the model's dtype
+            x = x * torch.tensor(self.cfg.embed_scale).to(x.dtype)
+        return x
+
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's tanh soft-capping of the logits (float32), as HF applies it; else the logits as they are."""
+        cap = self.cfg.final_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def window_bias(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The window layers' bias where only some layers have the window and a run can pass it, else None (the
+        forward's bias serves every layer)."""
+        if cache.window is None or cache.window_every_layer:
+            return None
+        return cache.window_bias(bias, positions)
 
     def forward_parts(self, parts: list[StepPart]) -> torch.Tensor | None:
         """Several batches in one native step (decode rows and a prompt chunk: each weight read once for all);
@@ -125,7 +167,7 @@ class LlamaModel:
         native = self.native_decoder()
         if native is None or not all(p.native_ready() for p in parts):
             return None
-        hd, xs, coss, sins = self.cfg.head_dim, [], [], []
+        hd, xs, coss, sins, locals_ = self.cfg.head_dim, [], [], [], []
         for p in parts:
             B, t = p.tokens.shape
             x = self.embed_tokens(p.tokens)
@@ -133,8 +175,21 @@ class LlamaModel:
             xs.append(x)
             coss.append(cos.view(B, t, hd))
             sins.append(sin.view(B, t, hd))
-        return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss, sins,
-                                    [p.cache.length for p in parts])
+            locals_.append(self.native_local(p.cache, p.bias, p.positions, x.dtype))
+        return self.final_logits(native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss,
+                                                      sins, [p.cache.length for p in parts], locals_))
+
+    def native_local(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor,
+                     dtype: torch.dtype) -> list[torch.Tensor]:
+        """The native step's `local` argument: [] where every layer reads the main bias and RoPE, else the window
+        layers' [bias (empty: the main one), cos, sin]."""
+        local_bias = self.window_bias(cache, bias, positions)
+        if local_bias is None and self.local_inv_freq is None:
+            return []
+        B, t = positions.shape
+        cos, sin = rope_tables(positions, self.local_inv_freq if self.local_inv_freq is not None else self.inv_freq,
+                               dtype)
+        return [or_empty(local_bias), cos.view(B, t, self.cfg.head_dim), sin.view(B, t, self.cfg.head_dim)]
 
     def __call__(
         self,
@@ -155,23 +210,37 @@ class LlamaModel:
         segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
         native = self.native_decoder() if segments is not None else None
         if native is not None:
-            return native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd), cache.length,
-                                  all_logits, *segments)
+            return self.final_logits(native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd),
+                                                    cache.length, all_logits, *segments,
+                                                    self.native_local(cache, bias, positions, x.dtype)))
+        local_rope = (rope_tables(positions, self.local_inv_freq, x.dtype) if self.local_inv_freq is not None
+                      else (cos, sin))
+        local_bias = self.window_bias(cache, bias, positions)
+        if cfg.attn_softcap is not None:  # Gemma 2: scores capped before the bias; SDPA has no such option
+            if attention is not dense_attention and attention is not causal_attention:
+                raise UnsupportedModelError(f"attention-logit soft-capping ({cfg.model_type}) runs with dense "
+                                            "attention only (no SparQ, window or shared-prefix attention)")
+            cap = cfg.attn_softcap
+            attention = lambda q, k, v, b, scale, layer=0: softcapped_attention(q, k, v, b, scale, cap)
         if attention is not causal_attention:  # which reads no bias
             bias = group_bias(bias, cfg.group_size)
+            local_bias = group_bias(local_bias, cfg.group_size) if local_bias is not None else None
+        act = F.silu if cfg.activation == "silu" else lambda g: F.gelu(g, approximate="tanh")
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
             qk = a[..., : L.qk_width].view(B, t, h + kvh, hd)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :, :h], L.q_norm, cfg.norm_eps),
                                 rms_norm(qk[:, :, h:], L.k_norm, cfg.norm_eps)), dim=2)
-            qk = apply_rope(qk, cos, sin)
+            qk = apply_rope(qk, *(local_rope if L.local else (cos, sin)))
             q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
             K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2))
-            o = attention(q, K, V, bias, self.scale, layer=i)
-            x = x + L.o(o.transpose(1, 2).reshape(B, t, h * hd))
+            o = attention(q, K, V, local_bias if L.local and local_bias is not None else bias, self.scale, layer=i)
+            o = L.o(o.transpose(1, 2).reshape(B, t, h * hd))
+            x = x + (rms_norm(o, L.post_attn_norm, cfg.norm_eps) if L.post_attn_norm is not None else o)
             gate, up = L.gate_up(rms_norm(x, L.ln2, cfg.norm_eps)).chunk(2, dim=-1)
-            x = x + L.down(F.silu(gate) * up)
+            m = L.down(act(gate) * up)
+            x = x + (rms_norm(m, L.post_mlp_norm, cfg.norm_eps) if L.post_mlp_norm is not None else m)
         if not all_logits:
             x = x[:, -1:]
-        return self.lm_head(rms_norm(x, self.norm, cfg.norm_eps)).float()
+        return self.final_logits(self.lm_head(rms_norm(x, self.norm, cfg.norm_eps)).float())

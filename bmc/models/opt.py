@@ -99,7 +99,7 @@ class OPTModel:
             xs.append(x + F.embedding(p.positions + POSITION_OFFSET, self.pos_embed))
         none = torch.empty(0)
         return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], [none] * len(parts),
-                                    [none] * len(parts), [p.cache.length for p in parts])
+                                    [none] * len(parts), [p.cache.length for p in parts], [[]] * len(parts))
 
     def __call__(
         self,
@@ -121,7 +121,7 @@ class OPTModel:
         native = self.native_decoder() if segments is not None else None
         if native is not None:
             none = torch.empty(0)
-            return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments)
+            return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments, [])
         for i, L in enumerate(self.layers):
             a = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps) if pre else x
             q, k, v = L.qkv(a).view(B, t, 3 * h, hd).transpose(1, 2).split(h, dim=1)
