@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from .attention import dense_attention
-from .engine import GenerationConfig, GenerationStats, eos_ids, make_cache, prefill_attention
+from .engine import GenerationConfig, GenerationStats, eos_ids, longrope_switch, make_cache, prefill_attention
 from .errors import InvalidRequestError
 from .kv import KVCache
 from .models import Model
@@ -142,13 +142,19 @@ class ChatSession:
 
     def _forward(self, new: list[int]) -> torch.Tensor:
         """Write the K/V of `new` after the cached tokens; the last one's logits [1, V]."""
+        switch = longrope_switch(self.model.config)
+        if switch is not None and 0 < len(self.cached_ids) <= switch < len(self.cached_ids) + len(new):
+            # longrope: the conversation passes the switch, so all of it is computed again with the long factors
+            # (what generate() does at that step, engine.relong)
+            new, self.cache, self.cached_ids = self.cached_ids + new, self._new_cache(), []
         cache, dev, t = self.cache, self.model.device, len(new)
         start = len(self.cached_ids)
         positions = torch.arange(start, start + t, device=dev)[None]
         try:
             cache.reserve(t, positions)
             logits = self.model.net(torch.tensor([new], device=dev), positions, cache,
-                                    prefill_attention(dense_attention, cache, t), cache.attention_bias(t))
+                                    prefill_attention(dense_attention, cache, t), cache.attention_bias(t),
+                                    prompt_len=torch.tensor([start + t]))  # the conversation so far
             cache.commit(t)
         except BaseException:  # interrupted (Ctrl-C) between reserve and commit: start the KV over, exactly
             self.cache = self._new_cache()

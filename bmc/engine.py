@@ -22,7 +22,7 @@ import torch
 from .analytic import choose_T
 from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, causal_attention,
                         dense_attention)
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, UnsupportedModelError
 from .graphs import DecodeGraphs
 from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
 from .models import Model, ModelConfig
@@ -193,6 +193,55 @@ def window_in_reach(cfg: ModelConfig, max_length: int) -> int | None:
     return w if w is not None and max_length > w else None
 
 
+def longrope_switch(cfg: ModelConfig) -> int | None:
+    """longrope's pretraining context (Phi-3 128k, Phi-3.5), else None. transformers runs a sequence of up to that
+    many tokens with the short factors and a longer one with the long factors: a prompt past it prefills long; a
+    shorter row that generates past it has its whole KV recomputed with the long factors at that step (Phi-3's
+    prepare_inputs_for_generation drops the cache there). bmc does the same per row (relong()); a prefix shared
+    by rows on both sides of the switch is not the same K for all of them, so longrope runs do not share KV."""
+    s = cfg.rope_scaling
+    return s["original_max_position_embeddings"] if s is not None and s["rope_type"] == "longrope" else None
+
+
+def relong(model: Model, cache: KVCache, row: int, ids: list[int]) -> None:
+    """Recompute batch row `row` of `cache` from its tokens `ids` (positions 0..len-1, everything before the row's
+    next token) with longrope's long factors, as transformers recomputes the sequence at the switch: a prefill
+    into a cache of its own, placed over the row's columns (the same count, right-aligned on the write column)."""
+    cfg, n = model.config, len(ids)
+    src = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                   head_dim=cfg.head_dim, max_length=n, dtype=model.dtype, device=model.device,
+                                   window=window_in_reach(cfg, n), window_every_layer=cfg.local_layers is None)
+    positions = torch.arange(n, device=model.device)[None]
+    src.reserve(n, positions)
+    model.net(torch.tensor([ids], device=model.device), positions, src, prefill_attention(dense_attention, src, n),
+              src.attention_bias(n), prompt_len=torch.tensor([n + 1]))
+    src.commit(n)
+    if not cache.place(row, src):
+        raise UnsupportedModelError(f"longrope's switch needs the row's {n} columns; its cache kept "
+                                    f"{cache.length} (a sliding window dropped the rest)")
+
+
+def relong_rows(model: Model, rows: "Rows", histories: list[list[int]]) -> None:
+    """Before a step: rows still rotated short whose next token is past longrope's switch get their KV
+    recomputed long (histories[b]: batch row b's prompt and generated tokens, the last one not in the cache)."""
+    switch = longrope_switch(model.config)
+    if switch is None or rows.short is None:
+        return
+    for b in (rows.short & (rows.pos >= switch)).nonzero()[:, 0].tolist():
+        relong(model, rows.cache, b, histories[b][:-1])
+        rows.short[b] = False
+
+
+def spec_budgets(model: Model, rows: "Rows", remaining: list[int]) -> list[int]:
+    """Tokens each row may emit in a speculative step: its remaining ones, and for a row still rotated short
+    only up to longrope's switch (the tree's deepest node is then the last short position; the switch itself is
+    a step of its own, after relong_rows)."""
+    switch = longrope_switch(model.config)
+    if switch is None or rows.short is None:
+        return remaining
+    return [min(r, switch - p) if s else r for r, p, s in zip(remaining, rows.pos.tolist(), rows.short.tolist())]
+
+
 def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise InvalidRequestError("prompts must be a non-empty list of strings or of token-id lists")
@@ -274,6 +323,7 @@ class Rows:
     stateful: Any
     pos: torch.Tensor
     next_tok: torch.Tensor | None = None
+    short: torch.Tensor | None = None  # longrope: rows whose KV is still rotated with the short factors
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep batch rows `idx` (finished rows leave the batch)."""
@@ -283,6 +333,8 @@ class Rows:
         if self.stateful is not None:
             self.stateful.reorder(idx)
         self.next_tok, self.pos = self.next_tok.index_select(0, idx), self.pos.index_select(0, idx)
+        if self.short is not None:
+            self.short = self.short.index_select(0, idx)
 
 
 def check_attention(model: Model, attention: str) -> None:
@@ -295,6 +347,12 @@ def check_attention(model: Model, attention: str) -> None:
 def check_length(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig) -> int:
     """The run's maximum length N (longest prompt + max_new_tokens), refused beyond the model's context."""
     check_attention(model, gen.attention)
+    switch = longrope_switch(model.config)
+    if (gen.attention != "dense" and switch is not None
+            and any(len(p) <= switch < len(p) + gen.max_new_tokens for p in prompt_ids)):
+        raise InvalidRequestError(f"attention={gen.attention!r} keeps state by column that longrope's switch at "
+                                  f"{switch} tokens would recompute: use attention='dense', or prompts and "
+                                  "max_new_tokens on one side of it")
     P = max(len(p) for p in prompt_ids)
     max_length = P + gen.max_new_tokens
     if max_length > model.max_context:
@@ -347,9 +405,11 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     # A shared segment is attended by rows at different positions through one bias: a sliding window that a run
     # can pass would need a bias per row there, so such runs keep every row's KV to itself (exact, not shared).
-    # Soft-capped scores (Gemma 2) have no shared-segment kernel: such runs do not share either.
+    # Soft-capped scores (Gemma 2) have no shared-segment kernel, and longrope rotates a common part long or short
+    # by each prompt's own length: such runs do not share either.
     sharing = (gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
-               and window_in_reach(cfg, max_length) is None and cfg.attn_softcap is None)
+               and window_in_reach(cfg, max_length) is None and cfg.attn_softcap is None
+               and longrope_switch(cfg) is None)
     common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
     common = common if common >= MIN_SHARED_PREFIX else 0  # each prompt keeps at least one own token
     root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts) if common else None
@@ -376,7 +436,7 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     cache.reserve(P_own, positions)
     logits = model.net(tokens, positions, cache,
                        root.attention if root else prefill_attention(attention, cache, P_own),
-                       cache.attention_bias(P_own))
+                       cache.attention_bias(P_own), prompt_len=torch.tensor([len(p) for p in prompt_ids]))
     cache.commit(P_own)
     prefix: SharedPrefix | None = root
     pos = (cache.length - cache.left_pad).clone() + common  # next position per batch row
@@ -395,7 +455,10 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     if prefix is not None:
         attention = prefix.attention
         stats.prefix_kv_bytes, stats.prefix_groups, stats.shared_common_tokens = prefix.nbytes, prefix.num_groups, common
-    return Rows(cache, attention, prefix, stateful, pos), logits
+    switch = longrope_switch(cfg)
+    short = None if switch is None else torch.tensor(
+        [len(p) <= switch for p in prompt_ids for _ in range(n)], device=dev)
+    return Rows(cache, attention, prefix, stateful, pos, short=short), logits
 
 
 def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple[int, int]],
@@ -485,6 +548,9 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         stats.speculative = spec.stats
         for row, ids in zip(active, new_ids):
             spec.drafter.start(row, prompt_ids[row_ids[row][0]] + ids)
+    # longrope: each row's tokens, for the recompute at the switch (relong_rows)
+    histories = ([prompt_ids[pi] + ids for (pi, _), ids in zip(row_ids, new_ids)] if rows.short is not None
+                 else [])
     graphs = None
     if (gen.cuda_graphs and dev.type == "cuda" and spec is None and rows.prefix is None and gen.attention == "dense"
             and gen.kv in ("bmc", "upfront")):
@@ -497,18 +563,22 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
             break
         if len(keep) < len(active):
             rows.keep(torch.tensor(keep, dtype=torch.long, device=dev))
+            histories = [histories[b] for b in keep] if histories else histories
             active = [active[b] for b in keep]
+        relong_rows(model, rows, histories)
         # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
         _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active), stats)
         stats.decode_steps += 1
         stats.decode_bytes += weight_bytes + rows.cache.nbytes + stats.prefix_kv_bytes
         if spec is not None:  # draft, verify in the padding rows, keep the accepted path
-            new_ids, rows.next_tok = spec(model, rows.cache, rows.attention, rows.next_tok, rows.pos,
-                                          active, [gen.max_new_tokens - counts[r] for r in active])
+            new_ids, rows.next_tok = spec(model, rows.cache, rows.attention, rows.next_tok, rows.pos, active,
+                                          spec_budgets(model, rows, [gen.max_new_tokens - counts[r] for r in active]))
             stats.decode_tokens += sum(len(x) for x in new_ids)
         else:
             new_ids = decode_step(model, rows, graphs, sampler)
             stats.decode_tokens += len(active)
+        for h, ids in zip(histories, new_ids):
+            h.extend(ids)
     _synchronize(dev)
     stats.decode_seconds = time.perf_counter() - t_decode
     finish_stats(stats, model, gen, rows, graphs)

@@ -75,7 +75,7 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
         positions = torch.arange(context, device=dev)[None].expand(b, -1)
         cache.reserve(context, positions)
         logits = model.net(tokens, positions, cache, prefill_attention(dense_attention, cache, context),
-                           cache.attention_bias(context), all_logits=True)
+                           cache.attention_bias(context), all_logits=True, prompt_len=torch.full((b,), context))
         for i in range(b):  # one chunk's log-softmax at a time: [context/2, vocab] floats, not b of them
             logp = torch.log_softmax(logits[i, first:-1].float(), dim=-1)
             nll = -logp.gather(-1, targets[i, :, None])[:, 0].double()  # [context - 1 - first]

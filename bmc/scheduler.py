@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from .attention import AttentionFn, AttentionOptions, SparQAttention, dense_attention
-from .engine import GenerationConfig, GenerationStats, check_attention, eos_ids, make_cache, prefill_attention
+from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
+                     prefill_attention, relong)
 from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
@@ -106,6 +107,7 @@ class _Row:
     count: int = 1  # tokens generated
     text: TextStream | None = None
     finish: str | None = None
+    history: list[int] | None = None  # longrope: a row still rotated short keeps its tokens for the switch
 
 
 @dataclass
@@ -117,6 +119,7 @@ class SchedulerCounters:
     joins_in_place: int = 0  # requests that took a retired slot (one row copied)
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
+    relongs: int = 0  # rows whose KV was recomputed at longrope's switch
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -235,6 +238,7 @@ class Scheduler:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
+        self._relong()
         self._forget_drafts()
         self._admit()
         t1 = time.perf_counter()
@@ -311,6 +315,23 @@ class Scheduler:
         self.counters.regroups += 1
         self.rows = [self.rows[i] for i in live] + [row for _, rows in overflow for row in rows]
 
+    def _relong(self) -> None:
+        """longrope: batch rows still rotated short whose next token is past the switch get their KV recomputed with
+        the long factors (engine.relong), as generate() alone does at that step."""
+        switch = longrope_switch(self.model.config)
+        if switch is None:
+            return
+        for i, row in enumerate(self.rows):
+            if row is None or row.history is None or row.finish is not None or row.pos < switch:
+                continue
+            try:
+                relong(self.model, self.cache, i, row.history[:-1])
+            except Exception as e:
+                self._fail(row.request, e)
+                continue
+            row.history = None
+            self.counters.relongs += 1
+
     def _decode_part(self) -> StepPart | None:
         """One token for every batch row: its column reserved in the batch cache (a retired slot computes a token
         no one reads, at position 0, until a join fills it or a regroup drops it)."""
@@ -343,7 +364,9 @@ class Scheduler:
         rows 1.08x, 8 x 5 = 40 rows 0.94x."""
         spec, rows = self.spec, self.rows
         assert spec is not None
-        specs = [spec.spec.capped(r.request.gen.max_new_tokens - r.count - 1) if self._speculates(r) else None
+        switch = longrope_switch(self.model.config)  # a row still rotated short drafts up to the switch only
+        specs = [spec.spec.capped(min(r.request.gen.max_new_tokens - r.count, switch - r.pos if r.history is not None
+                                      else r.request.gen.max_new_tokens) - 1) if self._speculates(r) else None
                  for r in rows]
         tree, _, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
         share = min(self.spec_max_tokens, self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1))
@@ -439,7 +462,8 @@ class Scheduler:
         tokens = torch.tensor([p.request.prompt_ids[p.done : p.done + t]], dtype=torch.long, device=dev)
         positions = torch.arange(p.done, p.done + t, device=dev)[None]
         cache.reserve(t, positions)
-        return StepPart(tokens, positions, cache, cache.attention_bias(t), prefill_attention(dense_attention, cache, t))
+        return StepPart(tokens, positions, cache, cache.attention_bias(t), prefill_attention(dense_attention, cache, t),
+                        prompt_len=torch.tensor([len(p.request.prompt_ids)]))
 
     def _forward(self, parts: list[StepPart]) -> list[torch.Tensor | BaseException]:
         """Last-token logits of every part: one fused step where the native kernel runs them all (the weights read
@@ -457,7 +481,8 @@ class Scheduler:
         results: list[torch.Tensor | BaseException] = []
         for part in parts:
             try:
-                results.append(net(part.tokens, part.positions, part.cache, part.attention, part.bias)[:, -1])
+                results.append(net(part.tokens, part.positions, part.cache, part.attention, part.bias,
+                                   prompt_len=part.prompt_len)[:, -1])
             except Exception as e:
                 results.append(e)
         return results
@@ -477,8 +502,11 @@ class Scheduler:
         self.prefilling.remove(p)
         self.counters.prompt_tokens += len(req.prompt_ids)
         n = req.num_samples
+        switch = longrope_switch(self.model.config)
+        short = switch is not None and len(req.prompt_ids) <= switch
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
-                     text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None)
+                     text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None,
+                     history=list(req.prompt_ids) if short else None)
                  for s in range(n)]
         if self.spec is not None:
             for row in filter(self._speculates, rows):
@@ -530,6 +558,8 @@ class Scheduler:
             row.count += 1
             row.pos += 1
         row.token = tid
+        if row.history is not None:
+            row.history.append(tid)
         self.counters.generation_tokens += 1
         if row.key in self._drafting:
             self.spec.drafter.extend(row.key, [tid])  # type: ignore[union-attr]

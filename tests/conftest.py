@@ -105,8 +105,9 @@ def logits_by_chunks(model, ids: list[int], kv: str, split: int, window: int | N
             pos = torch.arange(start, start + t)[None]
             start += t
             cache.reserve(t, pos)
+            # the whole of ids is the prompt, as in HF's one forward over it (longrope picks its factors by that)
             got.append(model.net(torch.tensor([chunk]), pos, cache, prefill_attention(dense_attention, cache, t),
-                                 cache.attention_bias(t), all_logits=True)[0])
+                                 cache.attention_bias(t), all_logits=True, prompt_len=torch.tensor([len(ids)]))[0])
             cache.commit(t)
             cache.check_integrity()
     return torch.cat(got)

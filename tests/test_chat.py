@@ -176,3 +176,21 @@ def test_the_cli_refuses_bad_flags_in_one_line():
                               timeout=120, stdin=subprocess.DEVNULL)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_longrope_conversation_switches_as_generate(tmp_path):
+    """Phi-3 longrope with a pretraining context of 24: the first prompt (20 tokens) is inside it and its reply
+    passes it while decoding (the session computes the conversation again with the long factors, as generate()
+    recomputes the row), later turns start past it; every reply's tokens equal generate()'s on the whole
+    conversation."""
+    from .test_phi3 import LONGROPE, make_phi3
+
+    model = bmc.load(str(make_phi3(tmp_path / "long", rope_scaling=dict(LONGROPE, original_max_position_embeddings=24),
+                                   original_max_position_embeddings=24)))
+    chat = ChatSession(model, max_new_tokens=10)
+    for user in ["hi", "the quick brown fox", "ok"]:
+        "".join(chat.turn(user))
+        assert chat._reply_ids == bmc.generate(model, [chat.prompt_ids], max_new_tokens=10)[0].token_ids
+        chat.cache.check_integrity()
+        assert chat.cache.length == chat.context_used
+        assert len(chat.prompt_ids) > 24 or len(chat.prompt_ids) + chat.last.generated_tokens > 24

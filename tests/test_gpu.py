@@ -184,17 +184,21 @@ def test_cuda_scheduler_equals_generate_alone(tiny_dirs):
     assert sched.cache.batch_size == 0
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3"])
 def test_cuda_other_families_match_cpu(tmp_path, family):
-    """Qwen2 (biases), Qwen3 (q/k norms, head_dim apart), Phi-3 (fused projections) and Gemma 1-3 (soft-caps,
+    """Qwen2 (biases), Qwen3 (q/k norms, head_dim apart), Phi-3 (fused projections, longrope) and Gemma 1-3 (soft-caps,
     sandwich norms, windows on some layers with their own RoPE, passed here) on the GPU: every cache, CUDA graphs
     and speculative trees give the CPU's tokens."""
     from .test_gemma import make_gemma
     from .test_phi3 import make_phi3
     from .test_qwen import make_qwen2
 
+    from .test_phi3 import LONGROPE
+
     path = str(make_phi3(tmp_path / family) if family == "phi3" else make_gemma(tmp_path / family, family)
-               if family.startswith("gemma") else make_qwen2(tmp_path / family, family=family))
+               if family.startswith("gemma") else make_qwen2(tmp_path / family, family=family)
+               if family.startswith("qwen") else  # longrope: rows pass its switch of 12 while they decode
+               make_phi3(tmp_path / family, rope_scaling=LONGROPE, original_max_position_embeddings=12))
     cpu, gpu = bmc.load(path), bmc.load(path, device="cuda")
     want = [c.token_ids for c in bmc.generate(cpu, PROMPTS, max_new_tokens=16, ignore_eos=True)]
     for kw in CONFIGS:

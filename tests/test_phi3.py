@@ -1,8 +1,10 @@
 """Phi-3/3.5 (fused qkv_proj and gate_up_proj, its sliding window on every layer) from HF directories against HF
 transformers: logits on every cache, greedy tokens batched with left padding on the native step and the PyTorch
-path, speculative, windowed; RoPE on part of each head and longrope scaling are refused by name."""
+path, speculative, windowed, longrope (HF's dynamic switch, from HF directories and GGUF); RoPE on part of each head
+is refused by name."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,10 @@ from .test_qwen import PROMPTS
 
 def make_phi3(path: Path, seed: int = 0, **kw) -> Path:
     torch.manual_seed(seed)
-    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  original_max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                                  pad_token_id=0, **kw)
+    cfg = transformers.Phi3Config(**{**dict(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                            original_max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                            pad_token_id=0), **kw})
     return save_tiny(path, transformers.Phi3ForCausalLM(cfg).eval(), 320)
 
 
@@ -51,12 +53,68 @@ def test_window_matches_hf(tmp_path):
     assert_greedy_matches_hf(model, path, PROMPTS, 16, [dict(kv="bmc", r=3), dict(kv="iterative")])
 
 
-def test_partial_rotary_and_longrope_are_refused(tmp_path):
+def test_partial_rotary_is_refused(tmp_path):
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         bmc.load(str(make_phi3(tmp_path / "partial", partial_rotary_factor=0.75)))
-    long = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "rope_theta": 10000.0}
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        bmc.load(str(make_phi3(tmp_path / "long", rope_scaling=long)))
+
+
+# longrope with a pretraining context of 12 in a context of 128 (attention factor sqrt(1 + ln 10.7 / ln 12) = 1.4):
+# PROMPTS[0] (9 tokens) starts short and turns long while it decodes, LONG_PROMPT starts long
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+            "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0], "rope_theta": 10000.0,
+            "original_max_position_embeddings": 12}
+LONG_PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory) -> Path:
+    return make_phi3(tmp_path_factory.mktemp("longrope"), rope_scaling=LONGROPE, original_max_position_embeddings=12)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_longrope_matches_hf(longrope_dir, monkeypatch, native):
+    """HF's dynamic longrope: a prompt past the pretraining context is rotated long as a whole, a shorter one
+    short until generation passes it. Logits of one forward over 20 tokens (long) within 1e-4 on every cache;
+    greedy tokens of prompts on both sides of it, batched, on every cache and under speculation (trees that
+    straddle the switch)."""
+    monkeypatch.setenv("BMC_NATIVE", native)
+    model = bmc.load(str(longrope_dir))
+    s = model.config.rope_scaling
+    assert s["rope_type"] == "longrope" and s["original_max_position_embeddings"] == 12
+    assert abs(s["attention_factor"] - (1 + math.log(128 / 12) / math.log(12)) ** 0.5) < 1e-12
+    for kv in KV_STRATEGIES:
+        assert_chunked_logits_match_hf(model, hf(longrope_dir), LONG_PROMPT + [3, 4, 5, 6, 7], kv, split=9)
+    assert_greedy_matches_hf(model, longrope_dir, [PROMPTS[0], LONG_PROMPT, PROMPTS[1]], 14)
+
+
+def test_longrope_sparq_refused_across_the_switch(longrope_dir):
+    model = bmc.load(str(longrope_dir))
+    with pytest.raises(bmc.InvalidRequestError, match="longrope's switch"):
+        bmc.generate(model, [PROMPTS[0]], max_new_tokens=8, attention="sparq")
+    ok = bmc.generate(model, [PROMPTS[0]], max_new_tokens=3, attention="sparq", sparq_r=12, sparq_k=64)
+    assert len(ok[0].token_ids) == 3  # on one side of it: fine
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_longrope_served_rows_switch_as_generate_alone(longrope_dir, speculative):
+    """In the continuous batch: a long prompt prefilled in chunks of 4 (the first ones inside the pretraining
+    context) is rotated long as a whole; short prompts switch while they decode (their KV recomputed in the batch
+    cache, drafts stopping at the switch). Each request's tokens equal generate()'s alone, and HF's."""
+    from bmc.scheduler import Scheduler
+
+    from .conftest import hf_greedy
+    from .test_scheduler import alone, drive, request
+
+    model = bmc.load(str(longrope_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=4 if speculative == "off" else 16, r=4,
+                      speculative=speculative)
+    prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[1]]
+    reqs = [request(p, 14) for p in prompts]
+    drive(sched, {0: [reqs[0][0]], 2: [reqs[1][0]], 3: [reqs[2][0]]}, collectors=[c for _, c in reqs])
+    want = hf_greedy(hf(longrope_dir), prompts, 14)
+    for (_, col), p, w in zip(reqs, prompts, want):
+        assert col.error is None and col.tokens == {0: alone(model, p, 14)} == {0: w}
+    assert sched.counters.relongs == 2  # the two short prompts, once each
 
 
 def write_phi3_gguf(model_dir: Path, path: Path, qtype=None) -> None:
@@ -68,6 +126,13 @@ def write_phi3_gguf(model_dir: Path, path: Path, qtype=None) -> None:
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if cfg.sliding_window is not None:
         w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "longrope":  # as the converter: factors as tensors, its own attention factor
+        orig = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / orig) / math.log(orig)))
+        w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32).numpy())
+        w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32).numpy())
 
     def put(name: str, t: torch.Tensor) -> None:
         x = t.float().numpy()
@@ -98,6 +163,21 @@ def test_phi3_gguf_matches_hf(tmp_path, window):
     assert model.config.sliding_window == window
     assert_chunked_logits_match_hf(model, hf(d), PROMPTS[0] + [11, 12, 13, 14, 15], "bmc", split=9, window=window)
     assert_greedy_matches_hf(model, d, PROMPTS, 14, [dict(kv="bmc", r=3), dict(kv="upfront")])
+
+
+def test_longrope_gguf_matches_hf(longrope_dir, tmp_path):
+    """A longrope `phi3` GGUF (rope_factors_long/short tensors, attn_factor and the pretraining context as keys)
+    loads to the HF directory's RoPE and gives HF's greedy tokens on both sides of the switch."""
+    path = tmp_path / "long.gguf"
+    write_phi3_gguf(longrope_dir, path)
+    model = bmc.load(str(path))
+    want = bmc.load(str(longrope_dir)).config.rope_scaling
+    got = model.config.rope_scaling
+    for key in ("long_factor", "short_factor"):  # float32 in the file, as transformers computes with them
+        assert torch.equal(torch.tensor(got[key], dtype=torch.float32), torch.tensor(want[key], dtype=torch.float32))
+    assert got["original_max_position_embeddings"] == 12
+    assert abs(got["attention_factor"] - want["attention_factor"]) < 1e-6  # stored as float32
+    assert_greedy_matches_hf(model, longrope_dir, [PROMPTS[0], LONG_PROMPT], 14, [dict(kv="bmc", r=3)])
 
 
 def test_phi3_gguf_quantized_blocks_run_as_stored(tmp_path):

@@ -237,10 +237,10 @@ def test_a_fused_step_that_fails_reruns_part_by_part(gqa_dir, monkeypatch):
 
     real_call = type(model.net).__call__
 
-    def forward(net, tokens, positions, cache, attention, bias, all_logits=False):
+    def forward(net, tokens, positions, cache, attention, bias, all_logits=False, prompt_len=None):
         if tokens.shape[0] == 1 and tokens[0, 0].item() == PROMPTS[1][0]:
             raise RuntimeError("boom in the forward")
-        return real_call(net, tokens, positions, cache, attention, bias, all_logits)
+        return real_call(net, tokens, positions, cache, attention, bias, all_logits, prompt_len)
 
     monkeypatch.setattr(model.net, "forward_parts", fused)
     monkeypatch.setattr(type(model.net), "__call__", forward)

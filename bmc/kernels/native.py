@@ -118,6 +118,7 @@ class StepPart:
     cache: Any  # a KVCache
     bias: torch.Tensor
     attention: Any
+    prompt_len: torch.Tensor | None = None  # [B]: the rows' whole prompt lengths, for a prompt chunk (longrope)
 
     def native_ready(self) -> bool:
         """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense or

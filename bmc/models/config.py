@@ -1,6 +1,7 @@
 """One config dataclass for every supported family, parsed from an HF config.json dict."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,10 +103,34 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return theta, None
-    if kind not in ("linear", "llama3"):
-        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; bmc implements default, linear, llama3")
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
+    if kind not in ("linear", "llama3", "longrope"):
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; bmc implements default, linear, llama3, "
+                                    "longrope")
     scaling["rope_type"] = kind
+    if kind == "longrope":
+        _longrope(cfg, scaling)
     return theta, scaling
+
+
+def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Fill in longrope's parameters as transformers derives them (Phi-3/3.5): the pretraining context, the factor
+    (the context ratio unless given) and the attention factor sqrt(1 + ln(factor) / ln(original context))."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ModelLoadError(f"longrope rope scaling needs a list {key!r}")
+    orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not orig:
+        raise ModelLoadError("longrope rope scaling needs original_max_position_embeddings")
+    orig = int(orig)
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", orig)) / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    scaling.update(original_max_position_embeddings=orig, factor=float(factor), attention_factor=float(attention))
 
 
 def _layer_types(cfg: dict[str, Any], default: list[bool]) -> tuple[bool, ...]:

@@ -47,6 +47,7 @@ _GEMMA2_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernor
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _PERMUTED_QK = {"llama"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling baked into per-frequency divisors by llama.cpp
+_LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 
 # Split regexes of transformers' GGUF converter (integrations/gguf/gguf_tokenizer_mapping.py), keyed by
 # `tokenizer.ggml.pre`; any other value gets GPT-2's own byte-level regex, as there.
@@ -131,8 +132,6 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             del layer_shapes[fused]
         layer_shapes.update(attn_qkv=((heads + 2 * kv_heads) * head_dim, hidden), ffn_up=(2 * inter, hidden))
         layer_names = _PHI3_NAMES
-        if any(k in tensors for k in ("rope_factors_long.weight", "rope_factors_short.weight")):
-            raise UnsupportedModelError(f"{path}: longrope scaling (rope_factors_long/short) is not supported yet")
     for i in range(n_layers):
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
         if arch == "qwen2":  # q/k/v biases
@@ -144,7 +143,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
     if missing:
         raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     # Anything else (biases, MoE experts of a Mixtral-as-llama file, ...) would be silently dropped: refuse.
-    extra = [n for n in tensors if n not in expected and n != _ROPE_FREQS]
+    extra = [n for n in tensors if n not in expected and n != _ROPE_FREQS and n not in _LONGROPE_FACTORS]
     if extra:
         raise UnsupportedModelError(
             f"{path}: tensors bmc's llama does not implement: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
@@ -184,6 +183,12 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
 
     freqs = read(_ROPE_FREQS) if _ROPE_FREQS in tensors else None
     config["rope_scaling"] = _rope_scaling(path, meta, freqs, config["rope_theta"], head_dim, arch)
+    if all(n in tensors for n in _LONGROPE_FACTORS):  # Phi-3 128k / Phi-3.5: longrope as llama.cpp's converter
+        # writes it (its per-frequency factors as tensors, the attention factor and the pretraining context as keys)
+        long, short = (read(n).astype(np.float64).reshape(-1).tolist() for n in _LONGROPE_FACTORS)
+        config["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                                  "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
+                                  "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
     try:
         tokenizer = _tokenizer(path, meta)
     except BmcError:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn, causal_attention, dense_attention, group_bias, softcapped_attention
-from ..errors import UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError
 from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
                               or_empty)
 from ..kv import KVCache
@@ -31,6 +31,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     s = None if local else cfg.rope_scaling
     if s is None:
         return inv
+    if s["rope_type"] == "longrope":
+        return longrope_inv_freq(cfg, "short_factor")
     if s["rope_type"] == "linear":
         return inv / float(s["factor"])
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
@@ -41,6 +43,15 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def longrope_inv_freq(cfg: ModelConfig, which: str) -> torch.Tensor:
+    """longrope's inverse frequencies with its short or long per-frequency factors, as transformers computes them."""
+    d = cfg.head_dim
+    ext = torch.tensor(cfg.rope_scaling[which], dtype=torch.float32)
+    if ext.numel() != d // 2:
+        raise ModelLoadError(f"longrope {which} has {ext.numel()} entries; head_dim {d} needs {d // 2}")
+    return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
 
 class LlamaLayer:
@@ -102,6 +113,9 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(cfg).to(w.device)
         # Gemma 3's window layers rotate with their own base; None: every layer uses inv_freq
         self.local_inv_freq = rope_inv_freq(cfg, local=True).to(w.device) if cfg.local_rope_theta else None
+        # longrope (Phi-3/3.5): the long factors' frequencies, taken where a token is past the pretraining context
+        longrope = cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
+        self.long_inv_freq = longrope_inv_freq(cfg, "long_factor").to(w.device) if longrope else None
         self.scale = cfg.attn_scale
         self.native = NativeDecoders()
 
@@ -138,6 +152,24 @@ class LlamaModel:
         dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.out_features)
         return dec
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype,
+             prompt_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed of the forward's positions. longrope (transformers' dynamic update) rotates with the long
+        factors where the forward's longest position is past the pretraining context: generate() alone over a row
+        does so for its whole prompt when the prompt is longer, then for each generated token past it. So a token
+        at position p of a prompt of `prompt_len` tokens is long iff max(prompt_len, p + 1) > that context,
+        whichever way the prompt is chunked; without prompt_len (decode steps, verify trees: tokens after the
+        prompt) iff p + 1 is."""
+        if self.long_inv_freq is None:
+            return rope_tables(positions, self.inv_freq, dtype)
+        s = self.cfg.rope_scaling
+        last = positions + 1
+        if prompt_len is not None:
+            last = torch.maximum(last, prompt_len.to(positions.device)[:, None])
+        long = (last > s["original_max_position_embeddings"])[..., None]
+        inv = torch.where(long, self.long_inv_freq, self.inv_freq)  # [B, t, d/2]
+        return rope_tables(positions, inv, dtype, s["attention_factor"])
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = F.embedding(tokens, self.embed)
@@ -171,7 +203,7 @@ class LlamaModel:
         for p in parts:
             B, t = p.tokens.shape
             x = self.embed_tokens(p.tokens)
-            cos, sin = rope_tables(p.positions, self.inv_freq, x.dtype)
+            cos, sin = self.rope(p.positions, x.dtype, p.prompt_len)
             xs.append(x)
             coss.append(cos.view(B, t, hd))
             sins.append(sin.view(B, t, hd))
@@ -186,9 +218,10 @@ class LlamaModel:
         local_bias = self.window_bias(cache, bias, positions)
         if local_bias is None and self.local_inv_freq is None:
             return []
+        if self.local_inv_freq is None:  # empty tables: the main ones
+            return [local_bias, torch.empty(0), torch.empty(0)]
         B, t = positions.shape
-        cos, sin = rope_tables(positions, self.local_inv_freq if self.local_inv_freq is not None else self.inv_freq,
-                               dtype)
+        cos, sin = rope_tables(positions, self.local_inv_freq, dtype)
         return [or_empty(local_bias), cos.view(B, t, self.cfg.head_dim), sin.view(B, t, self.cfg.head_dim)]
 
     def __call__(
@@ -199,14 +232,16 @@ class LlamaModel:
         attention: AttentionFn,
         bias: torch.Tensor,
         all_logits: bool = False,
+        prompt_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, positions: [B, t]; the cache has reserved t columns; bias: cache.attention_bias(t) (plus any
-        tree mask). Returns logits [B, t or 1, V] in float32."""
+        tree mask); prompt_len [B]: each row's whole prompt length where the tokens are (part of) a prompt (see
+        rope()). Returns logits [B, t or 1, V] in float32."""
         cfg = self.cfg
         B, t = tokens.shape
         hd, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         x = self.embed_tokens(tokens)
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        cos, sin = self.rope(positions, x.dtype, prompt_len)
         segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
         native = self.native_decoder() if segments is not None else None
         if native is not None:

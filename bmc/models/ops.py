@@ -118,12 +118,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and a sign-folded sin, [B, t, 1, d], so that rope(x) = x*cos + roll(x, d/2)*sin_signed, which equals
-    HF's x*cos + rotate_half(x)*sin exactly (a sign flip is exact) with one op fewer and no cat."""
+    HF's x*cos + rotate_half(x)*sin exactly (a sign flip is exact) with one op fewer and no cat. inv_freq: [d/2], or
+    [B, t, d/2] per token (longrope); scale: longrope's attention factor, multiplied in as HF does."""
     freqs = positions[..., None].float() * inv_freq  # [B, t, d/2], computed as HF computes it
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = sin.shape[-1] // 2
     sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     return cos.to(dtype), sin_signed.to(dtype)

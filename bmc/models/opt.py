@@ -109,6 +109,7 @@ class OPTModel:
         attention: AttentionFn,
         bias: torch.Tensor,
         all_logits: bool = False,
+        prompt_len: torch.Tensor | None = None,  # unused: OPT's positions are learned (see LlamaModel.rope)
     ) -> torch.Tensor:
         cfg = self.cfg
         B, t = tokens.shape
