@@ -15,10 +15,10 @@ bench/results/cpu/."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 from typing import Any
+
+from bmc.bench.results import write_result
 
 SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
               num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -122,13 +122,7 @@ def main() -> None:
     for name, row in result["rows"].items():
         print(f"{name:>7}: b1 {row['decode_b1']:.1f} tok/s ({row['decode_b1'] / base['decode_b1']:.2f}x llama)  "
               f"b8 {row['decode_b8']:.1f} tok/s ({row['decode_b8'] / base['decode_b8']:.2f}x)", flush=True)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "cpu", f"families-{platform.node()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    plot(result, out[:-5] + ".png")
-    print(f"wrote {out}", flush=True)
-
+    write_result(result, args.out, __file__, "families", plot)
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from bmc.bench.results import write_result
+
 TYPES = ["F32", "Q8_0", "Q4_0", "Q4_1"]
 
 
@@ -168,13 +170,7 @@ def main() -> None:
             ratio = (f"  bmc/llama.cpp b1 {rb['decode_b1'] / rl['decode_b1']:.2f}x b8 "
                      f"{rb['decode_b8'] / rl['decode_b8']:.2f}x ppl {rb['ppl'] / rl['ppl']:.4f}")
         print(f"{t:>5}: {line}{ratio}  ({time.time() - t0:.0f} s)", flush=True)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "cpu", f"quant-{platform.node()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    plot(result, out[:-5] + ".png")
-    print(f"wrote {out}", flush=True)
-
+    write_result(result, args.out, __file__, "quant", plot)
 
 if __name__ == "__main__":
     main()

@@ -20,19 +20,19 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bmc.bench.results import write_result  # noqa: E402  (from this checkout when bmc is not installed)
 
 
 # ---- the client --------------------------------------------------------------------------------------------------
@@ -486,13 +486,8 @@ def main() -> None:
         except RuntimeError as e:
             print(f"{engine.name}: {e}", file=sys.stderr)
     tag = args.scenario or "closed"
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "cpu", f"serve-{tag}-{platform.node()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    if any(r["closed_loop"] or r["open_loop"] for r in result["runs"]):  # scenarios are tables: JSON only
-        plot(result, out[:-5] + ".png")
-    print(f"wrote {out}", flush=True)
+    drawn = any(r["closed_loop"] or r["open_loop"] for r in result["runs"])  # scenarios are tables: JSON only
+    write_result(result, args.out, __file__, f"serve-{tag}", plot if drawn else None)
 
 
 if __name__ == "__main__":
