@@ -184,6 +184,11 @@ inline float exp_fast(float x0) {
   return x0 < -87.3f ? 0.0f : p;
 }
 
+// tanh in float32 through exp_fast (branch-free, so the soft-cap loop vectorises): within ~1e-7 of tanhf, absolute.
+// Gemma 2's soft-capped scores with std::tanh were 26 % slower than Llama's at batch 8 on 16 Xeon cores (one tanhf
+// call per score).
+inline float tanh_fast(float x) { return 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f); }
+
 // Lines [0, lines) from `base` (64 bytes each) prefetched a few per advance(), spread evenly over `calls` calls.
 // The decode attention prefetches the next chunk's keys and values this way across all its passes over the
 // current chunk (one per query row for the scores, one per row block and dimension slice for the values): issued
@@ -1579,6 +1584,12 @@ class NativeDecoder {
     return {next + lo * P, lines * (i + 1) / parts - lo};
   }
 
+  // p[j] = cap * tanh(p[j] / cap) + bias[j] (Gemma 2's soft-capped attention scores, in HF's order)
+  void cap_scores(float* p, const float* bias, int64_t n) const {
+    const float cap = static_cast<float>(softcap_);
+    for (int64_t j = 0; j < n; ++j) p[j] = tanh_fast(p[j] / cap) * cap + bias[j];
+  }
+
   // Merges keys [0, n) (K/V rows of hd floats; rows.bias[r][j] added to query r's score of key j) into the running
   // state of R query rows. Without `prior` the state is empty and the output rows are not read.
   void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
@@ -1587,16 +1598,16 @@ class NativeDecoder {
     if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
-      if (!wide && softcap_ > 0.0) {
-        const float cap = static_cast<float>(softcap_);
-        for (int64_t j = 0; j < n; ++j) pr[j] = std::tanh(dot(rows.q[r], K + j * hd_, hd_) * scale / cap) * cap + rows.bias[r][j];
-      } else if (!wide) {
+      if (!wide) {
+        // soft-capped scores (Gemma 2): q.k * scale first (a zero bias), then capped and biased
+        const float* bias = softcap_ > 0.0 ? zeros_.data() : rows.bias[r];
         switch (hd_) {
-          case 64: scores<4>(rows.q[r], K, n, rows.bias[r], scale, pr, share(K_next, n, r, R)); break;
-          case 128: scores<8>(rows.q[r], K, n, rows.bias[r], scale, pr, share(K_next, n, r, R)); break;
+          case 64: scores<4>(rows.q[r], K, n, bias, scale, pr, share(K_next, n, r, R)); break;
+          case 128: scores<8>(rows.q[r], K, n, bias, scale, pr, share(K_next, n, r, R)); break;
           default:
-            for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + rows.bias[r][j];
+            for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + bias[j];
         }
+        if (softcap_ > 0.0) cap_scores(pr, rows.bias[r], n);
       }
       float mx = rows.m[r];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
@@ -1698,8 +1709,8 @@ class NativeDecoder {
       float* pr = p + r * ldp;
       const float* br = rows.bias[r];
       if (softcap_ > 0.0) {  // Gemma 2's cap * tanh(score / cap), before the bias
-        const float cap = static_cast<float>(softcap_);
-        for (int64_t j = 0; j < n; ++j) pr[j] = std::tanh(pr[j] * scale / cap) * cap + br[j];
+        for (int64_t j = 0; j < n; ++j) pr[j] *= scale;
+        cap_scores(pr, br, n);
         continue;
       }
       int64_t j = 0;
@@ -1891,6 +1902,7 @@ class NativeDecoder {
   bool rms_, gated_;
   std::string act_;
   double eps_, scale_, softcap_ = 0.0;
+  std::vector<float> zeros_ = std::vector<float>(std::max(OWN_KEYS, SEG_KEYS), 0.0f);  // a bias that adds nothing
   std::vector<Layer> layers_;
   torch::Tensor norm_w_, norm_b_, head_;
   int64_t vocab_ = 0;
