@@ -11,7 +11,7 @@ import os
 import sys
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -53,13 +53,17 @@ class TokenStream:
 
 
 def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-         share_weights: bool = False, quant: str = "auto") -> Model:
+         share_weights: bool = False, quant: str = "auto", tp: int = 1) -> Model:
     """Load an HF model directory or a llama GGUF file; no path loads the embedded default model. On a CPU in
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
     a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it.
     quant: "auto" (a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices kept as stored, on a CPU in float32; else "none"),
-    "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py."""
+    "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py.
+    tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
+    torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
+    if tp != 1:
+        return _load_tensor_parallel(path, tp, dtype=dtype, device=device, quant=quant, share_weights=share_weights)
     model = None
     if share_weights:
         from .models import default_model_path, parse_device, parse_dtype, resolve_quant
@@ -87,6 +91,25 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     return model
 
 
+def _load_tensor_parallel(path: str | None, tp: int, *, dtype: str | torch.dtype, device: str | torch.device,
+                          quant: str, share_weights: bool) -> Any:
+    from .parallel.tp import TensorParallelModel, load_rank
+
+    if tp < 1:
+        raise InvalidRequestError(f"tp must be >= 1, got {tp}")
+    if quant not in ("auto", "none") or share_weights:
+        raise InvalidRequestError("tensor parallelism loads float weights (quant='none', share_weights=False); "
+                                  "quantized and shared weights are not sharded yet")
+    dev = str(torch.device(device).type)
+    if os.environ.get("WORLD_SIZE") and os.environ.get("RANK"):  # under torchrun: this process is one rank
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise InvalidRequestError(f"tp={tp} under torchrun with WORLD_SIZE={world}: they must agree")
+        return load_rank(path, int(os.environ["RANK"]), world, dtype=dtype, device=dev, timeout_s=120.0,
+                         init="env://")
+    return TensorParallelModel(path, tp, dtype=str(dtype).replace("torch.", ""), device=dev)
+
+
 def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
             num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
             ignore_eos: bool, attention: str, speculative: str = "off", tree: str = "dynamic:4x6",
@@ -109,6 +132,8 @@ def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: 
            tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
            sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> TokenStream:
     """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
+    if not isinstance(model, Model):
+        raise InvalidRequestError("stream() runs on a model in this process; with tp > 1 use generate()")
     gen = _config(max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop, kv, r, T, ignore_eos, attention,
                   speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs)
     if stop and model.tokenizer is None:
@@ -131,7 +156,16 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
     prompt's KV is stored once and attended by all its samples as one GEMM (share_prefix="off" replicates it).
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
     the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions.
-    On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager)."""
+    On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager).
+    A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""
+    from .parallel.tp import TensorParallelModel
+
+    if isinstance(model, TensorParallelModel):
+        return model.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T,
+                              ignore_eos=ignore_eos, chat=chat, attention=attention, speculative=speculative,
+                              tree=tree, spec_grow=spec_grow, share_prefix=share_prefix, sparq_r=sparq_r,
+                              sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs)
     s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
                attention=attention, speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,

@@ -177,8 +177,9 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         r, stats.T_source = r_from_T(max_length, gen.T), "T given"
     else:
         k, m = speculation_shape(gen)
-        T, stats.T_source = choose_T(max_length, model=cfg, batch=batch, dtype=model.dtype, device=model.device,
-                                     k=k, m=m)
+        # the whole model's shapes under tensor parallelism: every rank grows its cache at the same boundaries
+        T, stats.T_source = choose_T(max_length, model=model.full_config or cfg, batch=batch, dtype=model.dtype,
+                                     device=model.device, k=k, m=m)
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of one captured graph per BMC capacity bucket")
     add_load_arguments(p)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel ranks (worker processes over torch.distributed, each with its share of "
+                   "the heads and MLP; float weights, the PyTorch path; default 1)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per completion per line")
@@ -88,6 +91,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Ranges argparse's types do not check: one line and exit 2, before the model loads."""
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    if args.tp < 1:
+        fail(f"--tp must be >= 1, got {args.tp}")
     for name in ("batch_size", "prompt_len"):  # the generation arguments are checked by GenerationConfig
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -167,8 +172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         prompts: list = read_prompts(args)  # before the load: a bad file fails in a moment, not after it
         t0 = time.perf_counter()
-        model = load(args.model, dtype=args.dtype, device=args.device,
-                     share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
+        model = load(args.model, dtype=args.dtype, device=args.device, tp=args.tp,
+                     share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,
+                     quant=args.quant)
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",
@@ -183,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
                   sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
                   cuda_graphs=not args.no_cuda_graphs)
-        if args.stream and not args.benchmark:
+        if args.stream and not args.benchmark and args.tp == 1:  # under --tp: whole completions
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return
         if args.benchmark:

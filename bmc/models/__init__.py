@@ -35,6 +35,8 @@ class Model:
     dtype: torch.dtype
     device: torch.device
     quant: str = "none"  # "none", or the kind of the GEMM matrices kept quantized ("gguf", "q8_0", "q4_0")
+    # tensor parallelism: the whole model's config where `config` is one rank's part (bmc/parallel/shard.py)
+    full_config: ModelConfig | None = None
 
     @property
     def max_context(self) -> int:

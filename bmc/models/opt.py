@@ -128,7 +128,7 @@ class OPTModel:
             q, k, v = L.qkv(a).view(B, t, 3 * h, hd).transpose(1, 2).split(h, dim=1)
             K, V = cache.update(i, k, v)
             o = attention(q, K, V, bias, self.scale, layer=i)
-            x = x + L.o(o.transpose(1, 2).reshape(B, t, D))
+            x = x + L.o(o.transpose(1, 2).reshape(B, t, h * hd))  # h: this rank's heads under tensor parallelism
             if not pre:
                 x = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps)
             m = F.layer_norm(x, (D,), L.ln2_w, L.ln2_b, eps) if pre else x

@@ -1,0 +1,272 @@
+"""Tensor-parallel worker processes driven like one model: `bmc.load(path, tp=N)` starts N ranks (torch
+multiprocessing, spawn), each joins a torch.distributed group (gloo on CPU ranks, NCCL on GPUs), loads the model
+and keeps its part of it (shard.py); `bmc.generate(model, ...)` sends the request to every rank, each runs the same
+engine over its own heads and cache (the same choices everywhere: the logits are all-gathered and every choice
+reads them or the whole model's config), and rank 0's completions come back.
+
+A rank that fails stops the group: its error comes back, and the others fail their next collective within
+`timeout` seconds (gloo's), so the call raises TensorParallelError naming the rank, never hangs. A rank that dies
+(killed, out of memory) is seen by the caller as an exited process within a poll interval.
+
+Under torchrun (RANK and WORLD_SIZE set), `bmc.load(path, tp=N)` returns this process's part instead and every
+process runs generate() itself."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+import time
+from typing import Any
+
+import torch
+
+from ..errors import BmcError, InvalidRequestError
+
+POLL_S = 0.2
+
+
+class TensorParallelError(BmcError):
+    """A rank failed, died or did not answer: the group is stopped."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _join_group(rank: int, world: int, device: str, timeout_s: float, init: str | None) -> torch.device:
+    import torch.distributed as dist
+
+    dev = torch.device(f"cuda:{rank % max(1, torch.cuda.device_count())}" if device == "cuda" else device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=init, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return dev
+
+
+def load_rank(path: str | None, rank: int, world: int, *, dtype: str | torch.dtype, device: str,
+              timeout_s: float, init: str | None = None, random_weights: bool = False) -> Any:
+    """This process's part of the model, in its torch.distributed group (joined here when not yet).
+    random_weights: `path` is a directory with a config.json alone; the rank builds its part of such a model with
+    random weights, never holding the whole (bench/tp.py's Llama-2-7B shapes)."""
+    os.environ["BMC_NATIVE"] = "0"  # the PyTorch path: the native step has no collectives
+    from ..models import load_model
+    from .shard import fill_random, shard_model
+
+    dev = _join_group(rank, world, device, timeout_s, init)
+    model = shape_model(path, dtype, dev) if random_weights else load_model(path, dtype=dtype, device=dev, quant="none")
+    if world > 1:
+        shard_model(model, rank, world)
+    if random_weights:
+        fill_random(model)
+    return model
+
+
+def shape_model(path: str, dtype: str | torch.dtype, device: torch.device) -> Any:
+    """A model of the config.json in `path` with uninitialised weights (no page touched until written)."""
+    import json
+
+    import transformers
+
+    from ..models import model_from_tensors
+    from ..models.weights import ShapeSource
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with torch.device("meta"):  # the names and shapes of the checkpoint, no memory
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    shapes = dict(hf.state_dict())
+    return model_from_tensors(config, shapes, origin=path, dtype=dtype, device=device, source_type=ShapeSource)
+
+
+def _run(model: Any, cmd: str, args: Any) -> Any:
+    import bmc
+
+    if cmd == "generate":
+        prompts, kw = args
+        return bmc.generate(model, prompts, **kw)
+    if cmd == "logits":
+        return prompt_logits(model, args)
+    if cmd == "collective_seconds":  # read and reset (bench/tp.py)
+        from .shard import COLLECTIVE_SECONDS
+
+        seconds, COLLECTIVE_SECONDS[0] = COLLECTIVE_SECONDS[0], 0.0
+        return seconds
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+@torch.inference_mode()
+def prompt_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """The logits of every position of `ids` from one prefill (float32, [len, vocab], on the CPU)."""
+    from ..attention import dense_attention
+    from ..engine import make_cache, prefill_attention, GenerationConfig, GenerationStats
+
+    n = len(ids)
+    cache = make_cache(model, GenerationConfig(kv="upfront"), 1, n, [0], GenerationStats())
+    positions = torch.arange(n, device=model.device)[None]
+    cache.reserve(n, positions)
+    out = model.net(torch.tensor([ids], device=model.device), positions, cache,
+                    prefill_attention(dense_attention, cache, n), cache.attention_bias(n), all_logits=True,
+                    prompt_len=torch.tensor([n]))
+    return out[0].float().cpu()
+
+
+def _worker(rank: int, world: int, init: str, path: str | None, dtype: str, device: str, threads: int,
+            timeout_s: float, random_weights: bool, conn: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        model = load_rank(path, rank, world, dtype=dtype, device=device, timeout_s=timeout_s, init=init,
+                          random_weights=random_weights)
+        conn.send(("ready", (model.full_config, model.tokenizer) if rank == 0 else None))
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                out = _run(model, cmd, args)
+            except InvalidRequestError as e:  # the request's fault, raised on every rank before any collective
+                conn.send(("invalid", e))
+                continue
+            conn.send(("ok", out if rank == 0 else None))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # sent back: the caller raises it with the rank's name
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except Exception:
+            pass
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+class TensorParallelModel:
+    """N ranks driven like one model (see the module's docstring); close() (or the process's exit) stops them."""
+
+    def __init__(self, path: str | None, tp: int, *, dtype: str = "float32", device: str = "cpu",
+                 threads: int | None = None, timeout_s: float = 120.0, load_timeout_s: float = 600.0,
+                 random_weights: bool = False) -> None:
+        import torch.multiprocessing as mp
+
+        if tp < 2:
+            raise InvalidRequestError(f"tp must be >= 2 for tensor parallelism, got {tp}")
+        if device == "cuda" and torch.cuda.device_count() < tp:
+            raise InvalidRequestError(f"tp={tp} on CUDA needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+        self.tp, self.timeout_s = tp, timeout_s
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns, self.procs = [], []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, tp, init, path, str(dtype).replace("torch.", ""), device,
+                                                  threads or _threads(tp), timeout_s, random_weights, child),
+                            daemon=True, name=f"bmc-tp-rank{rank}")
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        replies = self._collect(load_timeout_s, "loading the model")
+        self.config, self.tokenizer = replies[0]
+        self.device = torch.device(device)
+        self.path = path
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def generate(self, prompts: Any, **kw: Any) -> Any:
+        """bmc.generate() on every rank; rank 0's completions. A sampled request without a seed gets one here, so
+        every rank draws the same tokens."""
+        if kw.get("temperature", 0.0) > 0 and kw.get("seed") is None:
+            kw["seed"] = random.randrange(2**31)
+        return self._call("generate", (prompts, kw), "generating")
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits of every position of one prompt, [len, vocab] float32 (each rank's share gathered)."""
+        return self._call("logits", list(ids), "computing logits")
+
+    def collective_seconds(self) -> float:
+        """Seconds rank 0 spent in all-reduces and all-gathers since the last call."""
+        return self._call("collective_seconds", None, "reading its clock")
+
+    def _call(self, cmd: str, args: Any, doing: str) -> Any:
+        if not self.procs:
+            raise TensorParallelError("the tensor parallel group was stopped")
+        for conn in self.conns:
+            conn.send((cmd, args))
+        return self._collect(None, doing)[0]
+
+    def _collect(self, timeout_s: float | None, doing: str) -> list[Any]:
+        """Every rank's reply; TensorParallelError (the group stopped) when one reports an error, exits or, with a
+        timeout, does not answer in time."""
+        replies: list[Any] = [None] * self.tp
+        invalid: list[InvalidRequestError] = []
+        waiting = set(range(self.tp))
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+        while waiting:
+            for rank in sorted(waiting):
+                conn = self.conns[rank]
+                if conn.poll(POLL_S / self.tp):
+                    try:
+                        kind, value = conn.recv()
+                    except EOFError:
+                        kind, value = "error", "its pipe closed"
+                    if kind == "error":
+                        raise self._stop(f"tensor parallel rank {rank} failed while {doing}: {value}")
+                    if kind == "invalid":
+                        invalid.append(value)
+                    replies[rank] = value
+                    waiting.discard(rank)
+                elif not self.procs[rank].is_alive():
+                    raise self._stop(f"tensor parallel rank {rank} exited (code {self.procs[rank].exitcode}) "
+                                     f"while {doing}")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise self._stop(f"tensor parallel ranks {sorted(waiting)} did not answer within {timeout_s:.0f} s "
+                                 f"while {doing}")
+        if invalid:
+            if len(invalid) < self.tp:  # some ranks went on: they wait in a collective that will not come
+                raise self._stop(f"the request was refused on {len(invalid)} of {self.tp} ranks: {invalid[0]}")
+            raise invalid[0]  # refused everywhere before any collective: the group stays up
+        return replies
+
+    def _stop(self, what: str) -> TensorParallelError:
+        """Stop the group; the error to raise, naming first the ranks that died (a peer's failed collective is
+        usually their echo)."""
+        time.sleep(POLL_S)  # a dead peer's exit is seen a moment after the survivors' connection errors
+        dead = [f"rank {r} exited (code {p.exitcode})" for r, p in enumerate(self.procs)
+                if not p.is_alive() and f"rank {r} exited" not in what]
+        self.close()
+        return TensorParallelError("; ".join(dead + [what]))
+
+    def close(self) -> None:
+        for conn, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    conn.send(("stop", None))
+                except Exception:
+                    pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = [p for p in self.procs if p.is_alive()]
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

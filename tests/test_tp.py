@@ -1,0 +1,132 @@
+"""Tensor parallelism on CPU ranks (gloo, 2 worker processes): seed 004's head sharding policy; tp=2 against one
+process for MHA, GQA, MQA (fewer KV heads than ranks: replicated) and biased, tied Llama models and OPT — logits of
+a prompt within float rounding, greedy tokens on every cache strategy, under speculation and with shared prefixes;
+a rank that dies or hangs stops the group with an error naming it, and a refused request leaves the group up."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import bmc
+from bmc.kv import KV_STRATEGIES
+from bmc.parallel import RankHeads, shard_heads
+from bmc.parallel.tp import TensorParallelError, TensorParallelModel, prompt_logits
+
+PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
+SETTINGS = [*(dict(kv=kv) for kv in KV_STRATEGIES), dict(kv="bmc", r=3),
+            dict(kv="bmc", speculative="ngram", tree="chain:3"), dict(num_samples=2)]
+
+
+def R(q, kv) -> RankHeads:
+    return RankHeads(tuple(q), tuple(kv))
+
+
+@pytest.mark.parametrize("heads,kv_heads,world,want", [
+    (6, 6, 2, [R([0, 1, 2], [0, 1, 2]), R([3, 4, 5], [3, 4, 5])]),
+    (6, 6, 4, [R([0, 1], [0, 1]), R([2, 3], [2, 3]), R([4], [4]), R([5], [5])]),
+    (6, 2, 2, [R([0, 1, 2], [0]), R([3, 4, 5], [1])]),  # level 1: a KV head and its whole group per rank
+    (6, 2, 4, [R([0, 1], [0]), R([2], [0]), R([3, 4], [1]), R([5], [1])]),  # level 2: KV replicated, Q divided
+    (6, 1, 2, [R([0, 1, 2], [0]), R([3, 4, 5], [0])]),  # MQA: the one KV head on every rank
+    (6, 1, 4, [R([0, 1], [0]), R([2, 3], [0]), R([4], [0]), R([5], [0])]),
+    (8, 8, 2, [R([0, 1, 2, 3], [0, 1, 2, 3]), R([4, 5, 6, 7], [4, 5, 6, 7])]),
+    (8, 8, 4, [R([0, 1], [0, 1]), R([2, 3], [2, 3]), R([4, 5], [4, 5]), R([6, 7], [6, 7])]),
+])
+def test_sharding_policy_follows_seed_004(heads, kv_heads, world, want):
+    got = shard_heads(heads, kv_heads, world)
+    assert got == want
+    G = heads // kv_heads
+    assert sorted(q for r in got for q in r.q_heads) == list(range(heads))  # every query head exactly once
+    for r in got:  # a rank holds exactly the KV heads its query heads read
+        assert r.kv_heads == tuple(sorted({q // G for q in r.q_heads}))
+    replicated = any(len({kv for r in got for kv in r.kv_heads}) < sum(len(r.kv_heads) for r in got) for _ in [0])
+    assert replicated == (kv_heads < world)
+
+
+def test_sharding_policy_refuses_what_cannot_split():
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        shard_heads(6, 2, 3)  # 2 KV heads over 3 ranks
+    with pytest.raises(ValueError, match="without a query head"):
+        shard_heads(2, 1, 4)  # 2 query heads over 4 ranks
+
+
+@pytest.fixture(scope="module", params=["llama-mha", "llama-gqa", "llama-mqa", "llama-bias_headdim_tied",
+                                        "opt-pre_norm"])
+def pair(request, tiny_dirs):
+    path = str(tiny_dirs[request.param])
+    tp = bmc.load(path, tp=2)
+    yield bmc.load(path, quant="none"), tp
+    tp.close()
+
+
+def test_tp2_equals_one_process(pair):
+    one, tp = pair
+    ids = PROMPTS[0] + [11, 12, 13, 14, 15]
+    torch.testing.assert_close(tp.logits(ids), prompt_logits(one, ids), atol=1e-4, rtol=1e-4)
+    for kw in SETTINGS:
+        want = bmc.generate(one, PROMPTS, max_new_tokens=12, ignore_eos=True, **kw)
+        got = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, **kw)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], kw
+        if kw.get("num_samples"):
+            assert got.stats.prefix_kv_bytes > 0  # each prompt's KV read by its samples from one segment, per rank
+    sampled = bmc.generate(tp, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)
+    assert [c.token_ids for c in sampled] == [c.token_ids for c in bmc.generate(
+        one, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)]
+
+
+def test_refused_request_leaves_the_group_up(gqa_dir):
+    tp = bmc.load(str(gqa_dir), tp=2)
+    try:
+        with pytest.raises(bmc.InvalidRequestError, match="beyond the model's context"):
+            bmc.generate(tp, PROMPTS, max_new_tokens=10_000)
+        assert len(bmc.generate(tp, PROMPTS[:1], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3
+        with pytest.raises(bmc.InvalidRequestError, match="quant"):
+            bmc.load(str(gqa_dir), tp=2, quant="q8_0")
+    finally:
+        tp.close()
+
+
+def test_a_killed_rank_stops_the_group(gqa_dir):
+    tp = bmc.load(str(gqa_dir), tp=2)
+    os.kill(tp.procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited"):
+        bmc.generate(tp, PROMPTS, max_new_tokens=4)
+    assert time.monotonic() - t0 < 30
+    assert not tp.procs  # every rank stopped
+    with pytest.raises(TensorParallelError, match="stopped"):
+        bmc.generate(tp, PROMPTS, max_new_tokens=4)
+
+
+def test_a_hung_rank_stops_the_group_within_the_timeout(gqa_dir):
+    """Rank 1 stopped (SIGSTOP: alive, silent): rank 0's next collective times out after gloo's timeout, and the
+    call raises instead of waiting forever."""
+    tp = TensorParallelModel(str(gqa_dir), 2, timeout_s=5)
+    os.kill(tp.procs[1].pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match="rank 0 failed"):
+            bmc.generate(tp, PROMPTS, max_new_tokens=4)
+        assert time.monotonic() - t0 < 60
+    finally:
+        for p in tp.procs:
+            os.kill(p.pid, signal.SIGKILL)
+        tp.close()
+
+
+def test_bmc_generate_tp_flag(gqa_dir):
+    """The CLI with --tp 2 prints what one process prints."""
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "bmc.cli.generate", "--model", str(gqa_dir), "--max-new-tokens", "8",
+               "--ignore-eos", "--no-weights-cache", *extra, "the quick brown fox"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run("--tp", "2") == run()
