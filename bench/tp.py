@@ -61,8 +61,10 @@ def plot(result: dict[str, Any], path: str) -> None:
         names = list(rows)
         vals = [rows[n][f"decode_b{b}"] for n in names]
         bars = ax.bar(names, vals)
-        ax.bar_label(bars, labels=[f"{v:.2f} tok/s\n{rows[n][f'step_ms_b{b}']:.0f} ms/step" for n, v in
-                                   zip(names, vals)], fontsize=8)
+        share = {n: rows[n].get(f"collective_share_b{b}") for n in names}
+        ax.bar_label(bars, labels=[f"{v:.2f} tok/s\n{rows[n][f'step_ms_b{b}']:.0f} ms/step" + (
+            f"\ncollectives {100 * share[n]:.0f} %" if share[n] is not None else "") for n, v in zip(names, vals)],
+            fontsize=8)
         ax.set_title(f"decode, batch {b}")
         ax.set_ylim(0, max(vals) * 1.3)
     fig.suptitle(f"Llama-2-7B shape ({c['layers']} layers), random {c['dtype']} weights, PyTorch path, "

@@ -1,6 +1,8 @@
 """Tensor parallelism on CPU ranks (gloo, 2 worker processes): seed 004's head sharding policy; tp=2 against one
-process for MHA, GQA, MQA (fewer KV heads than ranks: replicated) and biased, tied Llama models and OPT — logits of
-a prompt within float rounding, greedy tokens on every cache strategy, under speculation and with shared prefixes;
+process for MHA, GQA, MQA (fewer KV heads than ranks: replicated) and biased, tied Llama models, OPT, Qwen2 (q/k/v
+biases), Gemma 2 (soft-caps, window on some layers), Gemma 3 and Phi-3 with longrope (rows switching while they
+decode: each rank recomputes its heads) — logits of a prompt within float rounding, greedy tokens on every cache
+strategy, under speculation and with shared prefixes;
 a rank that dies or hangs stops the group with an error naming it, and a refused request leaves the group up."""
 from __future__ import annotations
 
@@ -54,9 +56,17 @@ def test_sharding_policy_refuses_what_cannot_split():
 
 
 @pytest.fixture(scope="module", params=["llama-mha", "llama-gqa", "llama-mqa", "llama-bias_headdim_tied",
-                                        "opt-pre_norm"])
-def pair(request, tiny_dirs):
-    path = str(tiny_dirs[request.param])
+                                        "opt-pre_norm", "qwen2", "gemma2", "gemma3", "phi3-longrope"])
+def pair(request, tiny_dirs, tmp_path_factory):
+    from .test_gemma import make_gemma
+    from .test_phi3 import LONGROPE, make_phi3
+    from .test_qwen import make_qwen2
+
+    name = request.param
+    where = tmp_path_factory.mktemp(name)
+    path = str(tiny_dirs[name] if name in tiny_dirs else make_qwen2(where) if name == "qwen2"
+               else make_gemma(where, name) if name.startswith("gemma")
+               else make_phi3(where, rope_scaling=LONGROPE, original_max_position_embeddings=12))
     tp = bmc.load(path, tp=2)
     yield bmc.load(path, quant="none"), tp
     tp.close()
@@ -70,8 +80,10 @@ def test_tp2_equals_one_process(pair):
         want = bmc.generate(one, PROMPTS, max_new_tokens=12, ignore_eos=True, **kw)
         got = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, **kw)
         assert [c.token_ids for c in got] == [c.token_ids for c in want], kw
-        if kw.get("num_samples"):
-            assert got.stats.prefix_kv_bytes > 0  # each prompt's KV read by its samples from one segment, per rank
+        if kw.get("num_samples"):  # each prompt's KV read by its samples from one segment, on every rank, except
+            cfg = one.config       # where the model keeps KV per row (soft-caps, a window in reach, longrope)
+            shares = cfg.attn_softcap is None and cfg.sliding_window is None and cfg.rope_scaling is None
+            assert (got.stats.prefix_kv_bytes > 0) == shares == (want.stats.prefix_kv_bytes > 0), kw
     sampled = bmc.generate(tp, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)
     assert [c.token_ids for c in sampled] == [c.token_ids for c in bmc.generate(
         one, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)]
