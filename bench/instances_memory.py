@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,8 @@ import time
 import httpx
 import psutil
 
+from bmc.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(k: int, share: bool, model: str | None, requests: int) -> dict:

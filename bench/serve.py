@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bmc.bench.results import write_result  # noqa: E402  (from this checkout when bmc is not installed)
+from bmc.ports import free_port  # noqa: E402
 
 
 # ---- the client --------------------------------------------------------------------------------------------------
@@ -175,11 +175,6 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft: float, sl
 
 
 # ---- the engines -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Engine:
     """A server process started and stopped by the benchmark (or an endpoint given by --url)."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 import time
 from typing import Any
 
 import torch
 
 from ..errors import BmcError, InvalidRequestError
+from ..ports import free_port
 
 POLL_S = 0.2
 
@@ -29,11 +29,6 @@ POLL_S = 0.2
 class TensorParallelError(BmcError):
     """A rank failed, died or did not answer: the group is stopped."""
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads(world: int) -> int:
@@ -167,7 +162,7 @@ class TensorParallelModel:
             raise InvalidRequestError(f"tp={tp} on CUDA needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
         self.tp, self.timeout_s = tp, timeout_s
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         self.conns, self.procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()

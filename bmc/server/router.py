@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,16 +28,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from ..ports import free_port
 
 log = logging.getLogger("bmc.router")
 
 RESTART_BACKOFF_S = 1.0  # before restarting an instance that died (a crash loop must not spin)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
