@@ -200,10 +200,18 @@ def test_longrope_gguf_matches_hf(longrope_dir, tmp_path):
     assert [c.token_ids for c in got] == longrope_reference(longrope_dir, [PROMPTS[0], LONG_PROMPT], 14)
 
 
-def test_phi3_gguf_quantized_blocks_run_as_stored(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_phi3_gguf_quantized_blocks_run_as_stored(tmp_path, qtype):
     """Q8_0 matrices of a phi3 GGUF (hidden 64: whole blocks) stay quantized, fused q|k|v and gate|up included, and
-    give the tokens of the same file dequantized."""
+    give the tokens of the same file dequantized; Q5_0 ones are kept as the Q8_0 blocks of the same values."""
     import gguf
+
+    from bmc.models.quant import q5_0_as_q8_0
+
+    x = torch.randn(16, 96).numpy() * 3
+    q5 = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_0)
+    assert (gguf.quants.dequantize(q5_0_as_q8_0(q5), gguf.GGMLQuantizationType.Q8_0)
+            == gguf.quants.dequantize(q5, gguf.GGMLQuantizationType.Q5_0)).all()
 
     torch.manual_seed(0)
     cfg = transformers.Phi3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -211,7 +219,7 @@ def test_phi3_gguf_quantized_blocks_run_as_stored(tmp_path):
                                   original_max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     d = save_tiny(tmp_path / "hf64", transformers.Phi3ForCausalLM(cfg).eval(), 320)
     path = tmp_path / "phi3-q8.gguf"
-    write_phi3_gguf(d, path, gguf.GGMLQuantizationType.Q8_0)
+    write_phi3_gguf(d, path, getattr(gguf.GGMLQuantizationType, qtype))
     mq, mf = bmc.load(str(path)), bmc.load(str(path), quant="none")
     assert {L.qkv.quant for L in mq.net.layers} == {L.gate_up.quant for L in mq.net.layers} == {"q8_0"}
     a = bmc.generate(mq, PROMPTS, max_new_tokens=12, ignore_eos=True)

@@ -16,7 +16,7 @@ import torch
 from ..errors import BmcError, ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .gguf_file import GGUFFile
-from .quant import BLOCK_BYTES, BLOCK_VALUES, QuantWeight
+from .quant import BLOCK_BYTES, BLOCK_VALUES, QuantWeight, q5_0_as_q8_0
 
 # GGUF tensor names (llama.cpp) -> HF llama names.
 _TOP_NAMES = {
@@ -155,10 +155,15 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             hf_name = (_TOP_NAMES[name] if m is None
                        else f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}")
             kind = tensors[name].tensor_type.name.lower()
+            widen = kind == "q5_0"  # kept as the Q8_0 blocks of the same values (quant.q5_0_as_q8_0)
+            if widen:
+                kind = "q8_0"
             if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % BLOCK_VALUES[kind] == 0:
                 blocks = None
                 if not shapes_only:
                     blocks = np.asarray(tensors[name].data).reshape(shape[0], -1)
+                    if widen:
+                        blocks = q5_0_as_q8_0(blocks)
                     if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
                         blocks = _unpermute_rows(blocks, heads if m.group(2) == "attn_q" else kv_heads)
                 state[hf_name] = QuantWeight(kind, shape, np.ascontiguousarray(blocks) if blocks is not None else None)
