@@ -9,7 +9,10 @@ A rank that fails stops the group: its error comes back, and the others fail the
 (killed, out of memory) is seen by the caller as an exited process within a poll interval.
 
 Under torchrun (RANK and WORLD_SIZE set), `bmc.load(path, tp=N)` returns this process's part instead and every
-process runs generate() itself."""
+process runs generate() itself.
+
+The ranks are spawned (a CUDA context and OpenMP pools do not survive fork): each imports the caller's main module
+again, so a script calls bmc.load(..., tp=N) under `if __name__ == "__main__":`, as with any spawned pool."""
 from __future__ import annotations
 
 import datetime
