@@ -191,6 +191,9 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
     chunks of `context` tokens, the second half of each scored. Returns a PerplexityResult (.ppl, .ppl_stderr)."""
     from .ppl import perplexity as _perplexity
 
+    if not isinstance(model, Model):
+        raise InvalidRequestError("perplexity() runs on a model in this process; with tp > 1 only generate() is built")
+
     return _perplexity(model, text, context=context, batch=batch, max_chunks=max_chunks, progress=progress)
 
 

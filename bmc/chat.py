@@ -56,6 +56,8 @@ class ChatSession:
     last: TurnStats = field(init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, Model):
+            raise InvalidRequestError("chat runs on a model in this process; with tp > 1 only generate() is built")
         if self.model.tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer with a chat template; this model has none")
         GenerationConfig(max_new_tokens=self.max_new_tokens)  # the same checks as generate()

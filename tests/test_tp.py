@@ -97,6 +97,12 @@ def test_refused_request_leaves_the_group_up(gqa_dir):
         assert len(bmc.generate(tp, PROMPTS[:1], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3
         with pytest.raises(bmc.InvalidRequestError, match="quant"):
             bmc.load(str(gqa_dir), tp=2, quant="q8_0")
+        from bmc.chat import ChatSession
+
+        for not_built in (lambda: bmc.perplexity(tp, "some text"), lambda: ChatSession(tp),
+                          lambda: bmc.stream(tp, PROMPTS, max_new_tokens=2)):
+            with pytest.raises(bmc.InvalidRequestError, match="tp > 1"):
+                not_built()
     finally:
         tp.close()
 
