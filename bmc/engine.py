@@ -204,19 +204,27 @@ def longrope_switch(cfg: ModelConfig) -> int | None:
     return s["original_max_position_embeddings"] if s is not None and s["rope_type"] == "longrope" else None
 
 
+def prefill_alone(model: Model, ids: list[int], prompt_len: int, all_logits: bool = False
+                  ) -> tuple[KVCache, torch.Tensor]:
+    """One sequence prefilled at positions 0..len-1 into an exact-size cache of its own (a prompt of `prompt_len`
+    tokens as longrope sees it): the cache and the logits (every position's, or the last one's)."""
+    n = len(ids)
+    cache = make_cache(model, GenerationConfig(kv="upfront"), 1, n, [0], GenerationStats())
+    positions = torch.arange(n, device=model.device)[None]
+    cache.reserve(n, positions)
+    logits = model.net(torch.tensor([ids], device=model.device), positions, cache,
+                       prefill_attention(dense_attention, cache, n), cache.attention_bias(n), all_logits=all_logits,
+                       prompt_len=torch.tensor([prompt_len]))
+    cache.commit(n)
+    return cache, logits
+
+
 def relong(model: Model, cache: KVCache, row: int, ids: list[int]) -> None:
     """Recompute batch row `row` of `cache` from its tokens `ids` (positions 0..len-1, everything before the row's
     next token) with longrope's long factors, as transformers recomputes the sequence at the switch: a prefill
     into a cache of its own, placed over the row's columns (the same count, right-aligned on the write column)."""
-    cfg, n = model.config, len(ids)
-    src = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
-                                   head_dim=cfg.head_dim, max_length=n, dtype=model.dtype, device=model.device,
-                                   window=window_in_reach(cfg, n), window_every_layer=cfg.local_layers is None)
-    positions = torch.arange(n, device=model.device)[None]
-    src.reserve(n, positions)
-    model.net(torch.tensor([ids], device=model.device), positions, src, prefill_attention(dense_attention, src, n),
-              src.attention_bias(n), prompt_len=torch.tensor([n + 1]))
-    src.commit(n)
+    n = len(ids)
+    src, _ = prefill_alone(model, ids, prompt_len=n + 1)  # the sequence with its next token: past the switch
     if not cache.place(row, src):
         raise UnsupportedModelError(f"longrope's switch needs the row's {n} columns; its cache kept "
                                     f"{cache.length} (a sliding window dropped the rest)")

@@ -25,9 +25,7 @@ from .weights import WeightSource
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies, with the `linear` and `llama3` scalings computed as HF transformers does; `local`: the
     window layers' own unscaled RoPE (Gemma 3)."""
-    d = cfg.head_dim
-    theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = 1.0 / rope_powers(cfg.local_rope_theta if local else cfg.rope_theta, cfg.head_dim)
     s = None if local else cfg.rope_scaling
     if s is None:
         return inv
@@ -45,13 +43,18 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_powers(theta: float, d: int) -> torch.Tensor:
+    """theta ** (2i / d) for i < d/2, in float32 as HF computes it: the inverse frequencies' denominators."""
+    return theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+
+
 def longrope_inv_freq(cfg: ModelConfig, which: str) -> torch.Tensor:
     """longrope's inverse frequencies with its short or long per-frequency factors, as transformers computes them."""
     d = cfg.head_dim
     ext = torch.tensor(cfg.rope_scaling[which], dtype=torch.float32)
     if ext.numel() != d // 2:
         raise ModelLoadError(f"longrope {which} has {ext.numel()} entries; head_dim {d} needs {d // 2}")
-    return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    return 1.0 / (ext * rope_powers(cfg.rope_theta, d))
 
 
 class LlamaLayer:
@@ -117,6 +120,9 @@ class LlamaModel:
         longrope = cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
         self.long_inv_freq = longrope_inv_freq(cfg, "long_factor").to(w.device) if longrope else None
         self.scale = cfg.attn_scale
+        # Gemma's embedding scale, rounded as HF rounds it (float32 first, then the model's dtype): made once here
+        self.embed_scale = (torch.tensor(cfg.embed_scale).to(w.dtype).to(w.device) if cfg.embed_scale is not None
+                            else None)
         self.native = NativeDecoders()
 
     def native_decoder(self) -> Any:
@@ -175,8 +181,8 @@ class LlamaModel:
             x = F.embedding(tokens, self.embed)
         else:
             x = self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
-        if self.cfg.embed_scale is not None:  # Gemma: as HF rounds it, float32 first, then the model's dtype
-            x = x * torch.tensor(self.cfg.embed_scale).to(x.dtype)
+        if self.embed_scale is not None:  # Gemma
+            x = x * self.embed_scale
         return x
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -104,16 +104,9 @@ def _run(model: Any, cmd: str, args: Any) -> Any:
 @torch.inference_mode()
 def prompt_logits(model: Any, ids: list[int]) -> torch.Tensor:
     """The logits of every position of `ids` from one prefill (float32, [len, vocab], on the CPU)."""
-    from ..attention import dense_attention
-    from ..engine import make_cache, prefill_attention, GenerationConfig, GenerationStats
+    from ..engine import prefill_alone
 
-    n = len(ids)
-    cache = make_cache(model, GenerationConfig(kv="upfront"), 1, n, [0], GenerationStats())
-    positions = torch.arange(n, device=model.device)[None]
-    cache.reserve(n, positions)
-    out = model.net(torch.tensor([ids], device=model.device), positions, cache,
-                    prefill_attention(dense_attention, cache, n), cache.attention_bias(n), all_logits=True,
-                    prompt_len=torch.tensor([n]))
+    _, out = prefill_alone(model, list(ids), prompt_len=len(ids), all_logits=True)
     return out[0].float().cpu()
 
 
