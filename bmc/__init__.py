@@ -114,7 +114,7 @@ def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: f
             num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
             ignore_eos: bool, attention: str, speculative: str = "off", tree: str = "dynamic:4x6",
             spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None, sparq_k: int = 128,
-            window_k: int = 256, cuda_graphs: bool = True) -> GenerationConfig:
+            window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> GenerationConfig:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -122,7 +122,7 @@ def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: f
         num_samples=num_samples, stop=stops, ignore_eos=ignore_eos, kv=kv, r=r, T=T, attention=attention,
         speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
         attention_options=AttentionOptions(SparQOptions(r=sparq_r, k=sparq_k), window_k=window_k),
-        cuda_graphs=cuda_graphs)
+        cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
 
 
 def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -130,12 +130,12 @@ def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: 
            stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
            ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
            tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-           sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> TokenStream:
+           sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> TokenStream:
     """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
     if not isinstance(model, Model):
         raise InvalidRequestError("stream() runs on a model in this process; with tp > 1 use generate()")
     gen = _config(max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop, kv, r, T, ignore_eos, attention,
-                  speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs)
+                  speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs, kv_dtype)
     if stop and model.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none")
     return TokenStream(model, encode_prompts(model, prompts, chat), gen)
@@ -146,7 +146,7 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
              stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
              ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
              tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-             sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True) -> Completions:
+             sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> Completions:
     """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`.
 
     speculative="ngram" (prompt lookup), "draft:PATH" (a smaller model with the same vocabulary), "layers:N" (the
@@ -157,6 +157,8 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
     the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions.
     On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager).
+    kv_dtype: how the cache stores K and V: "auto" (the model's dtype: exact), "bfloat16", "float16", or "int8" (a
+    float32 scale per token and KV head; each value within max|row| / 254 of its float, bmc/kv/formats.py).
     A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""
     from .parallel.tp import TensorParallelModel
 
@@ -165,11 +167,11 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
                               top_p=top_p, seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T,
                               ignore_eos=ignore_eos, chat=chat, attention=attention, speculative=speculative,
                               tree=tree, spec_grow=spec_grow, share_prefix=share_prefix, sparq_r=sparq_r,
-                              sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs)
+                              sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
     s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
                attention=attention, speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
-               sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs)
+               sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
     by_row: dict[tuple[int, int], Completion] = {}
     for ev in s:
         c = by_row.setdefault((ev.prompt_index, ev.sample_index), Completion(ev.prompt_index, ev.sample_index))

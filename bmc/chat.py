@@ -49,6 +49,7 @@ class ChatSession:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     system: str | None = None
     kv: str = "bmc"
+    kv_dtype: str = "auto"
     messages: list[dict[str, str]] = field(init=False)
     cache: KVCache = field(init=False)
     cached_ids: list[int] = field(init=False)  # the tokens whose K/V the cache holds, in order
@@ -76,7 +77,7 @@ class ChatSession:
         self.last = TurnStats()
 
     def _new_cache(self) -> KVCache:
-        return make_cache(self.model, GenerationConfig(kv=self.kv), 1, self.model.max_context, [0], GenerationStats())
+        return make_cache(self.model, GenerationConfig(kv=self.kv, kv_dtype=self.kv_dtype), 1, self.model.max_context, [0], GenerationStats())
 
     @property
     def context_used(self) -> int:

@@ -24,7 +24,7 @@ from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, Share
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
 from .graphs import DecodeGraphs
-from .kv import KV_STRATEGIES, BMCCache, KVCache, r_from_T
+from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T
 from .models import Model, ModelConfig
 from .sampling import Sampler, SamplingParams
 from .spec import TreeSpec, make_drafter, parse_speculative
@@ -53,6 +53,8 @@ class GenerationConfig:
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
     share_prefix: str = "auto"  # "auto": one copy of each prompt's KV for its samples, and of a leading part common
     # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
+    kv_dtype: str = "auto"  # how the cache stores K and V (bmc/kv/formats.py): "auto" (the model's dtype),
+    # "float32", "bfloat16", "float16" or "int8" (a float32 scale per token and KV head)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -76,6 +78,8 @@ class GenerationConfig:
                                       "it does not combine with speculative decoding")
         if self.attention_options.window_k < 1:
             raise InvalidRequestError(f"window_k must be >= 1, got {self.attention_options.window_k}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"unknown kv_dtype {self.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
         if self.share_prefix not in ("auto", "off"):
             raise InvalidRequestError(f"share_prefix must be 'auto' or 'off', got {self.share_prefix!r}")
         if self.speculative != "off":
@@ -167,7 +171,8 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
     cfg = model.config
     kw = dict(num_layers=cfg.num_layers, batch_size=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_length=max_length, dtype=model.dtype, device=model.device, left_pad=left_pad,
-              window=window_in_reach(cfg, max_length), window_every_layer=cfg.local_layers is None)
+              window=window_in_reach(cfg, max_length), window_every_layer=cfg.local_layers is None,
+              kv_dtype=gen.kv_dtype)
     stats.kv_strategy = gen.kv
     if gen.kv != "bmc":
         return KV_STRATEGIES[gen.kv](**kw)
@@ -179,7 +184,8 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         k, m = speculation_shape(gen)
         # the whole model's shapes under tensor parallelism: every rank grows its cache at the same boundaries
         T, stats.T_source = choose_T(max_length, model=model.full_config or cfg, batch=batch, dtype=model.dtype,
-                                     device=model.device, k=k, m=m)
+                                     device=model.device, k=k, m=m,
+                                     kv_bytes=kv_format(gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim))
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)
@@ -204,12 +210,12 @@ def longrope_switch(cfg: ModelConfig) -> int | None:
     return s["original_max_position_embeddings"] if s is not None and s["rope_type"] == "longrope" else None
 
 
-def prefill_alone(model: Model, ids: list[int], prompt_len: int, all_logits: bool = False
+def prefill_alone(model: Model, ids: list[int], prompt_len: int, all_logits: bool = False, kv_dtype: str = "auto"
                   ) -> tuple[KVCache, torch.Tensor]:
     """One sequence prefilled at positions 0..len-1 into an exact-size cache of its own (a prompt of `prompt_len`
     tokens as longrope sees it): the cache and the logits (every position's, or the last one's)."""
     n = len(ids)
-    cache = make_cache(model, GenerationConfig(kv="upfront"), 1, n, [0], GenerationStats())
+    cache = make_cache(model, GenerationConfig(kv="upfront", kv_dtype=kv_dtype), 1, n, [0], GenerationStats())
     positions = torch.arange(n, device=model.device)[None]
     cache.reserve(n, positions)
     logits = model.net(torch.tensor([ids], device=model.device), positions, cache,
@@ -224,7 +230,7 @@ def relong(model: Model, cache: KVCache, row: int, ids: list[int]) -> None:
     next token) with longrope's long factors, as transformers recomputes the sequence at the switch: a prefill
     into a cache of its own, placed over the row's columns (the same count, right-aligned on the write column)."""
     n = len(ids)
-    src, _ = prefill_alone(model, ids, prompt_len=n + 1)  # the sequence with its next token: past the switch
+    src, _ = prefill_alone(model, ids, prompt_len=n + 1, kv_dtype=cache.format.name)  # the sequence with its next token: past the switch
     if not cache.place(row, src):
         raise UnsupportedModelError(f"longrope's switch needs the row's {n} columns; its cache kept "
                                     f"{cache.length} (a sliding window dropped the rest)")
@@ -391,17 +397,18 @@ def check_kv_fits(model: Model, rows: int, max_length: int) -> None:
                                   f"the {model.device.type} has {have / 2**30:.1f} GiB")
 
 
-def prefill_common_prefix(model: Model, tokens: list[int], n_prompts: int) -> SharedPrefix:
+def prefill_common_prefix(model: Model, tokens: list[int], n_prompts: int, kv_dtype: str) -> SharedPrefix:
     """A leading part common to all prompts (a system prompt, few-shot examples), prefilled and stored once and read
     by every row as one GEMM (bifurcated attention / Hydragen)."""
     cfg, dev, common = model.config, model.device, len(tokens)
     head = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, max_length=common, dtype=model.dtype, device=dev)
+                                    head_dim=cfg.head_dim, max_length=common, dtype=model.dtype, device=dev,
+                                    kv_dtype=kv_dtype)
     head.reserve(common)
     model.net(torch.tensor([tokens], device=dev), torch.arange(common, device=dev)[None], head,
               prefill_attention(dense_attention, head, common), head.attention_bias(common))
     head.commit(common)
-    return SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long))
+    return SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long), read=head.read)
 
 
 def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, max_length: int,
@@ -421,7 +428,7 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
                and longrope_switch(cfg) is None)
     common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
     common = common if common >= MIN_SHARED_PREFIX else 0  # each prompt keeps at least one own token
-    root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts) if common else None
+    root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts, gen.kv_dtype) if common else None
     own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
     P_own = max(len(p) for p in own)
     left_pad = [P_own - len(p) for p in own]
@@ -429,7 +436,7 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     if share:
         cache: KVCache = KV_STRATEGIES["upfront"](
             num_layers=cfg.num_layers, batch_size=n_prompts, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad)
+            max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad, kv_dtype=gen.kv_dtype)
     else:
         cache = make_cache(model, gen, n_prompts, P_own + gen.max_new_tokens, left_pad, stats)
     attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, cfg.group_size)
@@ -455,7 +462,7 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
         if root is not None:
             root.reorder(fork)
         if share:
-            prefix = SharedPrefix(cache.kv, cache.bias, fork, parent=root)
+            prefix = SharedPrefix(cache.kv, cache.bias, fork, parent=root, read=cache.read)
             cache = make_cache(model, gen, n_prompts * n, gen.max_new_tokens, [0] * (n_prompts * n), stats)
         else:
             cache.reorder(fork)

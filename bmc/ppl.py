@@ -45,7 +45,7 @@ Progress = Callable[[int, int, float], None]  # (chunks done, chunks in all, run
 
 @torch.inference_mode()
 def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, max_chunks: int | None = None,
-               progress: Progress | None = None) -> PerplexityResult:
+               progress: Progress | None = None, kv_dtype: str = "auto") -> PerplexityResult:
     tok = model.tokenizer
     if tok is None:
         raise InvalidRequestError("perplexity needs a tokenizer; this model has none")
@@ -71,7 +71,7 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
         targets = tokens[:, first + 1 :].clone()
         if bos is not None:
             tokens[:, 0] = bos
-        cache = make_cache(model, GenerationConfig(kv="upfront"), b, context, [0] * b, GenerationStats())
+        cache = make_cache(model, GenerationConfig(kv="upfront", kv_dtype=kv_dtype), b, context, [0] * b, GenerationStats())
         positions = torch.arange(context, device=dev)[None].expand(b, -1)
         cache.reserve(context, positions)
         logits = model.net(tokens, positions, cache, prefill_attention(dense_attention, cache, context),

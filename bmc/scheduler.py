@@ -126,6 +126,7 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(self, model: Model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+                 kv_dtype: str = "auto",
                  attention: str = "dense", attention_options: AttentionOptions | None = None,
                  speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24) -> None:
         if max_num_seqs < 1:
@@ -138,7 +139,7 @@ class Scheduler:
         self.kv, self.r, self.T = kv, r, T
         self.eos = eos_ids(model)
         options = attention_options or AttentionOptions()
-        gen = GenerationConfig(kv=kv, r=r, T=T, attention=attention, attention_options=options,
+        gen = GenerationConfig(kv=kv, r=r, T=T, kv_dtype=kv_dtype, attention=attention, attention_options=options,
                                speculative=speculative, tree=tree)  # checks the names and the combination
         # The batch cache: T chosen for a full batch at the longest context (with speculation, Eq. 9's k and m);
         # it starts with no rows.
@@ -438,7 +439,9 @@ class Scheduler:
             req.admitted_at = time.monotonic()
             seats -= req.num_samples
             P = len(req.prompt_ids)
-            cache = make_cache(self.model, req.gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
+            # stored in the batch cache's format (the server's --kv-dtype), whatever the request's own config says
+            gen = dataclasses.replace(req.gen, kv_dtype=self.cache.format.name)
+            cache = make_cache(self.model, gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
             self.prefilling.append(_Prefill(req, cache))
 
     def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:

@@ -35,10 +35,10 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype_bytes: int = 4
+    dtype_bytes: float = 4  # per K or V value as the cache stores it (int8 KV: (d + 4) / d with its scales)
 
     @property
-    def row_bytes(self) -> int:
+    def row_bytes(self) -> float:
         """Bytes of one cache row over all layers, K and V."""
         return 2 * self.batch * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 

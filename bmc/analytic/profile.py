@@ -103,9 +103,10 @@ def load_profile(path: Path, device: torch.device, dtype: torch.dtype) -> Consta
 
 
 def choose_T(n: int, *, model: Any, batch: int, dtype: torch.dtype, device: torch.device,
-             k: int = 1, m: float = 1.0) -> tuple[int, str]:
+             k: int = 1, m: float = 1.0, kv_bytes: float | None = None) -> tuple[int, str]:
     """Allocations T for a run of maximum length n: from this machine's profile ($BMC_PROFILE or the cache dir),
-    else from the paper's C' = 0.1. Returns (T, where it came from)."""
+    else from the paper's C' = 0.1. `kv_bytes`: bytes the cache stores per K or V value (kv_dtype; default the
+    model dtype's). Returns (T, where it came from)."""
     path = Path(os.environ["BMC_PROFILE"]) if os.environ.get("BMC_PROFILE") else default_profile_path(device, dtype)
     consts = load_profile(path, device, dtype) if path.exists() else None
     if consts is None:
@@ -114,9 +115,12 @@ def choose_T(n: int, *, model: Any, batch: int, dtype: torch.dtype, device: torc
         if msg not in _said:
             _said.add(msg)
             log.info(msg)
-        return max(1, min(n, round_pow2(t_opt_simple(n, DEFAULT_C_PRIME * k / m)))), f"default C'={DEFAULT_C_PRIME}"
+        # Eq. 8: a kv_dtype narrower than the model's copies fewer bytes per row for the same attention
+        narrow = (torch.finfo(dtype).bits // 8) / kv_bytes if kv_bytes else 1.0
+        return (max(1, min(n, round_pow2(t_opt_simple(n, DEFAULT_C_PRIME * narrow * k / m)))),
+                f"default C'={DEFAULT_C_PRIME}")
     shape = Shape(batch=batch, layers=model.num_layers, heads=model.num_heads, kv_heads=model.num_kv_heads,
-                  head_dim=model.head_dim, dtype_bytes=torch.finfo(dtype).bits // 8)
+                  head_dim=model.head_dim, dtype_bytes=kv_bytes or torch.finfo(dtype).bits // 8)
     T = best_T(n, shape, consts, k, m)
     msg = f"bmc: T={T} for N={n}, batch {batch} from profile {path}"
     if msg not in _said:

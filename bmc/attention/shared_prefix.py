@@ -7,6 +7,8 @@ through their log-sum-exps:
 so the prefix is read once per group per step instead of once per row (B-fold less memory traffic and storage)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -40,10 +42,13 @@ class SharedPrefix:
     matrix-matrix product per group and merged with the others and the row's suffix through log-sum-exps."""
 
     def __init__(self, kv: torch.Tensor, bias: torch.Tensor, group: torch.Tensor,
-                 parent: "SharedPrefix | None" = None) -> None:
-        """`parent`: the segments in front of this one (already reordered to this batch's rows)."""
+                 parent: "SharedPrefix | None" = None, read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> None:
+        """`parent`: the segments in front of this one (already reordered to this batch's rows). `read`: the
+        cache's decoding of its stored rows into values (KVCache.read), for a kv_dtype other than the model's."""
         self.segments: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = list(parent.segments) if parent else []
         self.segments.append((kv, bias, group.tolist()))
+        self.read = read if read is not None else (parent.read if parent else None)
         self._reindex()
 
     @property
@@ -92,6 +97,8 @@ class SharedPrefix:
         for (kv, pbias, _), spans in zip(self.segments, self._spans):
             o_p, lse_p = torch.empty_like(o), torch.empty_like(lse)
             pk, pv = kv[layer, 0], kv[layer, 1]
+            if self.read is not None:
+                pk, pv = self.read(pk), self.read(pv)
             for g, a, b in spans:  # one GEMM per group: every query row of the group against it
                 n = b - a
                 qs = qg[a:b].transpose(0, 1).reshape(1, kvh, n * rows, d)

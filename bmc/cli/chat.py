@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--kv", default="bmc", help="KV cache strategy (default bmc)")
     add_load_arguments(p)
+    add_kv_dtype_argument(p)
     p.add_argument("--verbose", action="store_true",
                    help="after each reply, print to stderr the tokens prefilled (the rest came from the cache), "
                    "generated, and the reply's tok/s")
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load(args.model, dtype=args.dtype, device=args.device,
                      share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
         session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
-                              kv=args.kv)
+                              kv=args.kv, kv_dtype=args.kv_dtype)
     except (BmcError, OSError, ValueError) as e:
         fail(str(e))
     print(f"bmc-chat: {model.path} ({model.config.num_layers} layers, context {model.max_context}); {HELP}",

@@ -13,7 +13,7 @@ import torch
 from .. import generate, load, stream
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 BENCH_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of one captured graph per BMC capacity bucket")
     add_load_arguments(p)
+    add_kv_dtype_argument(p)
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel ranks (worker processes over torch.distributed, each with its share of "
                    "the heads and MLP; float weights, the PyTorch path; default 1)")
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
                   tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
                   sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
-                  cuda_graphs=not args.no_cuda_graphs)
+                  cuda_graphs=not args.no_cuda_graphs, kv_dtype=args.kv_dtype)
         if args.stream and not args.benchmark and args.tp == 1:  # under --tp: whole completions
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
             return

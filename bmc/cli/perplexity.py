@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch-size", type=int, default=4, help="chunks per forward (default 4)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
     add_load_arguments(p)
+    add_kv_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -57,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         model = load(args.model, dtype=args.dtype, device=args.device, share_weights=args.device == "cpu" and not args.no_weights_cache,
                      quant=args.quant)
-        print(f"bmc-perplexity: {model.path} (quant {model.quant}), chunks of {args.ctx_size} tokens, "
+        print(f"bmc-perplexity: {model.path} (quant {model.quant}, kv {args.kv_dtype}), chunks of {args.ctx_size} tokens, "
               f"{args.batch_size} per forward", file=sys.stderr, flush=True)
         res = perplexity(model, text, context=args.ctx_size, batch=args.batch_size, max_chunks=args.chunks,
-                         progress=progress)
+                         progress=progress, kv_dtype=args.kv_dtype)
     except (BmcError, OSError) as e:
         fail(str(e))
     if args.json:

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
-from .common import MAX_THREADS, Parser, add_load_arguments, fail, physical_cores
+from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
     add_load_arguments(p)
+    add_kv_dtype_argument(p)
     p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
                    "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
@@ -163,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads or physical_cores())
     opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-                        api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, dtype=args.dtype,
+                        api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype,
+                        dtype=args.dtype,
                         speculative=args.speculative, tree=args.tree, attention=args.attention,
                         spec_max_tokens=args.spec_max_tokens,
                         sparq_r=args.sparq_r, sparq_k=args.sparq_k,

@@ -22,7 +22,7 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -871,8 +871,196 @@ torch::Tensor f32(const torch::Tensor& t) {  // an optional float32 tensor, cont
   return t.defined() && t.numel() > 0 ? t.to(torch::kFloat).contiguous() : torch::Tensor();
 }
 
+// How a cache stores its K/V rows (bmc/kv/formats.py, which writes and reads the same bits): float32 as the
+// attention kernels read it, or a narrower format that a task widens a chunk at a time into float32 buffers (from
+// L1 then), so every attention path -- decode, verify trees, shared segments -- reads the narrow bytes from DRAM.
+//  - bfloat16 / float16: the values cast, rounding to nearest even;
+//  - int8: head_dim int8 values q then their float32 scale s = max|x| * fl(1/127); q = round(x * (1/s)), clamped
+//    to +-127 (products, not divisions: this file is compiled with -ffast-math, which may rewrite a division by a
+//    constant as a product, and the PyTorch side must round alike); the row reads back as q * s.
+enum class KVKind { F32, BF16, F16, I8 };
+struct KVLayout {
+  KVKind kind = KVKind::F32;
+  int64_t row_bytes = 0;  // bytes of one (token, KV head) row
+};
+constexpr int64_t KV_SCALE_BYTES = 4;
+
+KVLayout kv_layout(const torch::Tensor& kv, int64_t hd, const char* what) {
+  switch (kv.scalar_type()) {
+    case torch::kFloat:
+      TORCH_CHECK(kv.size(-1) == hd, what, ": float32 rows of head_dim");
+      return {KVKind::F32, hd * 4};
+    case torch::kBFloat16:
+      TORCH_CHECK(kv.size(-1) == hd, what, ": bfloat16 rows of head_dim");
+      return {KVKind::BF16, hd * 2};
+    case torch::kHalf:
+      TORCH_CHECK(kv.size(-1) == hd, what, ": float16 rows of head_dim");
+      return {KVKind::F16, hd * 2};
+    case torch::kChar:
+      TORCH_CHECK(kv.size(-1) == hd + KV_SCALE_BYTES, what, ": int8 rows of head_dim values and a float32 scale");
+      return {KVKind::I8, hd + KV_SCALE_BYTES};
+    default:
+      TORCH_CHECK(false, what, ": KV stored as ", kv.scalar_type(), " is not a KV format (float32, bfloat16, "
+                  "float16, int8)");
+  }
+}
+
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// One row of hd float32 values x stored as `kind` at dst (the PyTorch side's encode, bit for bit).
+void encode_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
+  switch (kind) {
+    case KVKind::F32:
+      std::memcpy(dst, x, hd * sizeof(float));
+      return;
+    case KVKind::BF16:
+      for (int64_t e = 0; e < hd; ++e) {
+        uint32_t u;
+        std::memcpy(&u, x + e, 4);
+        const uint16_t h = std::isnan(x[e]) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        std::memcpy(dst + 2 * e, &h, 2);
+      }
+      return;
+    case KVKind::F16:
+      for (int64_t e = 0; e < hd; ++e) {
+#ifdef __F16C__
+        const uint16_t h = _cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
+#else
+        static_assert(sizeof(float) == 4, "");
+        TORCH_CHECK(false, "float16 KV needs a CPU with F16C");
+        const uint16_t h = 0;
+#endif
+        std::memcpy(dst + 2 * e, &h, 2);
+      }
+      return;
+    case KVKind::I8: {
+      static const float inv127 = 1.0f / 127.0f;  // fl(1/127), as formats.INV_127
+      float amax = 0.0f;
+      for (int64_t e = 0; e < hd; ++e) amax = std::max(amax, std::fabs(x[e]));
+      const float scale = amax * inv127;
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      int8_t* q = reinterpret_cast<int8_t*>(dst);
+      for (int64_t e = 0; e < hd; ++e)
+        q[e] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[e] * inv))));
+      std::memcpy(dst + hd, &scale, 4);
+      return;
+    }
+  }
+}
+
+// One int8 row (hd values, then its scale) -> hd float32 values. Explicit vector code: GCC's loop over the row's
+// bytes, the scale read between, was a scalar loop (12 % of a batch-8 decode attention step, as much as weighing
+// the values; this is ~4x less).
+inline void widen_i8_row(const uint8_t* row, int64_t hd, float* out) {
+  float s;
+  std::memcpy(&s, row + hd, 4);
+  int64_t e = 0;
+#ifdef __AVX512F__
+  const __m512 vs = _mm512_set1_ps(s);
+  for (; e + 16 <= hd; e += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + e));
+    _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs));
+  }
+#elif defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(s);
+  for (; e + 8 <= hd; e += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + e));
+    _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs));
+  }
+#endif
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  for (; e < hd; ++e) out[e] = static_cast<float>(q[e]) * s;
+}
+
+// n stored rows from src (row_bytes apart) -> n rows of hd float32 values at dst; the rows at `next` (the next
+// chunk's, or null) are prefetched one by one meanwhile
+void widen_rows(const KVLayout& lay, const uint8_t* src, int64_t n, int64_t hd, float* dst,
+                const uint8_t* next = nullptr) {
+  if (lay.kind == KVKind::I8) {
+    for (int64_t r = 0; r < n; ++r) {
+      if (next != nullptr) __builtin_prefetch(next + r * lay.row_bytes);
+      widen_i8_row(src + r * lay.row_bytes, hd, dst + r * hd);
+    }
+    if (next != nullptr) __builtin_prefetch(next + n * lay.row_bytes - 1);
+    return;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = src + r * lay.row_bytes;
+    if (next != nullptr)
+      for (int64_t b = 0; b < lay.row_bytes; b += 64) __builtin_prefetch(next + r * lay.row_bytes + b);
+    float* out = dst + r * hd;
+    switch (lay.kind) {
+      case KVKind::F32:
+        std::memcpy(out, row, hd * sizeof(float));
+        break;
+      case KVKind::BF16: {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+        int64_t e = 0;
+#ifdef __AVX512F__
+        for (; e + 16 <= hd; e += 16) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + e));
+          _mm512_storeu_si512(out + e, _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        }
+#endif
+        uint32_t* o = reinterpret_cast<uint32_t*>(out);
+        for (; e < hd; ++e) o[e] = static_cast<uint32_t>(h[e]) << 16;
+        break;
+      }
+      case KVKind::F16: {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+#ifdef __AVX512F__
+        int64_t e = 0;
+        for (; e + 16 <= hd; e += 16)
+          _mm512_storeu_ps(out + e, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + e))));
+        for (; e < hd; ++e) out[e] = half_to_float(h[e]);
+#else
+        for (int64_t e = 0; e < hd; ++e) out[e] = half_to_float(h[e]);
+#endif
+        break;
+      }
+      case KVKind::I8:
+        widen_i8_row(row, hd, out);
+        break;
+    }
+  }
+}
+
+// x [N, hd] float32 -> its rows stored as `like` stores them (a tensor of the format's dtype): what the decode
+// step writes into a cache, for the tests to compare with formats.py's encode
+torch::Tensor encode_kv(const torch::Tensor& x, const torch::Tensor& like) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x: float32 [N, head_dim]");
+  const int64_t N = x.size(0), hd = x.size(1);
+  const int64_t width = like.scalar_type() == torch::kChar ? hd + KV_SCALE_BYTES : hd;
+  auto out = torch::empty({N, width}, like.options());
+  const KVLayout lay = kv_layout(out, hd, "like");
+  auto xc = x.contiguous();
+  for (int64_t n = 0; n < N; ++n)
+    encode_row(lay.kind, xc.data_ptr<float>() + n * hd, hd, static_cast<uint8_t*>(out.data_ptr()) + n * lay.row_bytes);
+  return out;
+}
+
 struct Segment {  // a shared prefix: KV of `groups` groups, each row reading group[b]
-  const float* kv;
+  const uint8_t* kv;
+  KVLayout lay;
   const float* bias;
   const int64_t* group;
   int64_t groups, len;
@@ -1030,20 +1218,21 @@ class NativeDecoder {
   torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
                                std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
                                std::vector<torch::Tensor> seg_group) const {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kFloat, "float32 only");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "q: float32");
     TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
     TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(1) == 2 && kv.size(2) == q.size(0) &&
-                    kv.size(3) == kvh_ && kv.size(5) == hd_ && layer >= 0 && layer < kv.size(0),
+                    kv.size(3) == kvh_ && layer >= 0 && layer < kv.size(0),
                 "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder's heads holding `layer`");
+    const KVLayout lay = kv_layout(kv, hd_, "kv");
     const int64_t B = q.size(0), t = q.size(1), cap = kv.size(4);
     TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
     q = q.contiguous();
     bias = bias.to(torch::kFloat).contiguous();
     const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, kv.size(0));
     auto out = torch::empty_like(q);
-    const int64_t layer_stride = 2 * B * kvh_ * cap * hd_;
-    const float* kc = kv.data_ptr<float>() + layer * layer_stride;
-    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_stride / 2, cap, bias.data_ptr<float>(),
+    const int64_t layer_bytes = 2 * B * kvh_ * cap * lay.row_bytes;
+    const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
+    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, bias.data_ptr<float>(),
               bias.size(2), B, t, segs, out.data_ptr<float>());
     return out;
   }
@@ -1051,6 +1240,7 @@ class NativeDecoder {
  private:
   struct Part {  // one batch of a step: B rows of t new tokens each, over its own cache
     int64_t B, t, cap, start;
+    KVLayout lay;  // how the cache stores its rows
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     std::vector<Segment> segs;
@@ -1068,17 +1258,17 @@ class NativeDecoder {
   Part make_part(const torch::Tensor& kv, const torch::Tensor& bias, const torch::Tensor& cos,
                  const torch::Tensor& sin, int64_t start, int64_t B, int64_t t,
                  const std::vector<torch::Tensor>& local) const {
-    TORCH_CHECK(kv.scalar_type() == torch::kFloat, "float32 only");
     TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
-                    kv.size(3) == kvh_ && kv.size(5) == hd_,
+                    kv.size(3) == kvh_,
                 "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder");
+    const KVLayout lay = kv_layout(kv, hd_, "kv");
     const int64_t cap = kv.size(4);
     TORCH_CHECK(kv.size(2) == B && start >= 0 && start + t <= cap, "kv: batch or capacity does not fit the step");
     TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t),
                 "bias shape");
     if (cos.numel() > 0)
       TORCH_CHECK(cos.numel() == B * t * hd_ && sin.numel() == B * t * hd_, "cos / sin: [B, t, head_dim]");
-    Part part{B, t, cap, start, kv, bias.to(torch::kFloat).contiguous(),
+    Part part{B, t, cap, start, lay, kv, bias.to(torch::kFloat).contiguous(),
               cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin};
     if (!local.empty()) {
       TORCH_CHECK(local.size() == 3, "local: [bias, cos, sin] of the window layers");
@@ -1123,17 +1313,17 @@ class NativeDecoder {
       }
       int64_t row = 0;
       for (const Part& part : parts) {
-        const int64_t rows = part.B * part.t, layer_stride = 2 * part.B * kvh_ * part.cap * hd_;
+        const int64_t rows = part.B * part.t, layer_bytes = 2 * part.B * kvh_ * part.cap * part.lay.row_bytes;
         float* q = qp + row * nq;
         if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos_of(L), part.sin_of(L));
-        float* kc = part.kv.data_ptr<float>() + l * layer_stride;
-        float* vc = kc + layer_stride / 2;
+        uint8_t* kc = static_cast<uint8_t*>(part.kv.data_ptr()) + l * layer_bytes;
+        uint8_t* vc = kc + layer_bytes / 2;
         clock.lap(2);
-        write_kv(q, nq, kc, vc, part.B, part.t, part.cap, part.start);
+        write_kv(q, nq, kc, vc, part.lay, part.B, part.t, part.cap, part.start);
         clock.lap(0);
         const torch::Tensor& bias = part.bias_of(L);
-        attention(l, q, nq, kc, vc, part.cap, bias.data_ptr<float>(), bias.size(2), part.B, part.t, part.segs,
-                  ap + row * h_ * hd_);
+        attention(l, q, nq, kc, vc, part.lay, part.cap, bias.data_ptr<float>(), bias.size(2), part.B, part.t,
+                  part.segs, ap + row * h_ * hd_);
         clock.lap(1);
         row += rows;
       }
@@ -1187,15 +1377,16 @@ class NativeDecoder {
       seg_bias[n] = seg_bias[n].to(torch::kFloat).contiguous();
       seg_group[n] = seg_group[n].to(torch::kLong).contiguous();
       const auto& sk = seg_kv[n];
-      TORCH_CHECK(sk.scalar_type() == torch::kFloat && sk.dim() == 6 && sk.size(0) == L && sk.size(1) == 2 &&
-                      sk.size(3) == kvh_ && sk.size(5) == hd_ && seg_bias[n].numel() == sk.size(2) * sk.size(4) &&
-                      seg_group[n].numel() == B,
+      TORCH_CHECK(sk.dim() == 6 && sk.size(0) == L && sk.size(1) == 2 && sk.size(3) == kvh_ &&
+                      seg_bias[n].numel() == sk.size(2) * sk.size(4) && seg_group[n].numel() == B,
                   "segment ", n, ": shapes do not match the decoder and batch");
+      const KVLayout lay = kv_layout(sk, hd_, "segment");
       const int64_t* grp = seg_group[n].data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b)
         TORCH_CHECK(grp[b] >= 0 && grp[b] < sk.size(2), "segment ", n, ": row ", b, " reads group ", grp[b],
                     " of ", sk.size(2));
-      segs.push_back(Segment{sk.data_ptr<float>(), seg_bias[n].data_ptr<float>(), grp, sk.size(2), sk.size(4)});
+      segs.push_back(Segment{static_cast<const uint8_t*>(sk.data_ptr()), lay, seg_bias[n].data_ptr<float>(), grp,
+                             sk.size(2), sk.size(4)});
     }
     return segs;
   }
@@ -1236,15 +1427,15 @@ class NativeDecoder {
       }
   }
 
-  void write_kv(const float* qkv, int64_t nq, float* kc, float* vc, int64_t B, int64_t t, int64_t cap,
-                int64_t start) const {
+  void write_kv(const float* qkv, int64_t nq, uint8_t* kc, uint8_t* vc, const KVLayout& lay, int64_t B, int64_t t,
+                int64_t cap, int64_t start) const {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < t; ++i) {
         const float* row = qkv + (b * t + i) * nq;
         for (int64_t kh = 0; kh < kvh_; ++kh) {
-          const int64_t at = ((b * kvh_ + kh) * cap + start + i) * hd_;
-          std::memcpy(kc + at, row + (h_ + kh) * hd_, hd_ * sizeof(float));
-          std::memcpy(vc + at, row + (h_ + kvh_ + kh) * hd_, hd_ * sizeof(float));
+          const int64_t at = ((b * kvh_ + kh) * cap + start + i) * lay.row_bytes;
+          encode_row(lay.kind, row + (h_ + kh) * hd_, hd_, kc + at);
+          encode_row(lay.kind, row + (h_ + kvh_ + kh) * hd_, hd_, vc + at);
         }
       }
   }
@@ -1258,9 +1449,9 @@ class NativeDecoder {
   //  2. the row's own cache over its whole capacity with the additive bias (padding rows cost compute, as in the
   //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
   // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
-  void attention(int64_t l, const float* qkv, int64_t nq, const float* kc, const float* vc, int64_t cap,
-                 const float* bias, int64_t bias_rows, int64_t B, int64_t t, const std::vector<Segment>& segs,
-                 float* out) const {
+  void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
+                 int64_t cap, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
+                 const std::vector<Segment>& segs, float* out) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -1286,17 +1477,21 @@ class NativeDecoder {
       part_o.resize(pairs * spans * R * hd_);
     }
     auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
+    const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
+    const float* kf = reinterpret_cast<const float*>(kc);
+    const float* vf = reinterpret_cast<const float*>(vc);
     at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
       Rows rows(R, OWN_KEYS * hd_);
       std::vector<float> p(R * OWN_KEYS);
+      std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
       std::vector<const float*> bias0(R);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
         const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / spans, next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
-        const int64_t next_task = task + 1 < end && next_k0 < cap
-                                      ? ((next_pair % B * kvh_ + next_pair / B) * cap + next_k0) * hd_
+        const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
+                                      ? (next_pair % B * kvh_ + next_pair / B) * cap + next_k0
                                       : -1;
         const bool direct = spans == 1;  // else the span's partial state goes to part_*
         for (int64_t r = 0; r < R; ++r) {  // row r = g * t + i: query i of the KV head's g-th query head
@@ -1307,15 +1502,24 @@ class NativeDecoder {
           rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
           rows.s[r] = direct && prior ? run_s[state] : 0.0f;
         }
-        const int64_t own = (b * kvh_ + kh) * cap * hd_;
+        const int64_t own = (b * kvh_ + kh) * cap;  // the pair's first row
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
           for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
           // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
           // the hardware prefetcher alone the KV stream ran at 9-10 GB/s here, against ~15 for the weights
-          const int64_t next = c0 + OWN_KEYS < k1 ? own + (c0 + OWN_KEYS) * hd_ : next_task;
-          attend_keys(rows, R, kc + own + c0 * hd_, vc + own + c0 * hd_, nc, scale, p.data(), OWN_KEYS,
-                      (direct && prior) || c0 > k0, next >= 0 ? kc + next : nullptr, next >= 0 ? vc + next : nullptr);
+          const int64_t next = c0 + OWN_KEYS < k1 ? own + c0 + OWN_KEYS : next_task;
+          const bool more = (direct && prior) || c0 > k0;
+          if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
+            widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
+                       next >= 0 ? kc + next * lay.row_bytes : nullptr);
+            widen_rows(lay, vc + (own + c0) * lay.row_bytes, nc, hd_, vbuf.data(),
+                       next >= 0 ? vc + next * lay.row_bytes : nullptr);
+            attend_keys(rows, R, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+          } else {
+            attend_keys(rows, R, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
+                        next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
+          }
         }
         if (k0 >= k1) {  // an empty span (more spans than the rounding left chunks for)
           for (int64_t r = 0; r < R; ++r) std::fill(rows.o[r], rows.o[r] + hd_, 0.0f);
@@ -1393,9 +1597,11 @@ class NativeDecoder {
       const int64_t b = members[task.grp][task.first + r / (G * t)], g = r / t % G, i = r % t;
       return (b * t + i) * h_ + task.kh * G + g;
     };
+    const bool narrow = sg.lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
     at::parallel_for(0, nrt * spans, 1, [&](int64_t begin, int64_t end) {
       Rows rows(rpad, 0);
       std::vector<float> p(rpad * SEG_KEYS), qt(hd_ * rpad);
+      std::vector<float> kbuf(narrow ? SEG_KEYS * hd_ : 0), vbuf(narrow ? SEG_KEYS * hd_ : 0);
       for (int64_t n = begin; n < end; ++n) {
         const Task& task = row_tasks[n / spans];
         const int64_t span = n % spans, R = task.count * G * t, Rp = (R + P - 1) / P * P;
@@ -1422,22 +1628,32 @@ class NativeDecoder {
           transpose_queries(rows, R, Rp, scale, qt.data());
         }
         const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
-        const float* K = sg.kv + ((head + task.grp * kvh_ + task.kh) * sg.len) * hd_;
-        const float* V = K + sg.groups * kvh_ * sg.len * hd_;
+        const int64_t k_row = (head + task.grp * kvh_ + task.kh) * sg.len, v_row = k_row + sg.groups * kvh_ * sg.len;
+        const float* Kf = reinterpret_cast<const float*>(sg.kv) + k_row * hd_;
+        const float* Vf = reinterpret_cast<const float*>(sg.kv) + v_row * hd_;
         const int64_t k1 = std::min(sg.len, (span + 1) * span_chunks * SEG_KEYS);
         for (int64_t c0 = span * span_chunks * SEG_KEYS; c0 < k1; c0 += SEG_KEYS) {
           const int64_t nc = std::min<int64_t>(SEG_KEYS, k1 - c0);
           const float* bias = sg.bias + task.grp * sg.len + c0;
+          const bool more = c0 + SEG_KEYS < k1;
+          const float *K = Kf + c0 * hd_, *V = Vf + c0 * hd_;
+          const float *K_next = more ? K + SEG_KEYS * hd_ : nullptr, *V_next = more ? V + SEG_KEYS * hd_ : nullptr;
+          if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
+            const uint8_t* k_at = sg.kv + (k_row + c0) * sg.lay.row_bytes;
+            const uint8_t* v_at = sg.kv + (v_row + c0) * sg.lay.row_bytes;
+            const int64_t skip = SEG_KEYS * sg.lay.row_bytes;
+            widen_rows(sg.lay, k_at, nc, hd_, kbuf.data(), more ? k_at + skip : nullptr);
+            widen_rows(sg.lay, v_at, nc, hd_, vbuf.data(), more ? v_at + skip : nullptr);
+            K = kbuf.data(), V = vbuf.data(), K_next = nullptr, V_next = nullptr;
+          }
           if (cols) {
             // the next chunk of this span is prefetched while this one is attended (K over the score blocks, V
             // over the weighing passes), as in the own-cache path
-            const bool more = c0 + SEG_KEYS < k1;
-            attend_columns(rows, R, Rp, qt.data(), K + c0 * hd_, V + c0 * hd_, nc, bias, p.data(),
-                           more ? K + (c0 + SEG_KEYS) * hd_ : nullptr, more ? V + (c0 + SEG_KEYS) * hd_ : nullptr,
+            attend_columns(rows, R, Rp, qt.data(), K, V, nc, bias, p.data(), K_next, V_next,
                            more ? std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS) : 0);
           } else {
             for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
-            attend_keys(rows, R, K + c0 * hd_, V + c0 * hd_, nc, scale, p.data(), SEG_KEYS, true);
+            attend_keys(rows, R, K, V, nc, scale, p.data(), SEG_KEYS, true);
           }
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -1915,6 +2131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ W (+ b) with W packed by pack_panels");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) for float32 x, NaN included");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [ceil(out/16), in, 16] panels");
+  m.def("encode_kv", &encode_kv, "float32 [N, head_dim] rows stored as a KV format (the dtype of `like`)");
   m.def("quant_rows", &quant_rows, "rows `ids` of the [out, in] matrix quantized panels hold, float32");
   // module_local: two builds of this file (an A/B of a kernel change) can be loaded into one process
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local())

@@ -2,7 +2,9 @@
 
 Layout: one contiguous tensor `kv` of shape [L, 2, B, H_kv, capacity, d] per cache, so that a chunk boundary is
 a single allocation + copy for all layers, and `kv[l, 0]` / `kv[l, 1]` are contiguous [B, H_kv, capacity, d]
-views the attention kernels read as plain dense matrices (no paging, no gather).
+views the attention kernels read as plain dense matrices (no paging, no gather). With a `kv_dtype` other than the
+model's, the last axis holds each row as its format stores it (formats.py: int8 values and their scale) and
+`read` gives the values.
 
 Rows are left-padded: every row writes the same column `length`; a row's prompt padding and every column at or
 beyond `length` are hidden by an additive bias of finfo.min (never by softmax over zeros). The bias is one
@@ -26,6 +28,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
+from .formats import KVFormat, kv_format
+
 
 class KVCache(ABC):
     name: ClassVar[str]
@@ -46,11 +50,18 @@ class KVCache(ABC):
         left_pad: Sequence[int] | None = None,
         window: int | None = None,
         window_every_layer: bool = True,
+        kv_dtype: str | None = None,
     ) -> None:
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.max_length = max_length
         self.dtype, self.device = dtype, torch.device(device)
+        # how rows are stored (kv_dtype, formats.py): the model's dtype by default; else each layer's K and V are
+        # encoded as they are written and decoded for the PyTorch attention paths (the native step reads them as
+        # stored)
+        self.format: KVFormat = kv_format(kv_dtype, dtype)
+        self.same_dtype = self.format.storage == dtype and self.format.width(head_dim) == head_dim
+        self.width = self.format.width(head_dim)
         self.min_value = torch.finfo(dtype).min
         pads = list(left_pad) if left_pad is not None else [0] * batch_size
         if len(pads) != batch_size:
@@ -58,7 +69,8 @@ class KVCache(ABC):
         self.left_pad = torch.tensor(pads, dtype=torch.long, device=self.device)
         self._max_pad = max(pads, default=0)  # host copy: no device sync on the decode path
         self.length = 0  # columns written (the same for every row: rows are left-padded)
-        self.kv = torch.empty((num_layers, 2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=self.device)
+        self.kv = torch.empty((num_layers, 2, batch_size, num_kv_heads, 0, self.width), dtype=self.format.storage,
+                              device=self.device)
         self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
         self.write_at: torch.Tensor | None = None  # CUDA graphs: the write column as a device index (see graphs.py)
         self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
@@ -117,13 +129,20 @@ class KVCache(ABC):
         full-capacity K and V views ([B, H_kv, capacity, d])."""
         t = k.shape[2]
         kv = self.kv[layer]
+        if not self.same_dtype:
+            k, v = self.format.encode(k), self.format.encode(v)
         if self.write_at is not None and t == 1:  # a captured decode step: the column comes from a device tensor
             kv[0].index_copy_(2, self.write_at, k)
             kv[1].index_copy_(2, self.write_at, v)
-            return kv[0], kv[1]
-        kv[0, :, :, self.length : self.length + t].copy_(k)
-        kv[1, :, :, self.length : self.length + t].copy_(v)
-        return kv[0], kv[1]
+        else:
+            kv[0, :, :, self.length : self.length + t].copy_(k)
+            kv[1, :, :, self.length : self.length + t].copy_(v)
+        return self.read(kv[0]), self.read(kv[1])
+
+    def read(self, stored: torch.Tensor) -> torch.Tensor:
+        """Rows as stored in this cache's format ([..., width]) -> their values in the model's dtype (the tensor
+        itself when the cache stores the model's dtype)."""
+        return stored if self.same_dtype else self.format.decode(stored, self.dtype)
 
     def commit(self, num_new: int) -> None:
         """Advance the written length after all layers wrote `num_new` columns."""
@@ -190,6 +209,7 @@ class KVCache(ABC):
         """Write row `src_row` of `src` (a prefilled request) into batch row `row` (a retired slot), right-aligned on
         the write column: one row's columns copied, nothing else moved. False when it has more columns than the
         batch's length (then `regroup` re-aligns every row)."""
+        self._check_format(src)
         lead = int(src.left_pad[src_row])
         n = src.length - lead
         if n > self.length:
@@ -214,6 +234,8 @@ class KVCache(ABC):
         column: the new length is the longest row's and every other row is left-padded by the difference, so a
         row that joined late wastes at most the columns of the oldest row still running. Capacity follows the
         strategy's growth rule with room for one more token. One allocation and one copy of the written columns."""
+        for j in joins:
+            self._check_format(j)
         keep_idx = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         parts = [(self, keep_idx)] + [(j, torch.arange(j.batch_size, device=self.device)) for j in joins]
         spans = []  # per part: (first column any of its rows reads, its length)
@@ -286,7 +308,7 @@ class KVCache(ABC):
     def check_integrity(self) -> None:
         """Invariants every strategy must keep; raises AssertionError naming the broken one."""
         L, two, B, H, cap, d = self.kv.shape
-        assert (L, two, B, H, d) == (self.num_layers, 2, self.batch_size, self.num_kv_heads, self.head_dim), "kv shape"
+        assert (L, two, B, H, d) == (self.num_layers, 2, self.batch_size, self.num_kv_heads, self.width), "kv shape"
         assert self.left_pad.shape == (B,), "one left_pad per row"
         assert self._max_pad == (int(self.left_pad.max()) if B else 0), "max pad matches left_pad"
         assert self.bias.shape == (B, 1, 1, cap), "bias shape"
@@ -300,9 +322,15 @@ class KVCache(ABC):
         assert torch.all(written[hidden] == self.min_value), "prompt padding is masked, and so is what left the sliding window"
         if not self.holes:
             assert torch.all(written[~hidden] == 0), "written columns are visible"
-        assert torch.isfinite(self.kv).all(), "no NaN/inf in KV rows (padding rows are zero-filled)"
+        assert all(torch.isfinite(self.read(self.kv[i])).all() for i in range(L)), \
+            "no NaN/inf in KV rows (padding rows are zero-filled)"
 
     # ---- internals -----------------------------------------------------------------------------
+    def _check_format(self, src: "KVCache") -> None:
+        """Rows move between caches as stored bytes: both must store the same format."""
+        if src.format is not self.format:
+            raise ValueError(f"a {src.format.name} KV cache's rows cannot join a {self.format.name} one")
+
     def _slide_window(self, start: int, end: int, positions: torch.Tensor | None) -> None:
         """Record the new columns' positions and mask, in the kept bias, the earlier columns the forward's first
         query no longer sees (position <= its position - window): no later query sees them either."""
@@ -354,7 +382,7 @@ class KVCache(ABC):
         if self.spare is not None and self.spare.numel() >= n:
             buf, self.spare = self.spare, None
             return buf[:n].view(shape)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.format.storage, device=self.device)
 
     def _keep_as_spare(self, old: torch.Tensor) -> None:
         """With keep_spare, the tensor a copy just left becomes the next copy's target (the larger of the two is

@@ -41,6 +41,7 @@ class ServeOptions:
     max_queue: int | None = None
     api_key: str | None = None
     kv: str = "bmc"
+    kv_dtype: str = "auto"
     r: int | None = None
     T: int | None = None
     dtype: str = "float32"
@@ -82,7 +83,7 @@ class ServerState:
             model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant)
             self.name = o.served_model_name or default_served_name(model.path)
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
-                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, speculative=o.speculative,
+                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
                                   tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
                                   attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)))
             metrics = ServerMetrics(self.name)
@@ -187,7 +188,8 @@ def build_app(opts: ServeOptions) -> FastAPI:
             raise bad(f"the request body is not valid JSON: {e}") from None
         try:
             parsed = parse_request(body, model, state.name, chat=chat, max_num_seqs=opts.max_num_seqs,
-                                   server_gen=GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T))
+                                   server_gen=GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T,
+                                                               kv_dtype=opts.kv_dtype))
         except BmcError as e:  # a tokenizer or prompt check below the protocol layer
             raise bad(str(e)) from None
         group = RequestGroup(state.engine, asyncio.get_running_loop())

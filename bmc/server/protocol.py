@@ -202,7 +202,7 @@ def parse_request(body: Any, model: Model, served_name: str, *, chat: bool, max_
                                   seed=seed % 2**63 if seed is not None else None)
         gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=_stop(body),
                                ignore_eos=_bool(body, "ignore_eos", False), kv=server_gen.kv, r=server_gen.r,
-                               T=server_gen.T)
+                               T=server_gen.T, kv_dtype=server_gen.kv_dtype)
     except BmcError as e:
         raise bad(str(e)) from None
     return ParsedRequest(prompts, gen, stream, include_usage, logprobs, chat)
