@@ -188,15 +188,17 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
 
 
 def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, max_chunks: int | None = None,
-               progress=None):
+               progress=None, kv_dtype: str = "auto"):
     """The model's perplexity on `text`, scored as llama.cpp's llama-perplexity scores it (bmc/ppl.py):
-    chunks of `context` tokens, the second half of each scored. Returns a PerplexityResult (.ppl, .ppl_stderr)."""
+    chunks of `context` tokens, the second half of each scored, the KV cache stored as `kv_dtype`. Returns a
+    PerplexityResult (.ppl, .ppl_stderr)."""
     from .ppl import perplexity as _perplexity
 
     if not isinstance(model, Model):
         raise InvalidRequestError("perplexity() runs on a model in this process; with tp > 1 only generate() is built")
 
-    return _perplexity(model, text, context=context, batch=batch, max_chunks=max_chunks, progress=progress)
+    return _perplexity(model, text, context=context, batch=batch, max_chunks=max_chunks, progress=progress,
+                       kv_dtype=kv_dtype)
 
 
 __all__ = ["load", "generate", "stream", "perplexity", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",

@@ -1,0 +1,152 @@
+"""Long-context decode by KV-cache dtype, bmc against llama.cpp on the same GGUF file, in one run.
+
+    python bench/kv_dtype.py --llama-bin DIR    # DIR: a llama.cpp build's bin/ (llama-batched-bench, llama-perplexity)
+
+Where the KV dominates what a decode step reads: the default model as shipped (Q4_1, 98 MB of weights), batch 8,
+each sequence a --ctx-token context (prompt ctx - gen, then --gen generated). At 8K the float32 KV of 8 rows is 3 GB
+a step against 0.1 GB of weights.
+- bmc: one random prompt prefilled once and forked to 8 rows that each keep their own copy (share_prefix="off", so
+  every row's attention streams its own KV, as 8 independent requests would); decode tok/s from generate()'s
+  stats, per kv_dtype (float32, bfloat16, int8);
+- llama.cpp: llama-batched-bench -npp (ctx - gen) -ntg gen -npl 8 -pps (the prompt prefilled once and copied
+  to the 8 sequences' own KV streams, llama.cpp's default), flash attention on, -ctk/-ctv f32, bf16, q8_0 (llama.cpp's 8-bit KV: blocks of 32 with an fp16 scale; bmc's int8 has
+  one float32 scale per row of head_dim);
+- perplexity per KV dtype: bmc.perplexity and llama-perplexity, --chunks chunks of --ppl-ctx tokens of Python's
+  own documentation (pydoc_data.topics), as bench/quant.py scores them.
+Writes JSON and a PNG under bench/results/cpu/."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bmc.bench.results import write_result
+
+KV_DTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # bmc's name -> llama.cpp's closest cache type
+
+
+def bmc_row(model: Any, kv_dtype: str, ids: list[int], text: str, args: argparse.Namespace) -> dict[str, Any]:
+    import bmc
+
+    c = bmc.generate(model, [ids], max_new_tokens=args.gen, num_samples=args.batch, share_prefix="off",
+                     ignore_eos=True, kv_dtype=kv_dtype)
+    s = c.stats
+    ppl = bmc.perplexity(model, text, context=args.ppl_ctx, max_chunks=args.chunks, kv_dtype=kv_dtype).ppl \
+        if args.chunks else None
+    return {"decode": s.decode_tokens_per_s, "prefill_s": s.prefill_seconds, "peak_kv_gb": s.peak_kv_bytes / 1e9,
+            "ppl": ppl}
+
+
+def llama_row(path: str, cache_type: str, text_file: str, args: argparse.Namespace) -> dict[str, Any]:
+    b, t = args.llama_bin, str(args.threads)
+    prompt = args.ctx - args.gen
+    kv = ["-fa", "on", "-ctk", cache_type, "-ctv", cache_type]
+    # -c: every sequence's share (n_ctx / sequences: llama.cpp's default KV streams, one per sequence)
+    out = subprocess.run([os.path.join(b, "llama-batched-bench"), "-m", path, "-c",
+                          str(args.batch * (args.ctx + 64)), "-npp", str(prompt), "-ntg", str(args.gen),
+                          "-npl", str(args.batch), "-pps", "-t", t, "-tb", t, *kv], capture_output=True, text=True,
+                         check=True).stdout
+    # the table's last row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    cells = [c.strip() for c in [ln for ln in out.splitlines() if ln.startswith("|")][-1].strip("|").split("|")]
+    row: dict[str, Any] = {"decode": float(cells[7]), "prefill_s": float(cells[4])}
+    out = subprocess.run([os.path.join(b, "llama-perplexity"), "-m", path, "-f", text_file, "-c", str(args.ppl_ctx),
+                          "--chunks", str(args.chunks), "-t", t, "-b", str(4 * args.ppl_ctx), *kv],
+                         capture_output=True, text=True, check=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    row["ppl"] = float(m.group(1)) if m else None
+    return row
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KV_DTYPES if k in result["rows"]]
+    engines = sorted({e for k in kinds for e in result["rows"][k]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    width = 0.8 / len(engines)
+    for ax, key, title in ((axes[0], "decode", "decode tok/s (8 rows, higher is better)"),
+                           (axes[1], "ppl", "perplexity (lower is better)")):
+        for i, e in enumerate(engines):
+            vals = [result["rows"][k].get(e, {}).get(key) or 0 for k in kinds]
+            bars = ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=e)
+            ax.bar_label(bars, fmt="%.1f" if key == "decode" else "%.3f", fontsize=8)
+        ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(kinds))],
+                      [f"{k}\n(llama.cpp {KV_DTYPES[k]})" for k in kinds])
+        ax.set_title(title)
+        if key == "ppl":
+            lo = min((v for k in kinds for e in engines if (v := result["rows"][k].get(e, {}).get("ppl"))), default=0)
+            ax.set_ylim(lo * 0.95, None)
+    axes[0].legend()
+    c = result["config"]
+    fig.suptitle(f"KV dtype at {c['ctx']} context, batch {c['batch']}, {c['gen']} generated; {c['model']}; "
+                 f"{c['threads']} threads, {c['host']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bin", help="a llama.cpp build's bin/ directory (llama-batched-bench, llama-perplexity)")
+    p.add_argument("--ctx", type=int, default=8192, help="context per sequence at the end of the run")
+    p.add_argument("--gen", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--ppl-ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=8, help="perplexity chunks (0: no perplexity)")
+    p.add_argument("--model", help="the model (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
+    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch
+
+    import bmc
+    from bmc.analytic.profile import device_name
+    from bmc.models import default_model_path
+
+    torch.set_num_threads(args.threads)
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    text_file = os.path.join(os.path.expanduser("~/.cache/bmc/bench"), "heldout.txt")
+    os.makedirs(os.path.dirname(text_file), exist_ok=True)
+    with open(text_file, "w", encoding="utf-8") as f:
+        f.write(text)
+    path = args.model or default_model_path()
+    model = bmc.load(path)
+    if args.ctx > model.max_context:
+        sys.exit(f"--ctx {args.ctx} is past the model's context ({model.max_context})")
+    ids = torch.randint(100, model.config.vocab_size - 100, (args.ctx - args.gen,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    host = f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cpus"
+    result: dict[str, Any] = {"config": dict(vars(args), host=host, model=os.path.basename(path),
+                                             text="pydoc_data.topics"), "rows": {}}
+    for kv_dtype in args.kv_dtypes.split(","):
+        rows = result["rows"][kv_dtype] = {}
+        t0 = time.time()
+        rows["bmc"] = bmc_row(model, kv_dtype, ids, text, args)
+        if args.llama_bin:
+            rows["llama.cpp"] = llama_row(path, KV_DTYPES[kv_dtype], text_file, args)
+        print(f"{kv_dtype:>9}: " + "  ".join(f"{e} decode {r['decode']:.1f} tok/s ppl {r['ppl'] or 0:.4f}"
+                                              for e, r in rows.items()) + f"  ({time.time() - t0:.0f} s)", flush=True)
+    base = result["rows"].get("float32", {})
+    for kv_dtype, rows in result["rows"].items():
+        for e, r in rows.items():
+            if e in base:
+                r["vs_float32"] = r["decode"] / base[e]["decode"]
+        if "llama.cpp" in rows:
+            rows["bmc"]["vs_llama_cpp"] = rows["bmc"]["decode"] / rows["llama.cpp"]["decode"]
+    for kv_dtype, rows in result["rows"].items():
+        print(f"{kv_dtype:>9}: " + "  ".join(f"{e} {r.get('vs_float32', 0):.2f}x its float32" for e, r in rows.items())
+              + (f"  bmc/llama.cpp {rows['bmc']['vs_llama_cpp']:.2f}x" if "llama.cpp" in rows else ""))
+    write_result(result, args.out, __file__, "kv-dtype", plot)
+
+
+if __name__ == "__main__":
+    main()
