@@ -5,9 +5,10 @@
 Where the KV dominates what a decode step reads: the default model as shipped (Q4_1, 98 MB of weights), batch 8,
 each sequence a --ctx-token context (prompt ctx - gen, then --gen generated). At 8K the float32 KV of 8 rows is 3 GB
 a step against 0.1 GB of weights.
-- bmc: one random prompt prefilled once and forked to 8 rows that each keep their own copy (share_prefix="off", so
-  every row's attention streams its own KV, as 8 independent requests would); decode tok/s from generate()'s
-  stats, per kv_dtype (float32, bfloat16, int8);
+- bmc: per kv_dtype (float32, bfloat16, int8), one random prompt prefilled once and forked to 8 rows that each keep
+  their own copy (every row's attention streams its own KV, as 8 independent requests would); decode steps of the
+  three caches interleaved in --rounds rounds, tok/s from the median step (this host's speed drifts by 20 %
+  between minutes: steps taken minutes apart do not compare);
 - llama.cpp: llama-batched-bench -npp (ctx - gen) -ntg gen -npl 8 -pps (the prompt prefilled once and copied
   to the 8 sequences' own KV streams, llama.cpp's default), flash attention on, -ctk/-ctv f32, bf16, q8_0 (llama.cpp's 8-bit KV: blocks of 32 with an fp16 scale; bmc's int8 has
   one float32 scale per row of head_dim);
@@ -29,16 +30,51 @@ from bmc.bench.results import write_result
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # bmc's name -> llama.cpp's closest cache type
 
 
-def bmc_row(model: Any, kv_dtype: str, ids: list[int], text: str, args: argparse.Namespace) -> dict[str, Any]:
+def bmc_decode(model: Any, kv_dtypes: list[str], ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Decode steps of `batch` rows at the prompt's context, the KV dtypes' steps interleaved (this host's speed
+    drifts by 20 % between minutes): each dtype's cache is prefilled once and forked to the rows (each row its own
+    copy), then --rounds rounds step every cache twice. Median step time per dtype -> tok/s."""
+    import statistics
+
+    import torch
+
+    from bmc.attention import causal_attention, dense_attention
+    from bmc.kv import KV_STRATEGIES
+
+    cfg, P, B = model.config, len(ids), args.batch
+    caches, prefill_s, times = {}, {}, {k: [] for k in kv_dtypes}
+    with torch.inference_mode():
+        for k in kv_dtypes:
+            cache = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                             head_dim=cfg.head_dim, max_length=args.ctx, dtype=model.dtype,
+                                             kv_dtype=k)
+            t0 = time.perf_counter()
+            cache.reserve(P)
+            model.net(torch.tensor([ids]), torch.arange(P)[None], cache, causal_attention, cache.attention_bias(P))
+            cache.commit(P)
+            prefill_s[k] = time.perf_counter() - t0
+            cache.reorder(torch.zeros(B, dtype=torch.long))
+            caches[k] = cache
+        pos, tok = P, torch.full((B, 1), 100)
+        for _ in range(args.rounds):
+            for k in kv_dtypes:
+                cache = caches[k]
+                for i in range(2):
+                    t0 = time.perf_counter()
+                    cache.reserve(1)
+                    model.net(tok, torch.full((B, 1), pos + i), cache, dense_attention, cache.attention_bias(1))
+                    cache.commit(1)
+                    times[k].append(time.perf_counter() - t0)
+            pos += 2
+    return {k: {"decode": B / statistics.median(times[k]), "step_ms": [round(t * 1e3, 2) for t in times[k]],
+                "prefill_s": prefill_s[k], "kv_gb": caches[k].nbytes / 1e9} for k in kv_dtypes}
+
+
+def bmc_ppl(model: Any, kv_dtype: str, text: str, args: argparse.Namespace) -> float | None:
     import bmc
 
-    c = bmc.generate(model, [ids], max_new_tokens=args.gen, num_samples=args.batch, share_prefix="off",
-                     ignore_eos=True, kv_dtype=kv_dtype)
-    s = c.stats
-    ppl = bmc.perplexity(model, text, context=args.ppl_ctx, max_chunks=args.chunks, kv_dtype=kv_dtype).ppl \
+    return bmc.perplexity(model, text, context=args.ppl_ctx, max_chunks=args.chunks, kv_dtype=kv_dtype).ppl \
         if args.chunks else None
-    return {"decode": s.decode_tokens_per_s, "prefill_s": s.prefill_seconds, "peak_kv_gb": s.peak_kv_bytes / 1e9,
-            "ppl": ppl}
 
 
 def llama_row(path: str, cache_type: str, text_file: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -97,6 +133,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=8192, help="context per sequence at the end of the run")
     p.add_argument("--gen", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds of 2 decode steps per KV dtype")
     p.add_argument("--ppl-ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8, help="perplexity chunks (0: no perplexity)")
     p.add_argument("--model", help="the model (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
@@ -127,10 +164,14 @@ def main() -> None:
     host = f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cpus"
     result: dict[str, Any] = {"config": dict(vars(args), host=host, model=os.path.basename(path),
                                              text="pydoc_data.topics"), "rows": {}}
-    for kv_dtype in args.kv_dtypes.split(","):
+    kinds = args.kv_dtypes.split(",")
+    if args.ctx - args.gen + 2 * args.rounds > args.ctx:
+        sys.exit("--gen must cover the 2 * --rounds decode steps")
+    decode = bmc_decode(model, kinds, ids, args)
+    for kv_dtype in kinds:
         rows = result["rows"][kv_dtype] = {}
         t0 = time.time()
-        rows["bmc"] = bmc_row(model, kv_dtype, ids, text, args)
+        rows["bmc"] = dict(decode[kv_dtype], ppl=bmc_ppl(model, kv_dtype, text, args))
         if args.llama_bin:
             rows["llama.cpp"] = llama_row(path, KV_DTYPES[kv_dtype], text_file, args)
         print(f"{kv_dtype:>9}: " + "  ".join(f"{e} decode {r['decode']:.1f} tok/s ppl {r['ppl'] or 0:.4f}"
