@@ -103,22 +103,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bmc.bench.plots import engine_bars
+
     kinds = [k for k in KV_DTYPES if k in result["rows"]]
-    engines = sorted({e for k in kinds for e in result["rows"][k]})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    width = 0.8 / len(engines)
     for ax, key, title in ((axes[0], "decode", "decode tok/s (8 rows, higher is better)"),
                            (axes[1], "ppl", "perplexity (lower is better)")):
-        for i, e in enumerate(engines):
-            vals = [result["rows"][k].get(e, {}).get(key) or 0 for k in kinds]
-            bars = ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=e)
-            ax.bar_label(bars, fmt="%.1f" if key == "decode" else "%.3f", fontsize=8)
-        ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(kinds))],
-                      [f"{k}\n(llama.cpp {KV_DTYPES[k]})" for k in kinds])
-        ax.set_title(title)
-        if key == "ppl":
-            lo = min((v for k in kinds for e in engines if (v := result["rows"][k].get(e, {}).get("ppl"))), default=0)
-            ax.set_ylim(lo * 0.95, None)
+        engine_bars(ax, result["rows"], kinds, key, title, [f"{k}\n(llama.cpp {KV_DTYPES[k]})" for k in kinds])
     axes[0].legend()
     c = result["config"]
     fig.suptitle(f"KV dtype at {c['ctx']} context, batch {c['batch']}, {c['gen']} generated; {c['model']}; "

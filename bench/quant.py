@@ -102,21 +102,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bmc.bench.plots import engine_bars
+
     types = [t for t in TYPES if t in result["rows"]]
-    engines = sorted({e for t in types for e in result["rows"][t]})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    width = 0.8 / len(engines)
     for ax, key, title in ((axes[0], "decode_b1", "decode tok/s, batch 1"), (axes[1], "decode_b8", "decode tok/s, batch 8"),
                            (axes[2], "ppl", "perplexity (lower is better)")):
-        for i, e in enumerate(engines):
-            vals = [result["rows"][t].get(e, {}).get(key) or 0 for t in types]
-            bars = ax.bar([j + i * width for j in range(len(types))], vals, width, label=e)
-            ax.bar_label(bars, fmt="%.1f" if key != "ppl" else "%.3f", fontsize=7)
-        ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(types))], types)
-        ax.set_title(title)
-        if key == "ppl":
-            lo = min(v for t in types for e in engines if (v := result["rows"][t].get(e, {}).get("ppl")))
-            ax.set_ylim(lo * 0.95, None)
+        engine_bars(ax, result["rows"], types, key, title)
     axes[0].legend()
     c = result["config"]
     fig.suptitle(f"SmolLM2-135M-Instruct GGUF, bmc vs llama.cpp, {c['threads']} threads, {c['host']}; perplexity: "

@@ -137,6 +137,20 @@ def gqa_dir(tiny_dirs) -> Path:
     return tiny_dirs["llama-gqa"]
 
 
+@pytest.fixture(scope="session")
+def wide_heads(tmp_path_factory) -> dict[int, str]:
+    """Tiny GQA Llamas whose head_dim takes the native step's vectorised attention paths (64: SmolLM2's, 128:
+    Llama-2's)."""
+    out = {}
+    for hd in (64, 128):
+        torch.manual_seed(hd)
+        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=3, num_key_value_heads=1, head_dim=hd,
+                                       max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        out[hd] = str(save_tiny(tmp_path_factory.mktemp(f"llama-hd{hd}"), transformers.LlamaForCausalLM(cfg).eval(), 320))
+    return out
+
+
 def require_real_model() -> str:
     """The real model's path. Skipped (with the reason) on a dev machine without it; a failure under CI, where
     the set-up installs it, so the real-model tests can never silently vanish there."""

@@ -19,7 +19,7 @@ from bmc.kv import KV_FORMATS, KV_STRATEGIES, kv_format
 from bmc.kv.formats import scales
 from bmc.scheduler import Scheduler
 
-from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, save_tiny, transformers
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS
 from .test_scheduler import PROMPTS, alone, assert_idle, drive, request
 
 NARROW = ["bfloat16", "float16", "int8"]
@@ -80,19 +80,6 @@ def test_unknown_kv_dtype_is_refused_by_name():
                                      kv_dtype="int8")
     with pytest.raises(ValueError, match="int8 KV cache's rows cannot join a float32 one"):
         cache.place(0, other)
-
-
-@pytest.fixture(scope="module")
-def wide_heads(tmp_path_factory) -> dict[int, str]:
-    """Tiny GQA Llamas whose head_dim takes the native step's vectorised paths (64: SmolLM2's, 128: Llama-2's)."""
-    out = {}
-    for hd in (64, 128):
-        torch.manual_seed(hd)
-        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=80, num_hidden_layers=2,
-                                       num_attention_heads=3, num_key_value_heads=1, head_dim=hd,
-                                       max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        out[hd] = str(save_tiny(tmp_path_factory.mktemp(f"kv-hd{hd}"), transformers.LlamaForCausalLM(cfg).eval(), 320))
-    return out
 
 
 def native_and_eager_step(model, monkeypatch, kv_dtype: str, t: int, tree: bool):

@@ -11,7 +11,7 @@ from bmc.attention import dense_attention
 from bmc.kernels.native import NATIVE_MAX_T, native_module
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, save_tiny, transformers
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, transformers
 
 VARIANTS = [f"llama-{v}" for v in LLAMA_VARIANTS] + [f"opt-{v}" for v in OPT_VARIANTS]
 
@@ -33,19 +33,6 @@ def require_native():
         if os.environ.get("CI"):
             pytest.fail("the native kernel did not build (CI has g++ and ninja)")
         pytest.skip("no C++ toolchain: the native kernel did not build")
-
-
-@pytest.fixture(scope="module")
-def wide_heads(tmp_path_factory) -> dict[int, str]:
-    """Tiny Llamas whose head_dim takes the vectorised attention paths (64: SmolLM2's, 128: Llama-2's)."""
-    out = {}
-    for hd in (64, 128):
-        torch.manual_seed(hd)
-        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=80, num_hidden_layers=2,
-                                       num_attention_heads=3, num_key_value_heads=1, head_dim=hd,
-                                       max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        out[hd] = str(save_tiny(tmp_path_factory.mktemp(f"llama-hd{hd}"), transformers.LlamaForCausalLM(cfg).eval(), 320))
-    return out
 
 
 def step_both_ways(model, eager, prompts: list[list[int]], t: int, tree: bool):

@@ -68,3 +68,20 @@ def _save(fig: Any, path: str) -> str:
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
+
+
+def engine_bars(ax: Any, rows: dict[str, dict[str, dict[str, Any]]], kinds: list[str], key: str, title: str,
+                labels: list[str] | None = None) -> None:
+    """One group of bars per kind (a precision, a KV dtype) and one bar per engine in it: rows[kind][engine][key],
+    labelled with its value; a perplexity axis starts near its lowest value so the differences show."""
+    engines = sorted({e for k in kinds for e in rows[k]})
+    width = 0.8 / len(engines)
+    for i, e in enumerate(engines):
+        vals = [rows[k].get(e, {}).get(key) or 0 for k in kinds]
+        bars = ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=e)
+        ax.bar_label(bars, fmt="%.3f" if key == "ppl" else "%.1f", fontsize=7)
+    ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(kinds))], labels or kinds)
+    ax.set_title(title)
+    if key == "ppl":
+        lo = min((v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))), default=0)
+        ax.set_ylim(lo * 0.95, None)
