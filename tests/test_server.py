@@ -338,3 +338,23 @@ def test_serve_refuses_what_it_does_not_serve(flags, message):
 
     proc = subprocess.run([sys.executable, "-m", "bmc.cli.serve", *flags], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_int8_kv_server_streams_equal_generate_alone(tiny_dir, model):
+    """bmc-serve --kv-dtype int8: concurrent streams give what generate(kv_dtype="int8") gives each alone."""
+    srv = ServerProcess(["--model", str(tiny_dir), "--max-num-seqs", "3", "--max-num-batched-tokens", "8",
+                         "--served-model-name", "tiny", "--kv-dtype", "int8"])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        card = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]
+        assert card["kv_cache_dtype"] == "int8"  # the batch cache stores int8 rows (the tiny model's tokens agree)
+        lengths = [14, 6, 10, 12]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_stream_model, client, "tiny", p, n, 0.05 * i)
+                       for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+            got = [f.result(timeout=120) for f in futures]
+        for (text, finish), p, n in zip(got, PROMPTS, lengths):
+            want = bmc.generate(model, [p], max_new_tokens=n, kv_dtype="int8")[0]
+            assert (text, finish) == (want.text, want.finish_reason), p
+    finally:
+        assert srv.terminate() == 0

@@ -167,9 +167,10 @@ def build_app(opts: ServeOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        model, _, _ = state.require_ready()
+        model, scheduler, _ = state.require_ready()
         return JSONResponse({"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
-                                                         "owned_by": "bmc", "max_model_len": model.max_context}]})
+                                                         "owned_by": "bmc", "max_model_len": model.max_context,
+                                                         "kv_cache_dtype": scheduler.cache.format.name}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
