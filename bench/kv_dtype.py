@@ -88,7 +88,9 @@ def llama_row(path: str, cache_type: str, text_file: str, args: argparse.Namespa
                          check=True).stdout
     # the table's last row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     cells = [c.strip() for c in [ln for ln in out.splitlines() if ln.startswith("|")][-1].strip("|").split("|")]
-    row: dict[str, Any] = {"decode": float(cells[7]), "prefill_s": float(cells[4])}
+    row: dict[str, Any] = {"decode": float(cells[7]), "prefill_s": float(cells[4]), "ppl": None}
+    if not args.chunks:
+        return row
     out = subprocess.run([os.path.join(b, "llama-perplexity"), "-m", path, "-f", text_file, "-c", str(args.ppl_ctx),
                           "--chunks", str(args.chunks), "-t", t, "-b", str(4 * args.ppl_ctx), *kv],
                          capture_output=True, text=True, check=True)
