@@ -230,7 +230,8 @@ def relong(model: Model, cache: KVCache, row: int, ids: list[int]) -> None:
     next token) with longrope's long factors, as transformers recomputes the sequence at the switch: a prefill
     into a cache of its own, placed over the row's columns (the same count, right-aligned on the write column)."""
     n = len(ids)
-    src, _ = prefill_alone(model, ids, prompt_len=n + 1, kv_dtype=cache.format.name)  # the sequence with its next token: past the switch
+    # the sequence with its next token (past the switch), stored as the row's cache stores it
+    src, _ = prefill_alone(model, ids, prompt_len=n + 1, kv_dtype=cache.format.name)
     if not cache.place(row, src):
         raise UnsupportedModelError(f"longrope's switch needs the row's {n} columns; its cache kept "
                                     f"{cache.length} (a sliding window dropped the rest)")
@@ -375,7 +376,7 @@ def check_length(model: Model, prompt_ids: list[list[int]], gen: GenerationConfi
         raise InvalidRequestError(
             f"prompt {longest} has {P} tokens; with max_new_tokens={gen.max_new_tokens} that is {max_length} "
             f"positions, beyond the model's context of {model.max_context}")
-    check_kv_fits(model, len(prompt_ids) * gen.num_samples, max_length)
+    check_kv_fits(model, len(prompt_ids) * gen.num_samples, max_length, gen.kv_dtype)
     return max_length
 
 
@@ -385,12 +386,13 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_kv_fits(model: Model, rows: int, max_length: int) -> None:
-    """Refuse a run whose KV cache alone (rows x max_length positions) exceeds the device's memory, before any
-    allocation: an absurd num_samples or batch gets a clear error instead of an allocator failure or the OOM killer."""
+def check_kv_fits(model: Model, rows: int, max_length: int, kv_dtype: str = "auto") -> None:
+    """Refuse a run whose KV cache alone (rows x max_length positions, stored as kv_dtype) exceeds the device's
+    memory, before any allocation: an absurd num_samples or batch gets a clear error instead of an allocator failure
+    or the OOM killer."""
     cfg = model.config
     need = (2 * cfg.num_layers * rows * cfg.num_kv_heads * max_length * cfg.head_dim
-            * torch.empty(0, dtype=model.dtype).element_size())
+            * kv_format(kv_dtype, model.dtype).bytes_per_value(cfg.head_dim))
     have = device_memory_bytes(model.device)
     if need > have:
         raise InvalidRequestError(f"{rows} rows of {max_length} positions need {need / 2**30:.1f} GiB of KV cache; "

@@ -241,3 +241,16 @@ def test_cli_kv_dtype(gqa_dir):
     assert ok.returncode == 0, ok.stderr
     bad = run("hello", "--kv-dtype", "int3")
     assert bad.returncode == 2 and "--kv-dtype" in bad.stderr and "int3" in bad.stderr
+
+
+def test_the_memory_check_counts_the_stored_bytes(gqa_dir):
+    """A run whose float32 KV would not fit the device's memory but whose int8 KV does is not refused."""
+    from bmc.engine import check_kv_fits, device_memory_bytes
+
+    model = bmc.load(str(gqa_dir))
+    cfg = model.config
+    row_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 1024  # one row of 1024 positions, float32
+    rows = int(device_memory_bytes(model.device) / row_bytes * 2)  # twice what float32 fits, about half for int8
+    with pytest.raises(InvalidRequestError, match="GiB of KV cache"):
+        check_kv_fits(model, rows, 1024)
+    check_kv_fits(model, rows, 1024, "int8")
