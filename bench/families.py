@@ -71,6 +71,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bmc.bench.plots import save_titled
+
     rows, names = result["rows"], list(result["rows"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, key in zip(axes, ("decode_b1", "decode_b8")):
@@ -80,10 +82,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title(f"decode tok/s, batch {key[-1]} (ratio to Llama)")
         ax.set_ylim(0, max(vals) * 1.25)
     c = result["config"]
-    fig.suptitle(f"native CPU step, SmolLM2-135M shapes, random fp32 weights, prompt {c['prompt']} + {c['gen']} "
-                 f"generated, {c['threads']} threads, {c['host']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_titled(fig, f"native CPU step, SmolLM2-135M shapes, random fp32 weights, prompt {c['prompt']} + {c['gen']} "
+                 f"generated, {c['threads']} threads, {c['host']}", path)
 
 
 def main() -> None:

@@ -105,7 +105,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bmc.bench.plots import engine_bars
+    from bmc.bench.plots import engine_bars, save_titled
 
     kinds = [k for k in KV_DTYPES if k in result["rows"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -114,10 +114,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         engine_bars(ax, result["rows"], kinds, key, title, [f"{k}\n(llama.cpp {KV_DTYPES[k]})" for k in kinds])
     axes[0].legend()
     c = result["config"]
-    fig.suptitle(f"KV dtype at {c['ctx']} context, batch {c['batch']}, {c['gen']} generated; {c['model']}; "
-                 f"{c['threads']} threads, {c['host']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_titled(fig, f"KV dtype at {c['ctx']} context, batch {c['batch']}, {c['gen']} generated; {c['model']}; "
+                 f"{c['threads']} threads, {c['host']}", path)
 
 
 def main() -> None:

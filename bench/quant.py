@@ -102,7 +102,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bmc.bench.plots import engine_bars
+    from bmc.bench.plots import engine_bars, save_titled
 
     types = [t for t in TYPES if t in result["rows"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -111,10 +111,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         engine_bars(ax, result["rows"], types, key, title)
     axes[0].legend()
     c = result["config"]
-    fig.suptitle(f"SmolLM2-135M-Instruct GGUF, bmc vs llama.cpp, {c['threads']} threads, {c['host']}; perplexity: "
-                 f"{c['chunks']} chunks of {c['ctx']} of {c['text']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_titled(fig, f"SmolLM2-135M-Instruct GGUF, bmc vs llama.cpp, {c['threads']} threads, {c['host']}; perplexity: "
+                 f"{c['chunks']} chunks of {c['ctx']} of {c['text']}", path)
 
 
 def main() -> None:

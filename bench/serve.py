@@ -379,6 +379,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bmc.bench.plots import save_titled
+
     runs = result["runs"]
     has_open = any(r["open_loop"] for r in runs)
     fig, axes = plt.subplots(1, 2 if has_open else 1, figsize=(11 if has_open else 6, 4), squeeze=False)
@@ -408,10 +410,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title("latency percentiles")
         ax.legend(fontsize=7)
     c = result["config"]
-    fig.suptitle(f"{c['model_name']}, fp32, {c['threads']} threads, in {c['input_len']} / out {c['output_len']}, "
-                 f"{c['host']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_titled(fig, f"{c['model_name']}, fp32, {c['threads']} threads, in {c['input_len']} / out {c['output_len']}, "
+                 f"{c['host']}", path)
 
 
 def main() -> None:

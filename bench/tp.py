@@ -55,6 +55,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bmc.bench.plots import save_titled
+
     rows, c = result["rows"], result["config"]
     fig, axes = plt.subplots(1, len(c["batches"]), figsize=(5 * len(c["batches"]), 4))
     for ax, b in zip(axes if len(c["batches"]) > 1 else [axes], c["batches"]):
@@ -67,10 +69,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             fontsize=8)
         ax.set_title(f"decode, batch {b}")
         ax.set_ylim(0, max(vals) * 1.3)
-    fig.suptitle(f"Llama-2-7B shape ({c['layers']} layers), random {c['dtype']} weights, PyTorch path, "
-                 f"{c['threads']} threads in all, {c['host']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_titled(fig, f"Llama-2-7B shape ({c['layers']} layers), random {c['dtype']} weights, PyTorch path, "
+                 f"{c['threads']} threads in all, {c['host']}", path)
 
 
 def main() -> None:

@@ -151,6 +151,16 @@ def wide_heads(tmp_path_factory) -> dict[int, str]:
     return out
 
 
+def require_native():
+    """Skip where the C++ kernel cannot build (no toolchain); under CI, which has g++ and ninja, fail instead."""
+    from bmc.kernels.native import native_module
+
+    if native_module() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the native kernel did not build (CI has g++ and ninja)")
+        pytest.skip("no C++ toolchain: the native kernel did not build")
+
+
 def require_real_model() -> str:
     """The real model's path. Skipped (with the reason) on a dev machine without it; a failure under CI, where
     the set-up installs it, so the real-model tests can never silently vanish there."""

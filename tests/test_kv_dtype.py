@@ -19,7 +19,7 @@ from bmc.kv import KV_FORMATS, KV_STRATEGIES, kv_format
 from bmc.kv.formats import scales
 from bmc.scheduler import Scheduler
 
-from .conftest import LLAMA_VARIANTS, OPT_VARIANTS
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, require_native
 from .test_scheduler import PROMPTS, alone, assert_idle, drive, request
 
 NARROW = ["bfloat16", "float16", "int8"]
@@ -124,8 +124,7 @@ def native_and_eager_step(model, monkeypatch, kv_dtype: str, t: int, tree: bool)
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("t,tree", [(1, False), (4, False), (5, True)])
 def test_native_step_writes_and_reads_the_eager_bytes(wide_heads, monkeypatch, kv_dtype, hd, t, tree):
-    if native_module() is None:
-        pytest.skip("no C++ toolchain: the native kernel did not build")
+    require_native()
     model = bmc.load(wide_heads[hd])
     assert model.net.native_decoder() is not None
     native, ref, c1, c2 = native_and_eager_step(model, monkeypatch, kv_dtype, t, tree)
@@ -141,9 +140,8 @@ def test_native_step_writes_and_reads_the_eager_bytes(wide_heads, monkeypatch, k
 
 @pytest.mark.parametrize("kv_dtype", NARROW)
 def test_native_encode_is_the_pytorch_encode_bit_for_bit(kv_dtype):
+    require_native()
     mod = native_module()
-    if mod is None:
-        pytest.skip("no C++ toolchain: the native kernel did not build")
     torch.manual_seed(3)
     x = torch.randn(500, 64) * torch.logspace(-4, 4, 500)[:, None]
     x[0] = 0.0

@@ -1,8 +1,6 @@
 """The native CPU decode step (bmc/kernels) against the eager PyTorch path and HF transformers."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from bmc.attention import dense_attention
 from bmc.kernels.native import NATIVE_MAX_T, native_module
 from bmc.kv import KV_STRATEGIES
 
-from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, transformers
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, require_native, transformers
 
 VARIANTS = [f"llama-{v}" for v in LLAMA_VARIANTS] + [f"opt-{v}" for v in OPT_VARIANTS]
 
@@ -26,13 +24,6 @@ def eager(monkeypatch):
         def __exit__(self, *exc):
             monkeypatch.delenv("BMC_NATIVE", raising=False)
     return Switch
-
-
-def require_native():
-    if native_module() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernel did not build (CI has g++ and ninja)")
-        pytest.skip("no C++ toolchain: the native kernel did not build")
 
 
 def step_both_ways(model, eager, prompts: list[list[int]], t: int, tree: bool):

@@ -70,6 +70,14 @@ def _save(fig: Any, path: str) -> str:
     return path
 
 
+def save_titled(fig: Any, title: str, path: str) -> None:
+    """A bench figure's last steps: its suptitle (the setting: batch, lengths, dtype, threads, host), laid out and
+    written at `path`."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def engine_bars(ax: Any, rows: dict[str, dict[str, dict[str, Any]]], kinds: list[str], key: str, title: str,
                 labels: list[str] | None = None) -> None:
     """One group of bars per kind (a precision, a KV dtype) and one bar per engine in it: rows[kind][engine][key],

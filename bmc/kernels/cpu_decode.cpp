@@ -897,6 +897,10 @@ KVLayout kv_layout(const torch::Tensor& kv, int64_t hd, const char* what) {
       TORCH_CHECK(kv.size(-1) == hd, what, ": bfloat16 rows of head_dim");
       return {KVKind::BF16, hd * 2};
     case torch::kHalf:
+#ifndef __F16C__
+      TORCH_CHECK(false, what, ": float16 KV on the native step needs a CPU with F16C (x86); use bfloat16, or "
+                  "BMC_NATIVE=0");
+#endif
       TORCH_CHECK(kv.size(-1) == hd, what, ": float16 rows of head_dim");
       return {KVKind::F16, hd * 2};
     case torch::kChar:
@@ -906,27 +910,6 @@ KVLayout kv_layout(const torch::Tensor& kv, int64_t hd, const char* what) {
       TORCH_CHECK(false, what, ": KV stored as ", kv.scalar_type(), " is not a KV format (float32, bfloat16, "
                   "float16, int8)");
   }
-}
-
-inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  } else {  // zero or subnormal: man * 2^-24
-    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
 }
 
 // One row of hd float32 values x stored as `kind` at dst (the PyTorch side's encode, bit for bit).
@@ -944,16 +927,12 @@ void encode_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
       }
       return;
     case KVKind::F16:
+#ifdef __F16C__  // else kv_layout refused the format
       for (int64_t e = 0; e < hd; ++e) {
-#ifdef __F16C__
         const uint16_t h = _cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
-#else
-        static_assert(sizeof(float) == 4, "");
-        TORCH_CHECK(false, "float16 KV needs a CPU with F16C");
-        const uint16_t h = 0;
-#endif
         std::memcpy(dst + 2 * e, &h, 2);
       }
+#endif
       return;
     case KVKind::I8: {
       static const float inv127 = 1.0f / 127.0f;  // fl(1/127), as formats.INV_127
@@ -1044,14 +1023,14 @@ void widen_rows(const KVLayout& lay, const uint8_t* src, int64_t n, int64_t hd, 
         break;
       }
       case KVKind::F16: {
+#ifdef __F16C__  // else kv_layout refused the format
         const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
-#ifdef __AVX512F__
         int64_t e = 0;
+#ifdef __AVX512F__
         for (; e + 16 <= hd; e += 16)
           _mm512_storeu_ps(out + e, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + e))));
-        for (; e < hd; ++e) out[e] = half_to_float(h[e]);
-#else
-        for (int64_t e = 0; e < hd; ++e) out[e] = half_to_float(h[e]);
+#endif
+        for (; e < hd; ++e) out[e] = _cvtsh_ss(h[e]);
 #endif
         break;
       }

@@ -91,10 +91,8 @@ class Int8(KVFormat):
 
 
 def scales(s: torch.Tensor) -> torch.Tensor:
-    """The float32 scales [..., 1] of int8 rows [..., head_dim + 4] (a view)."""
-    if not s.is_contiguous():  # a strided view of the cache: the scale bytes are not reinterpretable in place
-        s = s.contiguous()
-    return s[..., s.shape[-1] - SCALE_BYTES :].view(torch.float32)
+    """The float32 scales [..., 1] of int8 rows [..., head_dim + 4]."""
+    return s[..., s.shape[-1] - SCALE_BYTES :].contiguous().view(torch.float32)
 
 
 KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (Float32(), BFloat16(), Float16(), Int8())}
