@@ -5,8 +5,9 @@ held-out text, per precision, in one run.
                                               # llama-perplexity, llama-quantize); without it, bmc alone
 
 Files (under --work-dir): Q4_1 is the default model as shipped; F32 is it dequantized (bmc.bench.peers.f32_gguf);
-Q8_0 and Q4_0 are llama-quantize --pure of the F32 file (every matrix in that type). Both engines read the same
-file: bmc keeps the Q8_0/Q4_0/Q4_1 blocks as stored (quant="auto"; F32 runs float32).
+Q8_0, Q4_0 and Q6_K are llama-quantize --pure of the F32 file (every matrix in that type where its rows allow),
+Q4_K_M llama-quantize's own mix of Q4_K, Q6_K and (rows not whole super-blocks) Q5_0 / Q8_0. Both engines read the
+same file: bmc keeps every block as stored (quant="auto"; F32 runs float32).
 - decode: bmc's generate() decode tok/s on 8 synthetic 32-token prompts (batch 8) or the first (batch 1), 128
   tokens, EOS ignored, best of --repeats; llama.cpp's llama-bench tg128 (batch 1) and llama-batched-bench's S_TG
   at 8 sequences of 32 + 128 tokens;
@@ -30,7 +31,10 @@ from typing import Any
 
 from bmc.bench.results import write_result
 
-TYPES = ["F32", "Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["F32", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K_M"]
+# llama-quantize --pure: every matrix in the type (a K-quant falls back to Q8_0 where a row is not whole
+# super-blocks: the model's width 576 is not a multiple of 256, only ffn_down's 1536 is); Q4_K_M: llama.cpp's mix
+PURE = {"Q8_0": True, "Q4_0": True, "Q6_K": True, "Q4_K_M": False}
 
 
 def held_out_text(path: str | None) -> tuple[str, str]:
@@ -48,11 +52,11 @@ def model_files(work: str, llama_bin: str | None) -> dict[str, str]:
 
     src = default_model_path()
     files = {"Q4_1": src, "F32": f32_gguf(src, os.path.join(work, "model-f32.gguf"))}
-    for t in ("Q8_0", "Q4_0"):
-        dst = os.path.join(work, f"model-{t.lower()}.gguf")
+    for t, pure in PURE.items():
+        dst = os.path.join(work, f"model-{t.lower()}{'' if pure else '-mix'}.gguf")
         if not os.path.exists(dst) and llama_bin:
-            subprocess.run([os.path.join(llama_bin, "llama-quantize"), "--pure", files["F32"], dst, t], check=True,
-                           capture_output=True)
+            subprocess.run([os.path.join(llama_bin, "llama-quantize"), *(["--pure"] if pure else []), files["F32"],
+                            dst, t], check=True, capture_output=True)
         if os.path.exists(dst):
             files[t] = dst
     return files
@@ -65,7 +69,10 @@ def bmc_row(path: str, text: str, args: argparse.Namespace) -> dict[str, Any]:
     model = bmc.load(path)
     prompts = synthetic_prompts(model, 8, 32)
     bmc.generate(model, prompts[:1], max_new_tokens=4, ignore_eos=True)  # warm-up
-    row: dict[str, Any] = {"quant": model.quant, "weight_bytes": model.weight_bytes}
+    from collections import Counter
+
+    kept = Counter(lin.quant or "float32" for lin in model.linears())
+    row: dict[str, Any] = {"quant": model.quant, "weight_bytes": model.weight_bytes, "matrices": dict(kept)}
     for batch in (1, 8):
         best = 0.0
         for _ in range(args.repeats):
@@ -126,8 +133,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work-dir", default=os.path.expanduser("~/.cache/bmc/bench"))
+    p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated, of {','.join(TYPES)}")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    unknown = set(args.types.split(",")) - set(TYPES)
+    if unknown:
+        p.error(f"unknown --types {', '.join(sorted(unknown))}; choose from {', '.join(TYPES)}")
     os.makedirs(args.work_dir, exist_ok=True)
     import torch
 
@@ -143,7 +154,7 @@ def main() -> None:
     result: dict[str, Any] = {"config": dict(vars(args), host=host, text=text_name,
                                              text_sha256=hashlib.sha256(text.encode()).hexdigest()[:16],
                                              files={t: os.path.basename(f) for t, f in files.items()}), "rows": {}}
-    for t in TYPES:
+    for t in [t for t in TYPES if t in args.types.split(",")]:
         if t not in files:
             print(f"{t}: no file (needs --llama-bin for llama-quantize)", file=sys.stderr)
             continue

@@ -87,8 +87,8 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
 
 
 def test_mixed_types_and_the_weights_cache(tmp_path, monkeypatch):
-    """LAYER_PLAN mixes types within q|k|v and gate|up: those fused matrices are dequantized (float), the others
-    kept; a weights-cache round trip maps the quantized panels and computes the same."""
+    """LAYER_PLAN mixes float types (F16, BF16) with quantized ones within q|k|v and gate|up: those fused matrices
+    are dequantized (float), the others kept; a weights-cache round trip maps the quantized panels and computes the same."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = str(tmp_path / "mixed.gguf")
     _write(path)
@@ -212,51 +212,127 @@ def test_opt_quantized_at_load(tmp_path):
         assert bmc.generate(m, [[5, 6, 7, 8]], max_new_tokens=10, ignore_eos=True)[0].token_ids == out
 
 
-def random_q4k(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Valid Q4_K super-blocks with random quants, scales and mins (gguf cannot quantize Q4_K): [n, k/256*144]."""
+K_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+K_TYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0}
+
+
+def random_kquant(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid K-quant super-blocks with random quants, scales and mins (gguf cannot quantize them): [n, k/256*bytes].
+    Every bit pattern is a valid block once its fp16 scales are finite."""
     rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-    b[..., 0:2] = (rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16)).view(np.uint8).reshape(n, k // 256, 2)
-    b[..., 2:4] = (rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16)).view(np.uint8).reshape(n, k // 256, 2)
+    b = rng.integers(0, 256, size=(n, k // 256, K_BYTES[kind]), dtype=np.uint8)
+    scale = lambda: rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    if kind == "q6_k":  # ql, qh, 16 int8 scales, then d
+        b[..., 208:210] = scale()
+    else:  # d, dmin, then the packed scales and mins
+        b[..., 0:2], b[..., 2:4] = scale(), scale()
     return b.reshape(n, -1)
 
 
-def test_q4_k_super_blocks_become_exact_q4_panels():
-    w = QuantWeight("q4_k", (40, 512), random_q4k(40, 512))
+def random_matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    if kind in K_BYTES:
+        return QuantWeight(kind, (n, k), random_kquant(kind, n, k, seed))
+    x = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+    return QuantWeight(kind, (n, k), gguf.quants.quantize(x, K_TYPES[kind]))
+
+
+MIXED = ["q4_k", "q6_k", "q5_k", "q8_0"]  # a Q4_K_M file's fused q|k|v can be Q4_K, Q4_K and Q6_K
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "mixed"])
+def test_k_quant_panels_dequantize_to_what_gguf_dequantizes(kind):
+    """Q4_K as Q4 panels; Q5_K, Q6_K and a fused matrix of parts in different types as Q8X panels: bit for bit."""
+    if kind == "mixed":
+        w = QuantWeight.cat([random_matrix(t, n, 512, i) for i, (t, n) in enumerate(zip(MIXED, (32, 24, 8, 17)))])
+    else:
+        w = random_matrix(kind, 50, 512)  # 50 outputs: a partial last panel
     lin = bmc.models.ops.Linear(w)
-    assert lin.quant == "q4_k" and lin.panels.dtype == torch.uint8
-    assert torch.equal(lin.dense_weight(), w.dequantize().t())  # bit for bit what gguf dequantizes
-    x = torch.randn(3, 512)  # decode rows apply each block's scale and offset once: float32 rounding, K = 512
-    torch.testing.assert_close(lin(x), x @ w.dequantize().t(), rtol=1e-4, atol=1e-4)
+    assert lin.quant == kind and lin.wt is None
+    assert lin.panels.dtype == (torch.uint8 if kind == "q4_k" else torch.int8)
+    assert lin.panels.shape[-1] == (384 if kind == "q4_k" else 704)
+    assert torch.equal(lin.dense_weight(), w.dequantize().t())
+    ids = torch.tensor([0, 7, 16, 31, 32, 49])
+    assert torch.equal(native_module().quant_rows(lin.panels, 512, ids), w.dequantize()[ids])
 
 
-def test_a_q4_k_gguf_runs_as_stored(tmp_path):
-    """A llama GGUF whose matrices are Q4_K: kept as stored (fused q|k|v and gate|up too), the tokens of the same
-    file dequantized."""
-    D, I, V, L = 256, 512, 300, 2
-    path = str(tmp_path / "q4k.gguf")
+@pytest.mark.parametrize("kind", ["q5_k", "q6_k", "mixed"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 40])
+def test_q8x_gemm_equals_the_float_gemm_on_the_dequantized_weights(kind, rows):
+    """Every path of the Q8X GEMM (1-4 rows: scales applied per half block; 5-8: dequantized in registers; more:
+    into a buffer): within float32 rounding of the GEMM over gguf's dequantized weights. The K-quants' random
+    scales make weights of ~1, so the bound is relative to the sum of |x w|."""
+    if kind == "mixed":
+        w = QuantWeight.cat([random_matrix(t, n, 512, rows + i) for i, (t, n) in enumerate(zip(MIXED, (16, 8, 9, 17)))])
+    else:
+        w = random_matrix(kind, 50, 512, seed=rows)
+    b = torch.randn(w.shape[0])
+    lin = bmc.models.ops.Linear(w, b)
+    x = torch.randn(rows, 512)
+    dense = w.dequantize().double()
+    want = x.double() @ dense.t() + b.double()
+    scale = x.double().abs() @ dense.abs().t() + b.double().abs()
+    err = (lin(x).double() - want).abs()
+    assert (err <= 2e-6 * scale).all(), (err / scale).max()
+    assert err.max() > 0 or rows == 1  # the comparison is live: float32 sums of 512 terms round somewhere
+
+
+def _write_llama_gguf(path: str, plan: dict[str, str], D: int = 256, I: int = 512, V: int = 300, L: int = 2) -> None:
+    """A llama GGUF whose matrices are random blocks of the types `plan` names (per tensor kind; token_embd too)."""
     w = gguf.GGUFWriter(path, "llama")
     for add, v in ((w.add_block_count, L), (w.add_context_length, 256), (w.add_embedding_length, D),
                    (w.add_feed_forward_length, I), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                    (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, V)):
         add(v)
     seed = iter(range(100))
-    w.add_tensor("token_embd.weight", random_q4k(V, D, next(seed)), raw_dtype=Q.Q4_K)
+
+    def add(name: str, kind: str, n: int, k: int) -> None:
+        m = random_matrix(kind, n, k, next(seed))
+        if kind not in K_BYTES:  # scale a Q8_0 part like the K-quants' weights
+            m = QuantWeight(kind, (n, k), gguf.quants.quantize(m.dequantize().numpy() * 20, K_TYPES[kind]))
+        w.add_tensor(name, m.blocks, raw_dtype=K_TYPES[kind])
+
+    add("token_embd.weight", plan["token_embd"], V, D)
     w.add_tensor("output_norm.weight", np.ones(D, np.float32))
     shapes = {"attn_q": (D, D), "attn_k": (128, D), "attn_v": (128, D), "attn_output": (D, D), "ffn_gate": (I, D),
               "ffn_up": (I, D), "ffn_down": (D, I)}
     for i in range(L):
         for name, (n, k) in shapes.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", random_q4k(n, k, next(seed)), raw_dtype=Q.Q4_K)
+            add(f"blk.{i}.{name}.weight", plan.get(name, plan["default"]), n, k)
         for name in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{name}.weight", np.ones(D, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+PLANS = {
+    "q4_k": ({"default": "q4_k", "token_embd": "q4_k"}, {"q4_k"}),
+    # llama.cpp's Q4_K_M: Q6_K for attn_v, ffn_down and the output; Q5_K_M: Q5_K, with Q6_K in the same places
+    "q4_k_m": ({"default": "q4_k", "token_embd": "q6_k", "attn_v": "q6_k", "ffn_down": "q6_k"},
+               {"q4_k", "q6_k", "mixed"}),
+    "q5_k_m": ({"default": "q5_k", "token_embd": "q6_k", "attn_v": "q6_k", "ffn_down": "q6_k", "ffn_up": "q8_0"},
+               {"q5_k", "q6_k", "mixed"}),
+}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_k_quant_gguf_runs_as_stored(tmp_path, plan, monkeypatch):
+    """A llama GGUF of K-quants, mixed as llama.cpp's _M files mix them: every matrix kept as stored (a fused
+    q|k|v or gate|up of parts in different types as one Q8X matrix), the tokens of the same file dequantized, also
+    from the weights cache's mapped panels."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(tmp_path / f"{plan}.gguf")
+    types, kinds = PLANS[plan]
+    _write_llama_gguf(path, types)
     mq, mf = bmc.load(path), bmc.load(path, quant="none")
-    assert {lin.quant for lin in mq.linears()} == {"q4_k"} and mq.net.embed is None
+    assert {lin.quant for lin in mq.linears()} == kinds and mq.net.embed is None
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     a = bmc.generate(mq, prompts, max_new_tokens=12, ignore_eos=True)
     b = bmc.generate(mf, prompts, max_new_tokens=12, ignore_eos=True)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    bmc.load(path, share_weights=True)  # writes the weight file
+    again = bmc.load(path, share_weights=True)  # built from it
+    assert getattr(again, "weight_file", None) and {lin.quant for lin in again.linears()} == kinds
+    c = bmc.generate(again, prompts, max_new_tokens=12, ignore_eos=True)
+    assert [x.token_ids for x in c] == [x.token_ids for x in b]

@@ -333,58 +333,83 @@ constexpr bool blocked(int64_t M) { return M > 8 || M == 3 || M == 4; }
 #endif
 
 // ---- quantized panels (quant="gguf" / "q8_0" / "q4_0"): GGUF's blocks of 32 along K, re-laid per panel ----
-// A panel's K rows come in blocks of QK = 32, each holding its 16 columns' scales and quants:
-//   Q8, an int8 tensor [np, K/32, 576]:  float d[16] | int8 q[32][16]                                w = d * q
-//   Q4, a uint8 tensor [np, K/32, 384]:  float d[16] | float m[16] | uint8 q[16][16], the low nibble row j and the
-//                                         high nibble row j + 16 (GGUF's own order within a block)   w = d * q + m
-// (Q4_0 is Q4 with m = -8 d.) d * q is exact in float32 (q has at most 8 significant bits, d 11 from its fp16),
-// so these are the very float32 weights the `gguf` package dequantizes, and a GEMM over them runs the float
-// kernels above on a panel dequantized into a thread's buffer in L1/L2: the same arithmetic as quant="none",
-// bit for bit, reading 4.3x (Q8) or 7.1x (Q4) fewer bytes from memory.
+// A panel's K rows come in blocks of QK = 32, each holding its 16 columns' scales and quants. Three kinds, told
+// apart by the tensor's dtype and block bytes (quant_kind):
+//   Q8,  int8  [np, K/32, 576]:  float d[16] | int8 q[32][16]                                        w = d * q
+//   Q4,  uint8 [np, K/32, 384]:  float d[16] | float m[16] | uint8 q[16][16], the low nibble row j and the
+//                                 high nibble row j + 16 (GGUF's own order within a block)           w = d * q + m
+//   Q8X, int8  [np, K/32, 704]:  float d0[16] | float d1[16] | float m[16] | int8 q[32][16]
+//                                                                w = d0 * q + m (rows 0-15), d1 * q + m (16-31)
+// (Q4_0 is Q4 with m = -8 d; Q4_K is Q4 with d = d * sc_j, m = -dmin * m_j per 32-value sub-block. Q8X holds any
+// of them: Q5_K (q in 0-31), Q6_K (q - 32 in -32..31, a scale per 16 values), and a fused matrix whose parts are
+// of different types.) d * q is exact in float32 (d has at most 18 significant bits: an fp16 times a K-quant's 6-
+// or 8-bit sub-block scale; q at most 6 beyond), so these are the very float32 weights the `gguf` package
+// dequantizes, and a GEMM over them runs the float kernels above on a panel dequantized into a thread's buffer in
+// L1/L2: the same arithmetic as quant="none", bit for bit, reading 4.3x (Q8), 2.9x (Q8X) or 7.1x (Q4) fewer bytes
+// from memory.
 // Why not torch's int8/int4 ops: measured here (2-core EPYC, AVX-512, the default model's GEMM shapes, 30 layers +
 // lm_head, 2 threads), per token at M = 1: this file's fp32 panels 8.2 ms, MKL fp32 33.7, _weight_int8pack_mm 56.6,
 // _weight_int4pack_mm_for_cpu 122.6; at M = 8: 12.7, 52.3, 457, 942.
-constexpr int64_t QK = 32, Q8_BLOCK = 64 + QK * P, Q4_BLOCK = 128 + QK * P / 2;
+constexpr int64_t QK = 32, Q8_BLOCK = 64 + QK * P, Q4_BLOCK = 128 + QK * P / 2, Q8X_BLOCK = 192 + QK * P;
+enum QuantKind : int { KQ8 = 0, KQ4 = 1, KQ8X = 2 };
+constexpr int64_t KIND_BLOCK[3] = {Q8_BLOCK, Q4_BLOCK, Q8X_BLOCK};
+constexpr int64_t KIND_QUANTS[3] = {4 * P, 8 * P, 12 * P};  // where a block's quants start
+constexpr int64_t KIND_OFFSET[3] = {0, 4 * P, 8 * P};       // where its offsets m start (Q8: none)
+constexpr bool has_offset(int kind) { return kind != KQ8; }
 
 inline bool is_quant(const torch::Tensor& w) { return w.scalar_type() != torch::kFloat; }
-inline int64_t quant_block_bytes(const torch::Tensor& w) { return w.scalar_type() == torch::kChar ? Q8_BLOCK : Q4_BLOCK; }
+// -1: not a quantized panel layout
+inline int quant_kind_or_none(const torch::Tensor& w) {
+  if (w.dim() != 3) return -1;
+  const int64_t bytes = w.size(2);
+  if (w.scalar_type() == torch::kChar) return bytes == Q8_BLOCK ? KQ8 : bytes == Q8X_BLOCK ? KQ8X : -1;
+  if (w.scalar_type() == torch::kByte) return bytes == Q4_BLOCK ? KQ4 : -1;
+  return -1;
+}
+inline QuantKind quant_kind(const torch::Tensor& w) { return static_cast<QuantKind>(quant_kind_or_none(w)); }
 
-inline void dequant_q8(const uint8_t* blk, float* out) {  // out [32][16]
-  float d[P];
+template <int KIND>
+inline void dequant_block(const uint8_t* blk, float* out) {  // out [32][16]
+  float d[P], d1[P], m[P];
   std::memcpy(d, blk, sizeof d);
-  const int8_t* q = reinterpret_cast<const int8_t*>(blk + 4 * P);
+  if (KIND == KQ8X) std::memcpy(d1, blk + 4 * P, sizeof d1);
+  if (has_offset(KIND)) std::memcpy(m, blk + KIND_OFFSET[KIND], sizeof m);
+  if (KIND == KQ4) {
+    const uint8_t* q = blk + 8 * P;
+    for (int64_t j = 0; j < QK / 2; ++j)
+      for (int64_t c = 0; c < P; ++c) {
+        const uint8_t b = q[j * P + c];
+        out[j * P + c] = d[c] * static_cast<float>(b & 15) + m[c];
+        out[(j + QK / 2) * P + c] = d[c] * static_cast<float>(b >> 4) + m[c];
+      }
+    return;
+  }
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk + KIND_QUANTS[KIND]);
   for (int64_t k = 0; k < QK; ++k)
-    for (int64_t c = 0; c < P; ++c) out[k * P + c] = d[c] * static_cast<float>(q[k * P + c]);
+    for (int64_t c = 0; c < P; ++c) {
+      const float s = KIND == KQ8X && k >= QK / 2 ? d1[c] : d[c];
+      out[k * P + c] = has_offset(KIND) ? s * static_cast<float>(q[k * P + c]) + m[c] : s * static_cast<float>(q[k * P + c]);
+    }
 }
 
-inline void dequant_q4(const uint8_t* blk, float* out) {  // out [32][16]
-  float d[P], m[P];
-  std::memcpy(d, blk, sizeof d);
-  std::memcpy(m, blk + 4 * P, sizeof m);
-  const uint8_t* q = blk + 8 * P;
-  for (int64_t j = 0; j < QK / 2; ++j)
-    for (int64_t c = 0; c < P; ++c) {
-      const uint8_t b = q[j * P + c];
-      out[j * P + c] = d[c] * static_cast<float>(b & 15) + m[c];
-      out[(j + QK / 2) * P + c] = d[c] * static_cast<float>(b >> 4) + m[c];
-    }
+inline void dequant_any(QuantKind kind, const uint8_t* blk, float* out) {
+  switch (kind) {
+    case KQ8: return dequant_block<KQ8>(blk, out);
+    case KQ4: return dequant_block<KQ4>(blk, out);
+    case KQ8X: return dequant_block<KQ8X>(blk, out);
+  }
 }
 
 // Panels [p0, p0 + nb) of a quantized weight as float32 panels [nb][K][16] in `out`.
 void dequant_panels(const torch::Tensor& wq, int64_t p0, int64_t nb, int64_t K, float* out) {
-  const bool q8 = wq.scalar_type() == torch::kChar;
-  const int64_t nblk = K / QK, bb = quant_block_bytes(wq);
+  const QuantKind kind = quant_kind(wq);
+  const int64_t nblk = K / QK, bb = KIND_BLOCK[kind];
   const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr()) + p0 * nblk * bb;
   for (int64_t j = 0; j < nb; ++j)
     for (int64_t b = 0; b < nblk; ++b) {
       const uint8_t* blk = base + (j * nblk + b) * bb;
-      __builtin_prefetch(blk + 8 * bb);
-      __builtin_prefetch(blk + 8 * bb + 64);
-      float* o = out + (j * K + b * QK) * P;
-      if (q8)
-        dequant_q8(blk, o);
-      else
-        dequant_q4(blk, o);
+      for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
+      dequant_any(kind, blk, out + (j * K + b * QK) * P);
     }
 }
 
@@ -395,19 +420,6 @@ void dequant_panels(const torch::Tensor& wq, int64_t p0, int64_t nb, int64_t K, 
 // below) instead of per weight made batch-4 decode 10-15 % faster (426-476 -> 473-531 tok/s over Q4_0, Q8_0 and
 // Q4_1, two alternating runs each) and left batch 1 where it was (bound elsewhere). 5-8 rows (quant_block_kernel)
 // keep the per-weight dequantization: bit for bit the float kernels' arithmetic.
-inline v16 q8_row(const uint8_t* q, v16 d) {
-  return (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), (__m512)d);
-}
-template <int HIGH>
-inline v16 q4_row(const uint8_t* q, v16 d, v16 m) {
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-  v = HIGH ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
-  return (v16)_mm512_fmadd_ps((__m512)d, _mm512_cvtepi32_ps(v), (__m512)m);
-}
-
-// The block's scale (and Q4 offset) is applied once per 32 rows: sum_k x_k (d q_k + m) = d sum_k x_k q_k +
-// m sum_k x_k, with the row sums of x per block computed once per GEMM (xsum). One operation fewer per 16
-// weights than dequantizing each; the same value up to float rounding (activations stay float32).
 inline v16 q8_ints(const uint8_t* q) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
 }
@@ -417,13 +429,25 @@ inline v16 q4_ints(const uint8_t* q) {
   v = HIGH ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
   return (v16)_mm512_cvtepi32_ps(v);
 }
+// Row k of a block's quants as integers in float lanes: for Q4, rows 0-15 are the low nibbles of bytes 0-15 and
+// rows 16-31 their high nibbles.
+template <int KIND>
+inline v16 block_ints(const uint8_t* blk, int k) {
+  if (KIND == KQ4) return k < QK / 2 ? q4_ints<0>(blk + 8 * P + k * P) : q4_ints<1>(blk + 8 * P + (k - QK / 2) * P);
+  return q8_ints(blk + KIND_QUANTS[KIND] + k * P);
+}
 
-template <int MB, bool Q8>
+// The block's scale (and offset) is applied once per 32 rows (Q8X's scales once per 16): sum_k x_k (d q_k + m) =
+// d sum_k x_k q_k + m sum_k x_k, with the row sums of x per block computed once per GEMM (xsum). One operation
+// fewer per 16 weights than dequantizing each; the same value up to float rounding (activations stay float32).
+// Two accumulator chains per row: even/odd k, or for Q8X the two 16-row halves, interleaved.
+template <int MB, int KIND>
 void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* bias, float* y,
                         int64_t ldy, int64_t nw, bool accumulate, const float* xsum) {
   v16 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = v16{};
-  const int64_t nblk = K / QK, bb = Q8 ? Q8_BLOCK : Q4_BLOCK;
+  constexpr int64_t bb = KIND_BLOCK[KIND];
+  const int64_t nblk = K / QK;
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* blk = wq + b * bb;
     for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
@@ -431,34 +455,31 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
     const float* xb = x + b * QK;
     v16 s0[MB], s1[MB];
     for (int i = 0; i < MB; ++i) s0[i] = s1[i] = v16{};
-    if (Q8) {
-      const uint8_t* q = blk + 4 * P;
-      for (int k = 0; k < QK; k += 2) {
-        const v16 w0 = q8_ints(q + k * P), w1 = q8_ints(q + (k + 1) * P);
+    if (KIND == KQ8X) {
+      for (int k = 0; k < QK / 2; ++k) {
+        const v16 w0 = block_ints<KIND>(blk, k), w1 = block_ints<KIND>(blk, k + QK / 2);
         for (int i = 0; i < MB; ++i) {
           s0[i] += xb[i * ldx + k] * w0;
-          s1[i] += xb[i * ldx + k + 1] * w1;
+          s1[i] += xb[i * ldx + k + QK / 2] * w1;
         }
       }
-      for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]);
-    } else {
-      const uint8_t* q = blk + 8 * P;
-      for (int j = 0; j < QK / 2; j += 2) {  // rows 0-15: the low nibbles
-        const v16 w0 = q4_ints<0>(q + j * P), w1 = q4_ints<0>(q + (j + 1) * P);
-        for (int i = 0; i < MB; ++i) {
-          s0[i] += xb[i * ldx + j] * w0;
-          s1[i] += xb[i * ldx + j + 1] * w1;
-        }
+      const v16 d1 = load16(reinterpret_cast<const float*>(blk + 4 * P));
+      const v16 m = load16(reinterpret_cast<const float*>(blk + 8 * P));
+      for (int i = 0; i < MB; ++i) acc[i] += d * s0[i] + d1 * s1[i] + m * xsum[i * nblk + b];
+      continue;
+    }
+    for (int k = 0; k < QK; k += 2) {
+      const v16 w0 = block_ints<KIND>(blk, k), w1 = block_ints<KIND>(blk, k + 1);
+      for (int i = 0; i < MB; ++i) {
+        s0[i] += xb[i * ldx + k] * w0;
+        s1[i] += xb[i * ldx + k + 1] * w1;
       }
-      for (int j = 0; j < QK / 2; j += 2) {  // rows 16-31: the high nibbles of the same bytes
-        const v16 w0 = q4_ints<1>(q + j * P), w1 = q4_ints<1>(q + (j + 1) * P);
-        for (int i = 0; i < MB; ++i) {
-          s0[i] += xb[i * ldx + QK / 2 + j] * w0;
-          s1[i] += xb[i * ldx + QK / 2 + j + 1] * w1;
-        }
-      }
+    }
+    if (has_offset(KIND)) {
       const v16 m = load16(reinterpret_cast<const float*>(blk + 4 * P));
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]) + m * xsum[i * nblk + b];
+    } else {
+      for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]);
     }
   }
   const v16 bv = load_bias(bias, nw);
@@ -467,48 +488,38 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
 
 // 5-8 rows against NB panels, dequantized in registers: one accumulator chain per (row, column) over k in order,
 // as block_kernel runs it (which panels share a pass does not change any sum), so again bit for bit.
-template <int MB, int NB, bool Q8>
+template <int MB, int NB, int KIND>
 void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t panel_bytes, int64_t K,
                         const float* bias, float* y, int64_t ldy, int64_t nw, bool accumulate) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
-  const int64_t nblk = K / QK, bb = Q8 ? Q8_BLOCK : Q4_BLOCK;
+  constexpr int64_t bb = KIND_BLOCK[KIND];
+  const int64_t nblk = K / QK;
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* blk[NB];
-    v16 d[NB], m[NB];
+    v16 d[NB], m[NB];  // Q8X: rows 0-15's scales, then 16-31's
     for (int j = 0; j < NB; ++j) {
       blk[j] = wq + j * panel_bytes + b * bb;
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk[j] + 4 * bb + line);
       d[j] = load16(reinterpret_cast<const float*>(blk[j]));
-      m[j] = Q8 ? v16{} : load16(reinterpret_cast<const float*>(blk[j] + 4 * P));
+      m[j] = has_offset(KIND) ? load16(reinterpret_cast<const float*>(blk[j] + KIND_OFFSET[KIND])) : v16{};
     }
     const float* xb = x + b * QK;
-    if (Q8) {
-      for (int k = 0; k < QK; ++k) {
-        v16 w[NB];
-        for (int j = 0; j < NB; ++j) w[j] = q8_row(blk[j] + 4 * P + k * P, d[j]);
-        for (int i = 0; i < MB; ++i) {
-          const float xi = xb[i * ldx + k];
-          for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
-        }
+    for (int k = 0; k < QK; ++k) {
+      if (KIND == KQ8X && k == QK / 2)
+        for (int j = 0; j < NB; ++j) d[j] = load16(reinterpret_cast<const float*>(blk[j] + 4 * P));
+      v16 w[NB];
+      for (int j = 0; j < NB; ++j) {
+        const v16 q = block_ints<KIND>(blk[j], k);
+        if (has_offset(KIND))
+          w[j] = (v16)_mm512_fmadd_ps((__m512)d[j], (__m512)q, (__m512)m[j]);  // d q is exact: one rounding
+        else
+          w[j] = d[j] * q;
       }
-    } else {
-      for (int k = 0; k < QK / 2; ++k) {
-        v16 w[NB];
-        for (int j = 0; j < NB; ++j) w[j] = q4_row<0>(blk[j] + 8 * P + k * P, d[j], m[j]);
-        for (int i = 0; i < MB; ++i) {
-          const float xi = xb[i * ldx + k];
-          for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
-        }
-      }
-      for (int k = 0; k < QK / 2; ++k) {
-        v16 w[NB];
-        for (int j = 0; j < NB; ++j) w[j] = q4_row<1>(blk[j] + 8 * P + k * P, d[j], m[j]);
-        for (int i = 0; i < MB; ++i) {
-          const float xi = xb[i * ldx + QK / 2 + k];
-          for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
-        }
+      for (int i = 0; i < MB; ++i) {
+        const float xi = xb[i * ldx + k];
+        for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
       }
     }
   }
@@ -521,25 +532,24 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
 
 using QuantBlockKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
                                   int64_t, int64_t, bool);
-// 5-8 rows x 1-3 panels: Q8 takes three panels a pass (24 accumulators, 3 weight rows, 3 scales), Q4 two (its
-// offsets m take registers too)
-template <bool Q8>
+// 5-8 rows x 1-3 panels: Q8 takes three panels a pass (24 accumulators, 3 weight rows, 3 scales), the others two
+// (their offsets or second scales take registers too)
+template <int KIND>
 constexpr QuantBlockKernel QUANT_WIDE_KERNELS[12] = {
-    quant_block_kernel<5, 1, Q8>, quant_block_kernel<5, 2, Q8>, quant_block_kernel<5, 3, Q8>,
-    quant_block_kernel<6, 1, Q8>, quant_block_kernel<6, 2, Q8>, quant_block_kernel<6, 3, Q8>,
-    quant_block_kernel<7, 1, Q8>, quant_block_kernel<7, 2, Q8>, quant_block_kernel<7, 3, Q8>,
-    quant_block_kernel<8, 1, Q8>, quant_block_kernel<8, 2, Q8>, quant_block_kernel<8, 3, Q8>};
+    quant_block_kernel<5, 1, KIND>, quant_block_kernel<5, 2, KIND>, quant_block_kernel<5, 3, KIND>,
+    quant_block_kernel<6, 1, KIND>, quant_block_kernel<6, 2, KIND>, quant_block_kernel<6, 3, KIND>,
+    quant_block_kernel<7, 1, KIND>, quant_block_kernel<7, 2, KIND>, quant_block_kernel<7, 3, KIND>,
+    quant_block_kernel<8, 1, KIND>, quant_block_kernel<8, 2, KIND>, quant_block_kernel<8, 3, KIND>};
+constexpr const QuantBlockKernel* WIDE_BY_KIND[3] = {QUANT_WIDE_KERNELS<KQ8>, QUANT_WIDE_KERNELS<KQ4>,
+                                                     QUANT_WIDE_KERNELS<KQ8X>};
 
-template <bool Q8>
-void quant_rows_kernel(int64_t mb, const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* bias,
-                       float* y, int64_t ldy, int64_t nw, bool acc, const float* xsum) {
-  switch (mb) {
-    case 1: return quant_panel_kernel<1, Q8>(x, ldx, wq, K, bias, y, ldy, nw, acc, xsum);
-    case 2: return quant_panel_kernel<2, Q8>(x, ldx, wq, K, bias, y, ldy, nw, acc, xsum);
-    case 3: return quant_panel_kernel<3, Q8>(x, ldx, wq, K, bias, y, ldy, nw, acc, xsum);
-    default: return quant_panel_kernel<4, Q8>(x, ldx, wq, K, bias, y, ldy, nw, acc, xsum);
-  }
-}
+using QuantPanelKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
+                                  int64_t, bool, const float*);
+template <int KIND>
+constexpr QuantPanelKernel QUANT_ROW_KERNELS[4] = {quant_panel_kernel<1, KIND>, quant_panel_kernel<2, KIND>,
+                                                   quant_panel_kernel<3, KIND>, quant_panel_kernel<4, KIND>};
+constexpr const QuantPanelKernel* ROWS_BY_KIND[3] = {QUANT_ROW_KERNELS<KQ8>, QUANT_ROW_KERNELS<KQ4>,
+                                                     QUANT_ROW_KERNELS<KQ8X>};
 #endif
 
 float* scratch(int64_t floats) {  // a thread's panel buffer, grown as needed and kept
@@ -554,43 +564,39 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
                 const float* bias, float* y, bool accumulate) {
   const int64_t np = wq.size(0);
 #ifdef __AVX512F__
+  const QuantKind kind = quant_kind(wq);
+  const int64_t panel_bytes = K / QK * KIND_BLOCK[kind], nblk = K / QK;
+  const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
   if (M <= 4) {  // the panel streams through registers, its scales applied once per block
-    const bool q8 = wq.scalar_type() == torch::kChar;
-    const int64_t panel_bytes = K / QK * quant_block_bytes(wq), nblk = K / QK;
-    const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
-    // each row's sum over each block of K (the Q4 offsets' factor), in a buffer kept by the calling thread: no
+    // each row's sum over each block of K (the offsets' factor), in a buffer kept by the calling thread: no
     // allocation per GEMM on the decode path
     static thread_local std::vector<float> xsum_buf;
     if (static_cast<int64_t>(xsum_buf.size()) < M * nblk) xsum_buf.resize(M * nblk);
     float* xsum = xsum_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
-    for (int64_t i = 0; i < (q8 ? 0 : M); ++i)
+    for (int64_t i = 0; i < (has_offset(kind) ? M : 0); ++i)
       for (int64_t b = 0; b < nblk; ++b) {
         float t = 0.0f;
         for (int64_t k = 0; k < QK; ++k) t += x[i * ldx + b * QK + k];
         xsum[i * nblk + b] = t;
       }
+    const QuantPanelKernel kernel = ROWS_BY_KIND[kind][M - 1];
     at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
-        (q8 ? quant_rows_kernel<true> : quant_rows_kernel<false>)(M, x, ldx, base + p * panel_bytes, K,
-                                                                   bias == nullptr ? nullptr : bias + n0, y + n0, N,
-                                                                   nw, accumulate, xsum);
+        kernel(x, ldx, base + p * panel_bytes, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate,
+               xsum);
       }
     });
     return;
   }
-  if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (Q4) panels a pass
-    const bool q8 = wq.scalar_type() == torch::kChar;
-    const int64_t per = q8 ? 3 : 2;
-    const int64_t panel_bytes = K / QK * quant_block_bytes(wq), groups = (np + per - 1) / per;
-    const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
+  if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (the others) panels a pass
+    const int64_t per = kind == KQ8 ? 3 : 2, groups = (np + per - 1) / per;
     at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = per * g, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
-        (q8 ? QUANT_WIDE_KERNELS<true> : QUANT_WIDE_KERNELS<false>)[(M - 5) * 3 + nb - 1](
-            x, ldx, base + p0 * panel_bytes, panel_bytes, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw,
-            accumulate);
+        WIDE_BY_KIND[kind][(M - 5) * 3 + nb - 1](x, ldx, base + p0 * panel_bytes, panel_bytes, K,
+                                                 bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate);
       }
     });
     return;
@@ -705,9 +711,8 @@ torch::Tensor pack_panels(const torch::Tensor& wt) {
 
 // A quantized weight's panels, checked against its [in K, out N] shape.
 void check_quant(const torch::Tensor& wq, int64_t K, int64_t N, const char* name) {
-  TORCH_CHECK((wq.scalar_type() == torch::kChar || wq.scalar_type() == torch::kByte) && wq.dim() == 3 &&
-                  wq.is_contiguous() && K % QK == 0 && wq.size(0) == (N + P - 1) / P && wq.size(1) == K / QK &&
-                  wq.size(2) == quant_block_bytes(wq),
+  TORCH_CHECK(quant_kind_or_none(wq) >= 0 && wq.is_contiguous() && K % QK == 0 && wq.size(0) == (N + P - 1) / P &&
+                  wq.size(1) == K / QK,
               name, ": quantized panels do not match the weight's shape");
 }
 
@@ -726,20 +731,17 @@ torch::Tensor dequantize_panels(const torch::Tensor& wq, int64_t K) {
 torch::Tensor quant_rows(const torch::Tensor& wq, int64_t K, const torch::Tensor& ids) {
   check_quant(wq, K, wq.size(0) * P, "quant_rows");
   auto idx = ids.to(torch::kLong).contiguous();
-  const int64_t n = idx.numel(), nblk = K / QK, bb = quant_block_bytes(wq);
+  const QuantKind kind = quant_kind(wq);
+  const int64_t n = idx.numel(), nblk = K / QK, bb = KIND_BLOCK[kind];
   auto out = torch::empty({n, K}, torch::kFloat);
   const int64_t* id = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < wq.size(0) * P, "quant_rows: id out of range");
-  const bool q8 = wq.scalar_type() == torch::kChar;
   float panel_block[QK * P];
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = id[i] / P, c = id[i] % P;
     for (int64_t b = 0; b < nblk; ++b) {
       const uint8_t* blk = static_cast<const uint8_t*>(wq.data_ptr()) + (p * nblk + b) * bb;
-      if (q8)
-        dequant_q8(blk, panel_block);
-      else
-        dequant_q4(blk, panel_block);
+      dequant_any(kind, blk, panel_block);
       for (int64_t k = 0; k < QK; ++k) out.data_ptr<float>()[i * K + b * QK + k] = panel_block[k * P + c];
     }
   }

@@ -44,7 +44,7 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.packed_m = 0
         self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
-        self.quant: str | None = None  # "q8_0", "q4_0", "q4_1": the panels are the only copy (wt is None)
+        self.quant: str | None = None  # a QuantWeight kind ("q8_0", "q6_k", "mixed", ...): panels only, wt None
         if isinstance(wt, QuantWeight):
             self.wt = None
             self.out_features, self.in_features = wt.shape

@@ -7,9 +7,9 @@ thread's buffer and runs the float32 GEMM kernels on it, so a quantized model co
 weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the native step, bit for bit, reading
 4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
 
-Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the Q8_0, Q4_0, Q4_1 and Q4_K matrices
-of a GGUF file as stored, and Q5_0 ones as the Q8_0 blocks of the same values (q5_0_as_q8_0; other types, e.g.
-F16, Q5_K or Q6_K, are dequantized to float32); "q8_0" and "q4_0" quantize
+Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and
+Q6_K matrices of a GGUF file as stored (K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same
+values (q5_0_as_q8_0; other types, e.g. F16 or Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize
 the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file where the native step runs (CPU,
 float32) and "none" otherwise."""
 from __future__ import annotations
@@ -23,10 +23,16 @@ from ..errors import InvalidRequestError
 
 QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144}  # GGUF's block sizes
-BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256}  # values per GGUF block (Q4_K: a super-block)
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # GGUF's block sizes
+BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}  # K-quants: super-blocks
 PANEL = 16
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
+# The native step's panel formats (cpu_decode.cpp's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
+#   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others.
+PANEL_FORMATS = {"q8": (4 * PANEL + QK * PANEL, torch.int8), "q4": (8 * PANEL + QK * PANEL // 2, torch.uint8),
+                 "q8x": (12 * PANEL + QK * PANEL, torch.int8)}
+# "mixed": a fused matrix (q|k|v, gate|up) whose parts a GGUF file stores in different types
+FORMAT_OF = {"q8_0": "q8", "q4_0": "q4", "q4_1": "q4", "q4_k": "q4", "q5_k": "q8x", "q6_k": "q8x", "mixed": "q8x"}
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -46,16 +52,103 @@ def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class Values32:
+    """A matrix's values in blocks of 32 along K, as every kind here decodes: w = d0 * q + m for a block's rows
+    0-15 and d1 * q + m for rows 16-31, with d * q exact in float32 (so one rounding, as `gguf`'s own)."""
+
+    d0: np.ndarray  # float32 [N, K/32]
+    d1: np.ndarray  # float32 [N, K/32] (d0 except for Q6_K's 16-value sub-blocks)
+    m: np.ndarray  # float32 [N, K/32]
+    q: np.ndarray  # int8 [N, K/32, 32], in row order
+
+
+def _fp16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] bytes -> int8 [..., 32]: values 0-15 low, 16-31 high
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int8)
+
+
+def decode(kind: str, blocks: np.ndarray, N: int, K: int) -> Values32:
+    """GGUF blocks [N, K / values * bytes] as Values32, following `gguf.quants`' dequantizers term by term."""
+    import gguf
+
+    nblk = K // QK
+    if kind in ("q8_0", "q4_0", "q4_1"):
+        b = blocks.reshape(N, nblk, BLOCK_BYTES[kind])
+        d = _fp16(b[..., 0:2])
+        if kind == "q8_0":
+            return Values32(d, d, np.zeros_like(d), b[..., 2:].view(np.int8))
+        if kind == "q4_0":  # w = d * (q - 8) = d * q + (-8 d), exact in float32
+            return Values32(d, d, -8.0 * d, _nibbles(b[..., 2:]))
+        return Values32(d, d, _fp16(b[..., 2:4]), _nibbles(b[..., 4:]))
+    ns = K // 256
+    b = blocks.reshape(N * ns, BLOCK_BYTES[kind])
+    if kind in ("q4_k", "q5_k"):  # eight 32-value sub-blocks: w = (d * sc_j) * q - dmin * m_j
+        d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
+        sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        scale = (d[:, None] * sc.reshape(-1, 8).astype(np.float32)).reshape(N, nblk)
+        offset = -(dmin[:, None] * mn.reshape(-1, 8).astype(np.float32)).reshape(N, nblk)
+        if kind == "q4_k":  # group g of 32 bytes: low nibbles = sub-block 2g, high = 2g + 1
+            qs = b[:, 16:].reshape(-1, 4, 1, 32)
+            q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        else:  # the same nibbles (from byte 48) plus a fifth bit from the 32 bytes of qh
+            low = (b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+            high = (b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
+        return Values32(scale, scale, offset, q.astype(np.int8).reshape(N, nblk, QK))
+    if kind == "q6_k":  # sixteen 16-value sub-blocks: w = (d * sc_j) * (q - 32), q - 32 an int8
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)
+        scale = (_fp16(b[:, 208:210])[:, None] * sc).reshape(N, nblk, 2)  # a block of 32: two sub-blocks
+        low = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+        high = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+        return Values32(scale[..., 0], scale[..., 1], np.zeros((N, nblk), np.float32), q.reshape(N, nblk, QK))
+    raise InvalidRequestError(f"no panel format for {kind!r} blocks")
+
+
+def _by_panel(x: np.ndarray) -> np.ndarray:
+    """[N, nblk, ...] -> [np, nblk, 16 columns, ...], the rows past N zero."""
+    N = x.shape[0]
+    npanels = (N + PANEL - 1) // PANEL
+    pad = np.zeros((npanels * PANEL, *x.shape[1:]), dtype=x.dtype)
+    pad[:N] = x
+    return pad.reshape(npanels, PANEL, *x.shape[1:]).swapaxes(1, 2)
+
+
+def panels_of(v: Values32, fmt: str) -> torch.Tensor:
+    """Values32 in panel format `fmt` (PANEL_FORMATS): each block's float32 vectors, then its quants, per 16
+    columns. q8 needs d0 == d1 and m == 0, q4 d0 == d1 and q in 0-15 (the kinds FORMAT_OF maps there)."""
+    N, nblk = v.d0.shape
+    npanels = (N + PANEL - 1) // PANEL
+    vectors = {"q8": [v.d0], "q4": [v.d0, v.m], "q8x": [v.d0, v.d1, v.m]}[fmt]
+    q = v.q.view(np.uint8)
+    if fmt == "q4":  # byte j = value j (low nibble) and value j + 16 (high), GGUF's order within a block
+        q = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    out = np.empty((npanels, nblk, PANEL_FORMATS[fmt][0]), dtype=np.uint8)
+    for i, x in enumerate(vectors):
+        out[..., 4 * PANEL * i : 4 * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(x.astype(np.float32))).view(
+            np.uint8).reshape(npanels, nblk, -1)
+    out[..., 4 * PANEL * len(vectors) :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]
+    return torch.from_numpy(out).view(PANEL_FORMATS[fmt][1])
+
+
+@dataclass
 class QuantWeight:
     """An [out N, in K] matrix in GGUF blocks along K: blocks [N, K/32 * block bytes] uint8 (None: shape only, for
-    a model whose panels a weight file supplies)."""
+    a model whose panels a weight file supplies); kind "mixed": `parts` of different kinds stacked along N."""
 
-    kind: str  # "q8_0", "q4_0" or "q4_1"
+    kind: str  # a key of BLOCK_BYTES, or "mixed"
     shape: tuple[int, int]
     blocks: np.ndarray | None
+    parts: list["QuantWeight"] | None = None
 
     def __post_init__(self) -> None:
         N, K = self.shape
+        if self.kind == "mixed":
+            assert self.parts and sum(p.shape[0] for p in self.parts) == N and {p.shape[1] for p in self.parts} == {K}
+            return
         per = BLOCK_VALUES[self.kind]
         if K % per:
             raise InvalidRequestError(f"a {self.kind} matrix needs rows of whole blocks of {per}, got {K} columns")
@@ -64,90 +157,50 @@ class QuantWeight:
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
-        """Matrices of one kind stacked along the output axis (fused q|k|v, gate|up)."""
-        kinds, ks = {p.kind for p in parts}, {p.shape[1] for p in parts}
-        assert len(kinds) == 1 and len(ks) == 1, "QuantWeight.cat: one kind and width"
-        n = sum(p.shape[0] for p in parts)
+        """Matrices stacked along the output axis (fused q|k|v, gate|up): one kind's blocks concatenated, or parts
+        of different kinds held as "mixed" (panels in q8x, which every kind's values fit exactly)."""
+        assert len({p.shape[1] for p in parts}) == 1, "QuantWeight.cat: one width"
+        n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        if len({p.kind for p in parts}) > 1 or parts[0].kind == "mixed":
+            flat = [q for p in parts for q in (p.parts if p.kind == "mixed" else [p])]  # type: ignore[union-attr]
+            return QuantWeight("mixed", (n, k), None, flat)
         blocks = None if any(p.blocks is None for p in parts) else np.concatenate([p.blocks for p in parts])
-        return QuantWeight(parts[0].kind, (n, parts[0].shape[1]), blocks)
+        return QuantWeight(parts[0].kind, (n, k), blocks)
+
+    def has_values(self) -> bool:
+        return all(p.blocks is not None for p in self.parts) if self.parts else self.blocks is not None
+
+    def decode(self) -> Values32:
+        assert self.has_values()
+        if self.parts:
+            vs = [p.decode() for p in self.parts]
+            return Values32(*(np.concatenate([getattr(v, f) for v in vs]) for f in ("d0", "d1", "m", "q")))
+        return decode(self.kind, self.blocks, *self.shape)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as the `gguf` package dequantizes it."""
         import gguf
 
-        assert self.blocks is not None
+        assert self.has_values()
+        if self.parts:
+            return torch.cat([p.dequantize() for p in self.parts])
         qtype = getattr(gguf.GGMLQuantizationType, self.kind.upper())
         return torch.from_numpy(np.require(gguf.quants.dequantize(self.blocks, qtype), np.float32, ["C", "W"])
                                 ).view(self.shape)
 
     def panel_shape(self) -> tuple[int, int, int]:
         N, K = self.shape
-        per_block = 4 * PANEL + QK * PANEL if self.kind == "q8_0" else 8 * PANEL + QK * PANEL // 2
-        return (N + PANEL - 1) // PANEL, K // QK, per_block
+        return (N + PANEL - 1) // PANEL, K // QK, PANEL_FORMATS[FORMAT_OF[self.kind]][0]
 
     def panel_dtype(self) -> torch.dtype:
-        return torch.int8 if self.kind == "q8_0" else torch.uint8
+        return PANEL_FORMATS[FORMAT_OF[self.kind]][1]
 
     def panels(self) -> torch.Tensor:
-        """The native step's layout: int8 [np, K/32, 576] (Q8) or uint8 [np, K/32, 384] (Q4, Q4_0 with m = -8 d);
-        uninitialised when only the shape is known."""
-        shape, dtype = self.panel_shape(), self.panel_dtype()
-        if self.blocks is None:
-            return torch.empty(shape, dtype=dtype)
-        N, K = self.shape
-        npanels, nblk, _ = shape
-        if self.kind == "q4_k":
-            return q4k_panels(self.blocks, N, K)
-        b = np.zeros((npanels * PANEL, nblk, BLOCK_BYTES[self.kind]), dtype=np.uint8)
-        b[:N] = self.blocks.reshape(N, nblk, -1)
-        b = b.reshape(npanels, PANEL, nblk, -1).transpose(0, 2, 1, 3)  # [np, nblk, 16 columns, block bytes]
-        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [np, nblk, 16]
-        out = np.empty(shape, dtype=np.uint8)
-        out[..., : 4 * PANEL] = d.view(np.uint8).reshape(npanels, nblk, -1)
-        if self.kind == "q8_0":
-            q = b[..., 2:].transpose(0, 1, 3, 2)  # [np, nblk, 32 rows, 16 columns]
-            out[..., 4 * PANEL :] = q.reshape(npanels, nblk, -1)
-        else:
-            if self.kind == "q4_1":
-                m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-                qs = b[..., 4:]
-            else:  # q4_0: w = d * (q - 8) = d * q + (-8 d), exact in float32
-                m = -8.0 * d
-                qs = b[..., 2:]
-            out[..., 4 * PANEL : 8 * PANEL] = m.astype(np.float32).view(np.uint8).reshape(npanels, nblk, -1)
-            out[..., 8 * PANEL :] = qs.transpose(0, 1, 3, 2).reshape(npanels, nblk, -1)  # [np, nblk, 16 j, 16 c]
-        return torch.from_numpy(out).view(dtype)
-
-
-def q4k_panels(blocks: np.ndarray, N: int, K: int) -> torch.Tensor:
-    """Q4_K super-blocks (256 values: fp16 d and dmin, eight 6-bit sub-block scales and mins, 4-bit quants) as Q4
-    panels, exactly: each 32-value sub-block j has w = (d * sc_j) * q - dmin * m_j, so its panel scale is d * sc_j
-    and its offset -(dmin * m_j), both exact in float32 (fp16 times a 6-bit integer), and d * sc_j * q is exact
-    too: the kernel's d' * q + m' rounds once, where `gguf`'s d * q - dm does."""
-    import gguf
-
-    ns = K // 256
-    b = blocks.reshape(N, ns, 144)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [N, ns]
-    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(N * ns, 12))
-    scale = (d[..., None] * sc.reshape(N, ns, 8).astype(np.float32)).reshape(N, ns * 8)  # per 32-value block
-    offset = -(dmin[..., None] * mn.reshape(N, ns, 8).astype(np.float32)).reshape(N, ns * 8)
-    qs = b[..., 16:].reshape(N, ns, 4, 32)  # group g: low nibbles = sub-block 2g, high = 2g + 1, value i at byte i
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(N, ns * 8, 32)  # [N, block, 32 values]
-    packed = q[..., :16] | (q[..., 16:] << 4)  # Q4 panels' order: byte i = value i (low) and value i + 16 (high)
-    npanels, nblk = (N + PANEL - 1) // PANEL, K // QK
-    out = np.zeros((npanels, nblk, 8 * PANEL + QK * PANEL // 2), dtype=np.uint8)
-
-    def by_panel(x: np.ndarray) -> np.ndarray:  # [N, nblk, ...] -> [np, nblk, 16 columns, ...]
-        pad = np.zeros((npanels * PANEL, *x.shape[1:]), dtype=x.dtype)
-        pad[:N] = x
-        return pad.reshape(npanels, PANEL, *x.shape[1:]).swapaxes(1, 2)
-
-    out[..., : 4 * PANEL] = np.ascontiguousarray(by_panel(scale)).view(np.uint8).reshape(npanels, nblk, -1)
-    out[..., 4 * PANEL : 8 * PANEL] = np.ascontiguousarray(by_panel(offset)).view(np.uint8).reshape(npanels, nblk, -1)
-    out[..., 8 * PANEL :] = by_panel(packed).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [np, nblk, 16 j, 16 c]
-    return torch.from_numpy(out)
+        """The native step's layout, PANEL_FORMATS[FORMAT_OF[kind]]: int8 [np, K/32, 576] (q8), uint8 [np, K/32,
+        384] (q4) or int8 [np, K/32, 704] (q8x); uninitialised when only the shape is known."""
+        if not self.has_values():
+            return torch.empty(self.panel_shape(), dtype=self.panel_dtype())
+        return panels_of(self.decode(), FORMAT_OF[self.kind])
 
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:

@@ -26,7 +26,7 @@ import torch
 from .ops import Linear
 from .weights import ShapeSource
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels
 MAGIC = b"BMCWEIGHTS\n"
 ALIGN = 4096  # page-aligned tensors: the mapping hands out whole pages
 

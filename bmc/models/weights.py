@@ -55,9 +55,10 @@ class WeightSource:
         return self.as_linear(self.get_matrix(name, shape))
 
     def cat_t(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Matrix:
-        """`cat` for Linear: [in, sum(out)], or quantized blocks stacked when every part is of one kind."""
+        """`cat` for Linear: [in, sum(out)], or quantized blocks stacked when every part is kept quantized (parts of
+        different types as one "mixed" matrix)."""
         parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
-        if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
+        if all(isinstance(p, QuantWeight) for p in parts):
             return QuantWeight.cat(parts)  # type: ignore[arg-type]
         return self.as_linear(self.cat(names, shapes))
 
