@@ -165,7 +165,7 @@ def test_default_model_as_stored_gives_the_float_models_tokens(real_model):
 
 
 LOAD_RSS = """
-import sys, torch
+import gc, sys, torch
 import bmc.kernels.native as kn
 kn.native_module()  # the runtime: torch and the kernel, before the model
 def rss():
@@ -174,23 +174,33 @@ def rss():
     return int(d["VmRSS"].split()[0]) * 1024, int(d["VmHWM"].split()[0]) * 1024
 base = rss()[0]
 import bmc
-m = bmc.load(quant=sys.argv[1])
+from bmc.models import trim_heap
+m = bmc.load(quant=sys.argv[1], share_weights=False)
 now, peak = rss()
-print(m.weight_bytes, now - base, peak - base)
+weights, tokenizer = m.weight_bytes, m.tokenizer
+del m
+gc.collect()
+trim_heap()
+print(weights, now - base, peak - base, rss()[0] - base)
 """
 
 
 @pytest.mark.slow
 def test_the_default_model_as_stored_is_resident_once():
     """Loaded as stored, the default model costs its quantized weights (~106 MiB) plus its tokenizer above the bare
-    runtime, not the 1.1 GB of fp32 weights and panels: resident <= 250 MB above the runtime after the load."""
+    runtime, not the 1.1 GB of fp32 weights and panels: resident <= 250 MB above the runtime after the load. And the
+    load streams (issue 28's peak target): each matrix is re-laid into panels a slice of rows at a time, dropping
+    the GGUF file's mapped pages as it goes, so the peak above what stays without the model (the runtime and the
+    tokenizer, ~26 MiB) is <= 1.2x the weights, plus 16 MiB of allocator slack (measured here: 1.21x, no slack
+    used: 381 MiB peak, 253 without the model; before the streaming load the peak was 526 MiB)."""
     from .conftest import require_real_model
 
     require_real_model()
     out = subprocess.run([sys.executable, "-c", LOAD_RSS, "gguf"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    weights, resident, peak = (int(x) for x in out.stdout.split())
-    assert weights < 120e6 and resident <= 250e6 and resident < peak < 3 * weights + 250e6, (weights, resident, peak)
+    weights, resident, peak, without_model = (int(x) for x in out.stdout.split())
+    assert weights < 120e6 and resident <= 250e6, (weights, resident)
+    assert peak - without_model <= 1.2 * weights + 16 * 2**20, (weights, peak, without_model)
 
 
 def test_opt_quantized_at_load(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import ctypes
 import json
 import os
 from dataclasses import dataclass
@@ -183,7 +184,19 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
             raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
         tensors = _read_hf_tensors(path)
         tokenizer = load_hf_tokenizer(path, hf_config)
-    return model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev, quant=quant)
+    model = model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev, quant=quant)
+    del tensors
+    trim_heap()
+    return model
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): a load's freed temporaries otherwise stay
+    resident (57 MiB after loading the default model here)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None = None,

@@ -159,14 +159,20 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             if widen:
                 kind = "q8_0"
             if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % BLOCK_VALUES[kind] == 0:
-                blocks = None
+                blocks, release = None, None
                 if not shapes_only:
-                    blocks = np.asarray(tensors[name].data).reshape(shape[0], -1)
+                    data = tensors[name].data
+                    blocks = np.asarray(data).reshape(shape[0], -1)
                     if widen:
                         blocks = q5_0_as_q8_0(blocks)
                     if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
                         blocks = _unpermute_rows(blocks, heads if m.group(2) == "attn_q" else kv_heads)
-                state[hf_name] = QuantWeight(kind, shape, np.ascontiguousarray(blocks) if blocks is not None else None)
+                    blocks = np.ascontiguousarray(blocks)
+                    if np.shares_memory(blocks, data):  # a view of the file: its pages dropped once made panels
+                        release = reader.release
+                    else:
+                        reader.release(data)
+                state[hf_name] = QuantWeight(kind, shape, blocks, release=release)
                 continue
             if shapes_only:
                 state[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
@@ -183,6 +189,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
                 w = w.astype(np.float32) - np.float32(1.0)
             # Dequantized arrays are fresh; F32 ones are read-only views of the file's memmap and get copied.
             state[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+            reader.release(tensors[name].data)
     except (ValueError, IndexError) as e:  # tensor data runs past the end of a truncated file
         raise ModelLoadError(f"{path}: cannot read tensor data ({type(e).__name__}: {e})") from None
 
@@ -200,6 +207,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         raise
     except Exception as e:  # `tokenizers` rejects inconsistent vocabularies/merges with a bare Exception
         raise ModelLoadError(f"{path}: cannot build the tokenizer from its metadata ({e})") from None
+    reader.fields.clear()  # the vocabulary's ~100k strings: the tensors' release callbacks keep the reader alive
     return config, state, tokenizer
 
 

@@ -61,6 +61,19 @@ class GGUFFile:
         data_start = (self.pos + align - 1) // align * align
         self.tensors = {name: self._tensor(name, dims, kind, data_start + offset) for name, dims, kind, offset in infos}
 
+    def release(self, data: np.ndarray) -> None:
+        """Drop this process's pages of `data`, a view of the mapping, once its bytes have been copied out: the
+        page cache keeps them, but a load's resident memory no longer grows by the whole file as it reads tensor
+        after tensor (MADV_DONTNEED on a read-only file mapping; reading the view again faults them back in)."""
+        if not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
+            return
+        base = np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data
+        start = data.ctypes.data - base
+        if not 0 <= start < len(self._map):
+            return  # not a view of this mapping
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, first, min(start + data.nbytes, len(self._map)) - first)
+
     def _scalar(self, fmt: str) -> Any:
         v = struct.unpack_from(fmt, self.buf, self.pos)[0]
         self.pos += struct.calcsize(fmt)

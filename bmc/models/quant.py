@@ -14,7 +14,8 @@ the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file w
 float32) and "none" otherwise."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6
 BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}  # K-quants: super-blocks
 PANEL = 16
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
+# Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
+PANEL_ROWS = 2048
 # The native step's panel formats (cpu_decode.cpp's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
 #   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others.
 PANEL_FORMATS = {"q8": (4 * PANEL + QK * PANEL, torch.int8), "q4": (8 * PANEL + QK * PANEL // 2, torch.uint8),
@@ -59,15 +62,24 @@ class Values32:
     d0: np.ndarray  # float32 [N, K/32]
     d1: np.ndarray  # float32 [N, K/32] (d0 except for Q6_K's 16-value sub-blocks)
     m: np.ndarray  # float32 [N, K/32]
-    q: np.ndarray  # int8 [N, K/32, 32], in row order
+    q: np.ndarray | None  # int8 [N, K/32, 32], in row order; or None where `nibbles` holds them
+    nibbles: np.ndarray | None = None  # uint8 [N, K/32, 16]: byte j = value j (low) and j + 16 (high), GGUF's order
+
+    def quants(self) -> np.ndarray:
+        if self.q is not None:
+            return self.q
+        return np.concatenate([self.nibbles & 15, self.nibbles >> 4], axis=-1).astype(np.int8)
+
+    def packed(self) -> np.ndarray:
+        """The quants as Q4 panels store them: `nibbles` (values 0-15 only)."""
+        if self.nibbles is not None:
+            return self.nibbles
+        q = self.q.view(np.uint8)
+        return q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] bytes -> int8 [..., 32]: values 0-15 low, 16-31 high
-    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int8)
 
 
 def decode(kind: str, blocks: np.ndarray, N: int, K: int) -> Values32:
@@ -81,8 +93,8 @@ def decode(kind: str, blocks: np.ndarray, N: int, K: int) -> Values32:
         if kind == "q8_0":
             return Values32(d, d, np.zeros_like(d), b[..., 2:].view(np.int8))
         if kind == "q4_0":  # w = d * (q - 8) = d * q + (-8 d), exact in float32
-            return Values32(d, d, -8.0 * d, _nibbles(b[..., 2:]))
-        return Values32(d, d, _fp16(b[..., 2:4]), _nibbles(b[..., 4:]))
+            return Values32(d, d, -8.0 * d, None, b[..., 2:])
+        return Values32(d, d, _fp16(b[..., 2:4]), None, b[..., 4:])
     ns = K // 256
     b = blocks.reshape(N * ns, BLOCK_BYTES[kind])
     if kind in ("q4_k", "q5_k"):  # eight 32-value sub-blocks: w = (d * sc_j) * q - dmin * m_j
@@ -123,9 +135,7 @@ def panels_of(v: Values32, fmt: str) -> torch.Tensor:
     N, nblk = v.d0.shape
     npanels = (N + PANEL - 1) // PANEL
     vectors = {"q8": [v.d0], "q4": [v.d0, v.m], "q8x": [v.d0, v.d1, v.m]}[fmt]
-    q = v.q.view(np.uint8)
-    if fmt == "q4":  # byte j = value j (low nibble) and value j + 16 (high), GGUF's order within a block
-        q = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+    q = v.packed() if fmt == "q4" else v.quants().view(np.uint8)
     out = np.empty((npanels, nblk, PANEL_FORMATS[fmt][0]), dtype=np.uint8)
     for i, x in enumerate(vectors):
         out[..., 4 * PANEL * i : 4 * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(x.astype(np.float32))).view(
@@ -143,6 +153,9 @@ class QuantWeight:
     shape: tuple[int, int]
     blocks: np.ndarray | None
     parts: list["QuantWeight"] | None = None
+    # given a slice of the blocks once it has been copied out (made panels, or concatenated): a GGUF file's mapped
+    # pages dropped as they are used, so a load's resident memory holds the panels, not the file too
+    release: Callable[[np.ndarray], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         N, K = self.shape
@@ -165,17 +178,34 @@ class QuantWeight:
             flat = [q for p in parts for q in (p.parts if p.kind == "mixed" else [p])]  # type: ignore[union-attr]
             return QuantWeight("mixed", (n, k), None, flat)
         blocks = None if any(p.blocks is None for p in parts) else np.concatenate([p.blocks for p in parts])
+        for p in parts:
+            p.done()
         return QuantWeight(parts[0].kind, (n, k), blocks)
+
+    def done(self, r0: int = 0, r1: int | None = None) -> None:
+        """Rows [r0, r1) of the blocks are no longer read (a "mixed" matrix: all of every part)."""
+        for p in self.parts or [self]:
+            if p.release is not None and p.blocks is not None:
+                p.release(p.blocks if self.parts else p.blocks[r0:r1])
 
     def has_values(self) -> bool:
         return all(p.blocks is not None for p in self.parts) if self.parts else self.blocks is not None
 
-    def decode(self) -> Values32:
+    def decode(self, r0: int = 0, r1: int | None = None) -> Values32:
+        """Rows [r0, r1) as Values32."""
         assert self.has_values()
-        if self.parts:
-            vs = [p.decode() for p in self.parts]
-            return Values32(*(np.concatenate([getattr(v, f) for v in vs]) for f in ("d0", "d1", "m", "q")))
-        return decode(self.kind, self.blocks, *self.shape)
+        N, K = self.shape
+        r1 = N if r1 is None else r1
+        if not self.parts:
+            return decode(self.kind, self.blocks[r0:r1], r1 - r0, K)
+        vs, off = [], 0
+        for p in self.parts:
+            lo, hi = max(r0, off), min(r1, off + p.shape[0])
+            if lo < hi:
+                vs.append(p.decode(lo - off, hi - off))
+            off += p.shape[0]
+        return Values32(np.concatenate([v.d0 for v in vs]), np.concatenate([v.d1 for v in vs]),
+                        np.concatenate([v.m for v in vs]), np.concatenate([v.quants() for v in vs]))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as the `gguf` package dequantizes it."""
@@ -198,9 +228,18 @@ class QuantWeight:
     def panels(self) -> torch.Tensor:
         """The native step's layout, PANEL_FORMATS[FORMAT_OF[kind]]: int8 [np, K/32, 576] (q8), uint8 [np, K/32,
         384] (q4) or int8 [np, K/32, 704] (q8x); uninitialised when only the shape is known."""
+        out = torch.empty(self.panel_shape(), dtype=self.panel_dtype())
         if not self.has_values():
-            return torch.empty(self.panel_shape(), dtype=self.panel_dtype())
-        return panels_of(self.decode(), FORMAT_OF[self.kind])
+            return out
+        N, fmt = self.shape[0], FORMAT_OF[self.kind]
+        for r0 in range(0, N, PANEL_ROWS):  # a slice of rows at a time: the temporaries stay a few MB
+            r1 = min(N, r0 + PANEL_ROWS)
+            out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = panels_of(self.decode(r0, r1), fmt)
+            if not self.parts:
+                self.done(r0, r1)
+        if self.parts:
+            self.done()
+        return out
 
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
