@@ -222,3 +222,28 @@ def test_cuda_narrow_kv_graphs_equal_eager_and_track_cpu(tiny_dirs, kv_dtype):
     _, want = prefill_alone(cpu, seq, len(seq), all_logits=True, kv_dtype=kv_dtype)
     _, got = prefill_alone(gpu, seq, len(seq), all_logits=True, kv_dtype=kv_dtype)
     torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path, dtype):
+    """quant="gguf" on CUDA: a Q4_K_M-mixed file's matrices held as their blocks' values on the GPU and dequantized
+    by torch ops per GEMM (bit for bit quant="none"'s weights): graphs equal eager, and both give quant="none"'s
+    tokens on the GPU (float32: also the CPU's native quantized step's)."""
+    from .test_quant import PLANS, _write_llama_gguf
+
+    path = str(tmp_path / "q4_k_m.gguf")
+    _write_llama_gguf(path, PLANS["q4_k_m"][0])
+    mq = bmc.load(path, device="cuda", quant="gguf", dtype=dtype)
+    mf = bmc.load(path, device="cuda", quant="none", dtype=dtype)
+    assert all(lin.device_q is not None for lin in mq.linears())
+    assert mq.weight_bytes < (0.5 if dtype == "float32" else 0.75) * mf.weight_bytes
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    graphs = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True)
+    eager = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True, cuda_graphs=False)
+    assert graphs.stats.cuda_graph_captures >= 1 and graphs.stats.cuda_graph_replays > 30
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    none = bmc.generate(mf, prompts, max_new_tokens=70, ignore_eos=True)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in none]
+    if dtype == "float32":
+        cpu = bmc.generate(bmc.load(path, quant="gguf"), prompts, max_new_tokens=70, ignore_eos=True)
+        assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]

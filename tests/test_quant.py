@@ -125,14 +125,14 @@ def test_quantize_at_load_an_hf_directory(tmp_path, kind):
 
 
 def test_refused_where_it_cannot_run(tmp_path, gqa_dir, monkeypatch):
+    """Refused by name: a quant that needs a GGUF file, an unknown one, a matrix that is not whole blocks. (Where
+    the native step does not run, an explicit quant runs on torch ops: test_torch_ops_path_*.)"""
     with pytest.raises(BmcError, match="not a GGUF file"):
         bmc.load(str(gqa_dir), quant="gguf")
     with pytest.raises(BmcError, match="unknown quant"):
         bmc.load(str(gqa_dir), quant="q3_k")
     with pytest.raises(BmcError, match="whole blocks of 32"):  # the tiny GQA model's hidden size is 48
         bmc.load(str(gqa_dir), quant="q8_0")
-    with pytest.raises(BmcError, match="float32"):
-        bmc.load(str(gqa_dir), quant="q8_0", dtype="bfloat16")
     monkeypatch.setenv("BMC_NATIVE", "0")
     path = str(tmp_path / "m.gguf")
     _write(path, plan=uniform_plan(Q.Q8_0))
@@ -223,15 +223,16 @@ def test_opt_quantized_at_load(tmp_path):
 
 
 K_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-K_TYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0}
+K_TYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, **KINDS}
 
 
-def random_kquant(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_kquant(kind: str, n: int, k: int, seed: int = 0, d: tuple[float, float] = (0.001, 0.01)) -> np.ndarray:
     """Valid K-quant super-blocks with random quants, scales and mins (gguf cannot quantize them): [n, k/256*bytes].
-    Every bit pattern is a valid block once its fp16 scales are finite."""
+    Every bit pattern is a valid block once its fp16 scales are finite; their range `d` sets the weights' size
+    (the default makes weights of ~1, which a model's activations cannot take: models use MODEL_D)."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, size=(n, k // 256, K_BYTES[kind]), dtype=np.uint8)
-    scale = lambda: rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    scale = lambda: rng.uniform(*d, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
     if kind == "q6_k":  # ql, qh, 16 int8 scales, then d
         b[..., 208:210] = scale()
     else:  # d, dmin, then the packed scales and mins
@@ -239,9 +240,12 @@ def random_kquant(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return b.reshape(n, -1)
 
 
-def random_matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+MODEL_D = (6.2e-5, 1.2e-4)  # fp16 super-block scales that give weights of ~0.03-0.1: a model's sane activations
+
+
+def random_matrix(kind: str, n: int, k: int, seed: int = 0, d: tuple[float, float] = (0.001, 0.01)) -> QuantWeight:
     if kind in K_BYTES:
-        return QuantWeight(kind, (n, k), random_kquant(kind, n, k, seed))
+        return QuantWeight(kind, (n, k), random_kquant(kind, n, k, seed, d))
     x = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
     return QuantWeight(kind, (n, k), gguf.quants.quantize(x, K_TYPES[kind]))
 
@@ -296,10 +300,7 @@ def _write_llama_gguf(path: str, plan: dict[str, str], D: int = 256, I: int = 51
     seed = iter(range(100))
 
     def add(name: str, kind: str, n: int, k: int) -> None:
-        m = random_matrix(kind, n, k, next(seed))
-        if kind not in K_BYTES:  # scale a Q8_0 part like the K-quants' weights
-            m = QuantWeight(kind, (n, k), gguf.quants.quantize(m.dequantize().numpy() * 20, K_TYPES[kind]))
-        w.add_tensor(name, m.blocks, raw_dtype=K_TYPES[kind])
+        w.add_tensor(name, random_matrix(kind, n, k, next(seed), MODEL_D).blocks, raw_dtype=K_TYPES[kind])
 
     add("token_embd.weight", plan["token_embd"], V, D)
     w.add_tensor("output_norm.weight", np.ones(D, np.float32))
@@ -338,6 +339,10 @@ def test_a_k_quant_gguf_runs_as_stored(tmp_path, plan, monkeypatch):
     mq, mf = bmc.load(path), bmc.load(path, quant="none")
     assert {lin.quant for lin in mq.linears()} == kinds and mq.net.embed is None
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    from bmc.parallel.tp import prompt_logits
+
+    with torch.inference_mode():  # sane weights: finite logits, so equal tokens say something
+        assert torch.isfinite(prompt_logits(mf, prompts[1])).all()
     a = bmc.generate(mq, prompts, max_new_tokens=12, ignore_eos=True)
     b = bmc.generate(mf, prompts, max_new_tokens=12, ignore_eos=True)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
@@ -346,3 +351,52 @@ def test_a_k_quant_gguf_runs_as_stored(tmp_path, plan, monkeypatch):
     assert getattr(again, "weight_file", None) and {lin.quant for lin in again.linears()} == kinds
     c = bmc.generate(again, prompts, max_new_tokens=12, ignore_eos=True)
     assert [x.token_ids for x in c] == [x.token_ids for x in b]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1", "q4_k", "q6_k", "mixed"])
+def test_torch_ops_weights_dequantize_to_what_gguf_dequantizes(kind):
+    """Where the native step does not run (CUDA, bfloat16, BMC_NATIVE=0), a quantized matrix stays in its blocks'
+    values on the device and torch ops dequantize it per GEMM: bit for bit gguf's float32 weights."""
+    from bmc.models.quant_torch import TorchQuantWeight
+
+    if kind == "mixed":
+        w = QuantWeight.cat([random_matrix(t, n, 512, i) for i, (t, n) in enumerate(zip(MIXED, (32, 24, 8, 17)))])
+    else:
+        w = random_matrix(kind, 50, 512)
+    tq = TorchQuantWeight(w, torch.device("cpu"), torch.float32)
+    assert torch.equal(tq.dense(), w.dequantize())
+    ids = torch.tensor([0, 7, 16, 31, 49])
+    assert torch.equal(tq.dense(ids), w.dequantize()[ids])
+    lin = bmc.models.ops.Linear(tq, torch.randn(w.shape[0]))
+    assert lin.quant == kind and lin.wt is None and lin.panels is None
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(lin(x), x @ w.dequantize().t() + lin.b, rtol=1e-5, atol=1e-4)
+    assert sum(t.numel() * t.element_size() for t in tq.tensors()) < 0.4 * w.dequantize().numel() * 4
+    as_bf16 = TorchQuantWeight(w, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(as_bf16.dense(), w.dequantize().to(torch.bfloat16))  # what quant="none" loads in bf16
+
+
+@pytest.mark.parametrize("plan", ["q4_k_m", "q5_k_m"])
+def test_torch_ops_path_gives_the_dequantized_models_tokens(tmp_path, plan, monkeypatch):
+    """A K-quant GGUF loaded with quant="gguf" where the native step does not run: every matrix held quantized
+    (the tied embedding looked up from the LM head's blocks), logits within float32 rounding of quant="none"'s
+    and its greedy tokens; in bfloat16, within bfloat16's rounding."""
+    monkeypatch.setenv("BMC_NATIVE", "0")
+    path = str(tmp_path / f"{plan}.gguf")
+    _write_llama_gguf(path, PLANS[plan][0])
+    mq, mf = bmc.load(path, quant="gguf"), bmc.load(path, quant="none")
+    assert all(lin.device_q is not None for lin in mq.linears()) and mq.net.embed is None
+    assert mq.weight_bytes < 0.5 * mf.weight_bytes
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    a = bmc.generate(mq, prompts, max_new_tokens=12, ignore_eos=True)
+    b = bmc.generate(mf, prompts, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    from bmc.parallel.tp import prompt_logits
+
+    with torch.inference_mode():
+        want = prompt_logits(mf, prompts[1])  # the K-quants' random scales make logits of ~10: a relative bound
+        torch.testing.assert_close(prompt_logits(mq, prompts[1]), want, rtol=1e-5, atol=2e-5 * want.abs().max().item())
+        hq, hf = bmc.load(path, quant="gguf", dtype="bfloat16"), bmc.load(path, quant="none", dtype="bfloat16")
+        assert all(lin.device_q is not None for lin in hq.linears())
+        torch.testing.assert_close(prompt_logits(hq, prompts[1]).float(), prompt_logits(hf, prompts[1]).float(),
+                                   rtol=0.02, atol=0.05 * prompt_logits(hf, prompts[1]).float().abs().max().item())

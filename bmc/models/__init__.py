@@ -55,7 +55,8 @@ class Model:
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         for obj in [self.net, *self.net.layers]:
             for v in vars(obj).values():
-                for x in ((v.wt if v.wt is not None else v.panels, v.b) if isinstance(v, Linear)
+                for x in (((v.wt if v.wt is not None else v.panels, v.b) if v.device_q is None
+                           else (*v.device_q.tensors(), v.b)) if isinstance(v, Linear)
                           else v if isinstance(v, tuple) else (v,)):
                     add(x)
         return sum(seen.values())
@@ -140,7 +141,8 @@ def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 def resolve_quant(quant: str, path: str, dtype: torch.dtype, device: torch.device) -> str:
     """The quantization a load runs with: "auto" is "gguf" for a GGUF file where the native step runs (CPU,
-    float32), else "none"; anything else is checked against the file and the device."""
+    float32), else "none" (elsewhere quantized weights save memory, not time: quant_torch.py); anything else is
+    checked against the file."""
     from ..kernels.native import native_supported
     from .quant import check_mode
 
@@ -151,11 +153,7 @@ def resolve_quant(quant: str, path: str, dtype: torch.dtype, device: torch.devic
     if quant == "gguf" and not is_gguf:
         raise ModelLoadError(f"quant='gguf' keeps a GGUF file's blocks, and {path} is not a GGUF file: use "
                              "quant='q8_0', 'q4_0' or 'none'")
-    if quant != "none" and not native_supported(device, dtype):
-        raise ModelLoadError(f"quant={quant!r} runs on the native CPU step in float32 (here: {device.type}, "
-                             f"{str(dtype).split('.')[-1]}, BMC_NATIVE={os.environ.get('BMC_NATIVE', '1')}): use "
-                             "quant='none'")
-    return quant
+    return quant  # where the native step does not run, torch ops dequantize each GEMM's weight (quant_torch.py)
 
 
 def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from .quant import QuantWeight
+    from .quant_torch import TorchQuantWeight
 
 
 def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,17 +36,23 @@ class Linear:
     measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
     packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
 
-    __slots__ = ("wt", "b", "packed", "packed_m", "panels", "in_features", "out_features", "quant")
+    __slots__ = ("wt", "b", "packed", "packed_m", "panels", "device_q", "in_features", "out_features", "quant")
 
-    def __init__(self, wt: "torch.Tensor | QuantWeight", b: torch.Tensor | None = None) -> None:
+    def __init__(self, wt: "torch.Tensor | QuantWeight | TorchQuantWeight", b: torch.Tensor | None = None) -> None:
         from .quant import QuantWeight
+        from .quant_torch import TorchQuantWeight
 
         self.b = b
         self.packed: torch.Tensor | None = None
         self.packed_m = 0
         self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
-        self.quant: str | None = None  # a QuantWeight kind ("q8_0", "q6_k", "mixed", ...): panels only, wt None
-        if isinstance(wt, QuantWeight):
+        self.device_q: TorchQuantWeight | None = None  # quantized where the native step does not run (CUDA)
+        self.quant: str | None = None  # a QuantWeight kind ("q8_0", "q6_k", "mixed", ...): wt None
+        if isinstance(wt, TorchQuantWeight):
+            self.wt = None
+            self.out_features, self.in_features = wt.shape
+            self.device_q, self.quant = wt, wt.kind
+        elif isinstance(wt, QuantWeight):
             self.wt = None
             self.out_features, self.in_features = wt.shape
             self.panels, self.quant = wt.panels(), wt.kind
@@ -61,6 +68,8 @@ class Linear:
         """[in, out] in float: wt, or the panels laid out again (quantized ones dequantized): a copy."""
         if self.wt is not None:
             return self.wt
+        if self.device_q is not None:
+            return self.device_q.dense().t().contiguous()
         from ..kernels.native import native_module
 
         p = self.panels
@@ -72,6 +81,8 @@ class Linear:
         """Rows `ids` of the [out, in] matrix (a tied embedding table looked up in its LM head), float [n, in]."""
         if self.wt is not None:
             return self.wt.t()[ids]
+        if self.device_q is not None:
+            return self.device_q.dense(ids)
         if self.panels.dtype == torch.float32:
             return self.panels[ids // 16, :, ids % 16]
         from ..kernels.native import native_module
@@ -96,6 +107,8 @@ class Linear:
         self.packed_m = m
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device_q is not None:  # dequantized by torch ops for this GEMM (quant_torch.py)
+            return F.linear(x, self.device_q.dense(), self.b)
         if self.wt is None:  # quantized panels: the native GEMM, each panel dequantized as it is read
             from ..kernels.native import native_module
 

@@ -249,7 +249,7 @@ def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
     N, K = w.shape
     if K % QK:
         raise InvalidRequestError(f"quant={kind!r} needs matrices whose rows are whole blocks of {QK}; one has {K}")
-    x = w.detach().float().reshape(N, K // QK, QK)
+    x = w.detach().to("cpu", torch.float32).reshape(N, K // QK, QK)  # quantized on the CPU, wherever w is
     if kind == "q8_0":
         d = x.abs().amax(-1) / 127.0
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))

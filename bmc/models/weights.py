@@ -1,12 +1,15 @@
 """Checked access to a checkpoint's tensors: every weight is validated against the shape the config implies."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 import torch
 
 from ..errors import ModelLoadError
 from .quant import QuantWeight, quantize
+
+if TYPE_CHECKING:
+    from .quant_torch import TorchQuantWeight
 
 
 Matrix = Union[torch.Tensor, QuantWeight]
@@ -59,15 +62,23 @@ class WeightSource:
         different types as one "mixed" matrix)."""
         parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
         if all(isinstance(p, QuantWeight) for p in parts):
-            return QuantWeight.cat(parts)  # type: ignore[arg-type]
+            return self.as_linear(QuantWeight.cat(parts))  # type: ignore[arg-type]
         return self.as_linear(self.cat(names, shapes))
 
-    def as_linear(self, w: Matrix) -> Matrix:
-        """An [out, in] matrix as Linear takes it: kept quantized, quantized now, or transposed [in, out]."""
+    def as_linear(self, w: Matrix) -> "Matrix | TorchQuantWeight":
+        """An [out, in] matrix as Linear takes it: kept quantized, quantized now, or transposed [in, out].
+        Quantized where the native CPU step does not run (CUDA; a CPU in bfloat16 or with BMC_NATIVE=0): held on
+        the device for torch ops to dequantize per GEMM (quant_torch.py)."""
+        if not isinstance(w, QuantWeight) and self.quantize is not None:
+            w = quantize(w, self.quantize)
         if isinstance(w, QuantWeight):
+            from ..kernels.native import native_supported
+
+            if not native_supported(self.device, self.dtype):
+                from .quant_torch import TorchQuantWeight
+
+                return TorchQuantWeight(w, self.device, self.dtype)
             return w
-        if self.quantize is not None:
-            return quantize(w, self.quantize)
         return w.t().contiguous()
 
 
