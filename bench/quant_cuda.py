@@ -4,7 +4,8 @@ path (quant_torch.py: the blocks' values on the GPU, dequantized per GEMM) gives
     python bench/quant_cuda.py --model DIR     # an HF directory (a GGUF file too); quantized at load
 
 1. GEMMs, per decode step of the model's shapes (its layers' q|k|v, o, gate|up, down and the LM head), at M rows:
-   float32 and bfloat16 cuBLAS; bmc's dequantize-then-GEMM for Q8_0 and Q4_0 blocks; torch's
+   float32 and bfloat16 cuBLAS; bmc's quantized GEMMs for Q8_0 and Q4_0 blocks (dequantize-then-GEMM, or for Q4 in
+   bfloat16 tinygemm on the blocks' own scales); torch's
    `_weight_int4pack_mm` (tinygemm: int4, group 32, bfloat16 scales and zeros) and `_weight_int8pack_mm` (int8,
    one scale per output channel) where this torch build has them on CUDA. CUDA events, median of --repeats.
 2. Decode: bmc.generate tok/s at batch 1 and 8 (and 32), quant none / q8_0 / q4_0, float32 and bfloat16, with
@@ -57,8 +58,8 @@ def gemm_table(model: Any, rows: int, repeats: int) -> dict[str, float | None]:
     for kind in ("q8_0", "q4_0"):
         for name, dtype, xs in (("float32", torch.float32, x32), ("bfloat16", torch.bfloat16, x16)):
             qs = [TorchQuantWeight(quantize(m, kind), dev, dtype) for m in mats]
-            out[f"bmc {kind} dequant+GEMM {name}"] = time_ms(
-                lambda: [torch.nn.functional.linear(xs[q.shape[1]], q.dense()) for q in qs], repeats)
+            how = "int4 GEMM" if qs[0].int4 is not None else "dequant+GEMM"
+            out[f"bmc {kind} {name} ({how})"] = time_ms(lambda: [q.linear(xs[q.shape[1]], None) for q in qs], repeats)
     try:  # tinygemm: [N, K] int32 values 0-15 -> packed; scales_and_zeros [K/32, N, 2] bfloat16
         packed, sz = [], []
         for m in mats:

@@ -224,19 +224,18 @@ def test_cuda_narrow_kv_graphs_equal_eager_and_track_cpu(tiny_dirs, kv_dtype):
     torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path, dtype):
-    """quant="gguf" on CUDA: a Q4_K_M-mixed file's matrices held as their blocks' values on the GPU and dequantized
-    by torch ops per GEMM (bit for bit quant="none"'s weights): graphs equal eager, and both give quant="none"'s
-    tokens on the GPU (float32: also the CPU's native quantized step's)."""
+def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path):
+    """quant="gguf" on CUDA in float32: a Q4_K_M-mixed file's matrices held as their blocks' values on the GPU and
+    dequantized by torch ops per GEMM (bit for bit quant="none"'s weights): graphs equal eager, and both give
+    quant="none"'s tokens on the GPU and the CPU's native quantized step's."""
     from .test_quant import PLANS, _write_llama_gguf
 
     path = str(tmp_path / "q4_k_m.gguf")
     _write_llama_gguf(path, PLANS["q4_k_m"][0])
-    mq = bmc.load(path, device="cuda", quant="gguf", dtype=dtype)
-    mf = bmc.load(path, device="cuda", quant="none", dtype=dtype)
-    assert all(lin.device_q is not None for lin in mq.linears())
-    assert mq.weight_bytes < (0.5 if dtype == "float32" else 0.75) * mf.weight_bytes
+    mq = bmc.load(path, device="cuda", quant="gguf")
+    mf = bmc.load(path, device="cuda", quant="none")
+    assert all(lin.device_q is not None and lin.device_q.int4 is None for lin in mq.linears())
+    assert mq.weight_bytes < 0.5 * mf.weight_bytes
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     graphs = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True)
     eager = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True, cuda_graphs=False)
@@ -244,6 +243,57 @@ def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path, dty
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
     none = bmc.generate(mf, prompts, max_new_tokens=70, ignore_eos=True)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in none]
-    if dtype == "float32":
-        cpu = bmc.generate(bmc.load(path, quant="gguf"), prompts, max_new_tokens=70, ignore_eos=True)
-        assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]
+    cpu = bmc.generate(bmc.load(path, quant="gguf"), prompts, max_new_tokens=70, ignore_eos=True)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k"])
+def test_cuda_int4_gemm_within_its_stated_bound(kind):
+    """Q4 kinds in bfloat16 on CUDA run torch's int4 GEMM (tinygemm) on the blocks' scales rounded to bfloat16:
+    the bound quant_torch.py states, per output: sum_k |x_k| e_k + 2^-8 |y|, with each weight's error
+    e = 2^-9 (|d| |q - 8| + |m + 8 d|) for the scale and zero's rounding plus 2^-8 |w| for the weight's own."""
+    from bmc.models.quant_torch import TorchQuantWeight
+
+    from .test_quant import MODEL_D, random_matrix
+
+    w = random_matrix(kind, 96, 512, 3, MODEL_D)
+    tq = TorchQuantWeight(w, torch.device("cuda"), torch.bfloat16)
+    assert tq.int4 is not None
+    x = torch.randn(5, 512, device="cuda").bfloat16()
+    exact = x.double() @ w.dequantize().double().cuda().t()
+    v = w.decode()
+    d = torch.from_numpy(v.d0).double().repeat_interleave(32, dim=1).cuda()
+    z = torch.from_numpy(v.m + 8 * v.d0).double().repeat_interleave(32, dim=1).cuda()
+    q = torch.from_numpy(v.quants().reshape(96, 512)).double().cuda()
+    e = 2.0 ** -9 * (d.abs() * (q - 8).abs() + z.abs()) + 2.0 ** -8 * w.dequantize().double().cuda().abs()
+    bound = x.double().abs() @ e.t() + 2.0 ** -8 * exact.abs()
+    err = (tq.linear(x, None).double() - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    none = torch.nn.functional.linear(x, w.dequantize().cuda().bfloat16()).double()  # quant="none"'s bf16 GEMM
+    assert err.max() <= 4 * (none - exact).abs().max()  # the same order as bfloat16's own rounding
+
+
+def test_cuda_int4_model_tracks_the_bfloat16_model(tmp_path):
+    """A Q4_K file in bfloat16 on CUDA: every matrix on the int4 GEMM but the tied LM head (300 rows: tinygemm
+    tiles 8, so it is dequantized per GEMM); graphs equal eager; logits within bfloat16's tolerance of
+    quant="none"'s bfloat16 model; a derived draft refused by name."""
+    from bmc.parallel.tp import prompt_logits
+
+    from .test_quant import PLANS, _write_llama_gguf
+
+    path = str(tmp_path / "q4_k.gguf")
+    _write_llama_gguf(path, PLANS["q4_k"][0])
+    mq = bmc.load(path, device="cuda", quant="gguf", dtype="bfloat16")
+    mf = bmc.load(path, device="cuda", quant="none", dtype="bfloat16")
+    assert all(lin.device_q.int4 is not None for lin in mq.linears() if lin is not mq.net.lm_head)
+    assert mq.net.lm_head.device_q.int4 is None and mq.weight_bytes < 0.55 * mf.weight_bytes
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    graphs = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True)
+    eager = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True, cuda_graphs=False)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    with torch.inference_mode():
+        want = prompt_logits(mf, prompts[1]).float()
+        torch.testing.assert_close(prompt_logits(mq, prompts[1]).float(), want, rtol=0.02,
+                                   atol=0.05 * want.abs().max().item())
+    with pytest.raises(bmc.errors.BmcError, match="int4"):
+        mq.net.layers[0].o.dense_weight()

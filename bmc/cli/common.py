@@ -65,9 +65,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     from ..models.quant import QUANT_MODES
 
     p.add_argument("--quant", default="auto", choices=QUANT_MODES,
-                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32, "
-                   "else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, as llama.cpp "
-                   "does). Quantized matrices compute with exactly the float weights they dequantize to")
+                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices kept as stored on a CPU "
+                   "in float32, else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, "
+                   "as llama.cpp does). Quantized matrices compute with exactly the float weights they dequantize to "
+                   "(on CUDA in bfloat16, Q4 runs torch's int4 GEMM within a stated bound)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="read the weights from the model file, instead of mapping the weights derived from it from "
                    "~/.cache/bmc/weights (written on the first run, rebuilt when the file changes; a fast start)")

@@ -110,7 +110,11 @@ class LlamaModel:
         self.lm_head = Linear(w.as_linear(embed) if tied else w.get_t("lm_head.weight", (cfg.vocab_size, D)))
         if tied:
             self.embed = self.lm_head.wt.t() if self.lm_head.wt is not None else None
-        else:
+        for lin in [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")),
+                    *([] if tied else [self.lm_head])]:
+            if lin.device_q is not None:
+                lin.device_q.gemm_only()  # no row lookups: the int4 GEMM's copy is the only one
+        if not tied:
             self.embed = embed if isinstance(embed, torch.Tensor) else w.get("model.embed_tokens.weight",
                                                                             (cfg.vocab_size, D))
         self.inv_freq = rope_inv_freq(cfg).to(w.device)

@@ -107,8 +107,8 @@ class Linear:
         self.packed_m = m
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.device_q is not None:  # dequantized by torch ops for this GEMM (quant_torch.py)
-            return F.linear(x, self.device_q.dense(), self.b)
+        if self.device_q is not None:  # torch ops: dequantized for this GEMM, or tinygemm (quant_torch.py)
+            return self.device_q.linear(x, self.b)
         if self.wt is None:  # quantized panels: the native GEMM, each panel dequantized as it is read
             from ..kernels.native import native_module
 
