@@ -53,16 +53,23 @@ class TokenStream:
 
 
 def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-         share_weights: bool = False, quant: str = "auto", tp: int = 1) -> Model:
+         share_weights: bool = False, quant: str = "auto", activations: str = "float", tp: int = 1) -> Model:
     """Load an HF model directory or a llama GGUF file; no path loads the embedded default model. On a CPU in
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
     a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it.
     quant: "auto" (a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices kept as stored, on a CPU in float32; else "none"),
     "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py.
+    activations: "float" (exact: the quantized matrices' float weights) or "int8" (Q4 matrices against activations
+    quantized to int8 blocks on the native step, VNNI dot products: ~2x the GEMMs at batch 8, within a stated bound).
     tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
     torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
+    from .models import check_activations, set_activations
+
+    check_activations(activations)
     if tp != 1:
+        if activations != "float":
+            raise InvalidRequestError("tensor parallelism runs float activations (activations='float')")
         return _load_tensor_parallel(path, tp, dtype=dtype, device=device, quant=quant, share_weights=share_weights)
     model = None
     if share_weights:
@@ -87,6 +94,7 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
                 print(f"bmc: weights cache unavailable ({e}); using this process's own copy", file=sys.stderr)
     else:
         model = load_model(path, dtype=dtype, device=device, quant=quant)
+    set_activations(model, activations)
     model.net.native_decoder()
     return model
 

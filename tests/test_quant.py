@@ -400,3 +400,70 @@ def test_torch_ops_path_gives_the_dequantized_models_tokens(tmp_path, plan, monk
         assert all(lin.device_q is not None for lin in hq.linears())
         torch.testing.assert_close(prompt_logits(hq, prompts[1]).float(), prompt_logits(hf, prompts[1]).float(),
                                    rtol=0.02, atol=0.05 * prompt_logits(hf, prompts[1]).float().abs().max().item())
+
+
+def _has_int8_dot() -> bool:
+    return bool(native_module().has_int8_dot())
+
+
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
+    """activations="int8": each row's block of 32 activations becomes x~ = dx * qx (dx = max|x| / 127, qx rounded)
+    and the GEMM computes w . x~ exactly (the offsets' factor from x~ too), so per output |y - exact| <=
+    sum_k |w_k| dx / 2, plus float32 rounding (1e-5 of sum |x w|)."""
+    w = random_matrix(kind, 50, 512, rows, MODEL_D)
+    lin = bmc.models.ops.Linear(w, torch.randn(50))
+    x = torch.randn(rows, 512)
+    exact = x.double() @ w.dequantize().double().t() + lin.b.double()
+    lin.int8_activations = True
+    got = lin(x).double()
+    dx = x.view(rows, 16, 32).abs().amax(-1).double() / 127  # [rows, blocks]
+    wsum = w.dequantize().double().abs().view(50, 16, 32).sum(-1)  # [50, blocks]: sum_k |w_k| per block
+    bound = (dx / 2) @ wsum.t() + 1e-5 * (x.double().abs() @ w.dequantize().double().abs().t() + lin.b.abs().double())
+    err = (got - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 1e-4  # the activations really were quantized
+    lin.int8_activations = False
+    torch.testing.assert_close(lin(x).double(), exact, rtol=1e-5, atol=1e-4)  # and float again exact
+
+
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
+    """A Q4_0 model with activations="int8": the native decode step and the PyTorch path (which call the same
+    GEMM) give the same tokens; logits stay near the float activations' (a few % of their range on this random
+    model); refused by name without Q4 matrices or with an unknown value."""
+    path = str(tmp_path / "q4.gguf")
+    _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0)
+    m8, mf = bmc.load(path, activations="int8"), bmc.load(path)
+    q4 = [lin for lin in m8.linears() if lin.quant == "q4_0"]
+    assert m8.activations == "int8" and len(q4) >= 8 and all(lin.int8_activations for lin in q4)
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42]]
+    native = bmc.generate(m8, prompts, max_new_tokens=16, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BMC_NATIVE", "0")
+        eager = bmc.generate(m8, prompts, max_new_tokens=16, ignore_eos=True)
+    assert [c.token_ids for c in native] == [c.token_ids for c in eager]
+    from bmc.parallel.tp import prompt_logits
+
+    with torch.inference_mode():
+        a, b = prompt_logits(m8, prompts[0]), prompt_logits(mf, prompts[0])
+    assert 0 < (a - b).abs().max() < 0.05 * (b.max() - b.min())
+    with pytest.raises(BmcError, match="Q4 matrices"):
+        bmc.load(str(gqa_dir), activations="int8")
+    with pytest.raises(BmcError, match="unknown activations"):
+        bmc.load(path, activations="fp8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+def test_int8_activations_perplexity_of_the_default_model(real_model):
+    """The default model as stored (Q4_1) with int8 activations, prefill included: perplexity within 1 % of the
+    float activations' on held-out text (measured: bench/quant.py --activations int8)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics)[:40])
+    ppl = {act: bmc.perplexity(bmc.load(activations=act), text, context=256, max_chunks=4).ppl
+           for act in ("float", "int8")}
+    assert ppl["int8"] != ppl["float"] and abs(ppl["int8"] / ppl["float"] - 1) < 0.01, ppl

@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         model = load(args.model, dtype=args.dtype, device=args.device,
-                     share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
+                     share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
+                     activations=args.activations)
         session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
                               kv=args.kv, kv_dtype=args.kv_dtype)
     except (BmcError, OSError, ValueError) as e:

@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         t0 = time.perf_counter()
         model = load(args.model, dtype=args.dtype, device=args.device, tp=args.tp,
                      share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,
-                     quant=args.quant)
+                     quant=args.quant, activations=args.activations)
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",

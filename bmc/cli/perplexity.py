@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         model = load(args.model, dtype=args.dtype, device=args.device, share_weights=args.device == "cpu" and not args.no_weights_cache,
-                     quant=args.quant)
+                     quant=args.quant, activations=args.activations)
         print(f"bmc-perplexity: {model.path} (quant {model.quant}, kv {args.kv_dtype}), chunks of {args.ctx_size} tokens, "
               f"{args.batch_size} per forward", file=sys.stderr, flush=True)
         res = perplexity(model, text, context=args.ctx_size, batch=args.batch_size, max_chunks=args.chunks,

@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         spec_max_tokens=args.spec_max_tokens,
                         sparq_r=args.sparq_r, sparq_k=args.sparq_k,
                         device=args.device,
-                        share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant)
+                        share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
+                        activations=args.activations)
     app = build_app(opts)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown))

@@ -34,7 +34,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 
 
 def native_module() -> Any:
-    return build("bmc_cpu_decode_v51", _SOURCE_FILE, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v54", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:
@@ -71,6 +71,10 @@ class NativeDecoders:
 
     def __init__(self) -> None:
         self._built: dict[int, tuple[list, Any]] = {}  # id(layers) -> (layers, decoder); the list pins the id
+
+    def clear(self) -> None:
+        """Forget the decoders built: the next get() builds them anew (a setting they bake in changed)."""
+        self._built.clear()
 
     def get(self, layers: list, make: Callable[[], Any]) -> Any:
         if not native_enabled():

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import InvalidRequestError, ModelLoadError
 from ..tokenizer import Tokenizer, load_hf_tokenizer
 from .config import LLAMA_LIKE, ModelConfig
 from .llama import LlamaModel
@@ -36,6 +36,7 @@ class Model:
     dtype: torch.dtype
     device: torch.device
     quant: str = "none"  # "none", or the kind of the GEMM matrices kept quantized ("gguf", "q8_0", "q4_0")
+    activations: str = "float"  # "int8": Q4 GEMMs of 1-8 rows on int8 activation blocks (set_activations)
     # tensor parallelism: the whole model's config where `config` is one rank's part (bmc/parallel/shard.py)
     full_config: ModelConfig | None = None
 
@@ -186,6 +187,40 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
     del tensors
     trim_heap()
     return model
+
+
+ACTIVATIONS = ("float", "int8")
+
+
+def check_activations(activations: str) -> str:
+    if activations not in ACTIVATIONS:
+        raise InvalidRequestError(f"unknown activations {activations!r}; choose from {', '.join(ACTIVATIONS)}")
+    return activations
+
+
+def set_activations(model: Model, activations: str) -> None:
+    """activations="int8": the Q4 matrices (Q4_0, Q4_1, Q4_K) of a model on the native step multiply int8 blocks
+    of their activations by VNNI dot products (prefill, decode and verify alike); other matrices stay float.
+    Refused by name where it cannot run."""
+    if check_activations(activations) == "float":
+        return
+    from ..kernels.native import native_module, native_supported
+
+    q4 = [lin for lin in model.linears() if lin.panels is not None and lin.panels.dtype == torch.uint8]
+    if not native_supported(model.device, model.dtype):
+        raise InvalidRequestError("activations='int8' runs on the native CPU step in float32 (here: "
+                                  f"{model.device.type}, {str(model.dtype).split('.')[-1]})")
+    if not native_module().has_int8_dot():
+        raise InvalidRequestError("activations='int8' needs a CPU with AVX512-VNNI and AVX512-VBMI; this one lacks "
+                                  "them: use activations='float'")
+    if not q4:
+        raise InvalidRequestError(f"activations='int8' applies to Q4 matrices (Q4_0, Q4_1, Q4_K: quant='gguf' on such "
+                                  f"a file, or quant='q4_0'); this model has none (quant {model.quant!r})")
+    for lin in q4:
+        lin.int8_activations = True
+    model.net.int8_activations = True
+    model.net.native.clear()  # a decoder built before this bakes in float activations
+    model.activations = activations
 
 
 def trim_heap() -> None:

@@ -36,7 +36,8 @@ class Linear:
     measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
     packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
 
-    __slots__ = ("wt", "b", "packed", "packed_m", "panels", "device_q", "in_features", "out_features", "quant")
+    __slots__ = ("wt", "b", "packed", "packed_m", "panels", "device_q", "in_features", "out_features", "quant",
+                 "int8_activations")
 
     def __init__(self, wt: "torch.Tensor | QuantWeight | TorchQuantWeight", b: torch.Tensor | None = None) -> None:
         from .quant import QuantWeight
@@ -48,6 +49,7 @@ class Linear:
         self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
         self.device_q: TorchQuantWeight | None = None  # quantized where the native step does not run (CUDA)
         self.quant: str | None = None  # a QuantWeight kind ("q8_0", "q6_k", "mixed", ...): wt None
+        self.int8_activations = False  # Q4 panels against int8 activation blocks (models.set_activations)
         if isinstance(wt, TorchQuantWeight):
             self.wt = None
             self.out_features, self.in_features = wt.shape
@@ -113,7 +115,7 @@ class Linear:
             from ..kernels.native import native_module
 
             y = native_module().panel_linear(x.reshape(-1, self.in_features).float(), self.panels,
-                                             self.out_features, self.b)
+                                             self.out_features, self.b, self.int8_activations)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.packed is not None and x.numel() == self.packed_m * x.shape[-1]:
             y = torch.ops.mkl._mkl_linear(x.reshape(self.packed_m, -1), self.packed, self.wt.t(), self.b,

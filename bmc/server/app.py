@@ -48,6 +48,7 @@ class ServeOptions:
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
+    activations: str = "float"  # "int8": Q4 GEMMs on int8 activation blocks (bmc.load)
     speculative: str = "off"  # "ngram": greedy requests draft by prompt lookup, verified in the padding rows
     tree: str = "chain:4"
     spec_max_tokens: int = 24  # verify rows per step at most
@@ -80,7 +81,8 @@ class ServerState:
 
         try:
             o = self.opts
-            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant)
+            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
+                         activations=o.activations)
             self.name = o.served_model_name or default_served_name(model.path)
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
