@@ -62,17 +62,17 @@ def model_files(work: str, llama_bin: str | None) -> dict[str, str]:
     return files
 
 
-def model_has_q4(path: str) -> bool:
+def has_quantized(path: str) -> bool:
     from bmc.models.gguf_file import GGUFFile
 
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K") for t in GGUFFile(path).tensors.values())
+    return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in GGUFFile(path).tensors.values())
 
 
 def bmc_row(path: str, text: str, args: argparse.Namespace) -> dict[str, Any]:
     import bmc
     from bmc.cli.generate import synthetic_prompts
 
-    model = bmc.load(path, activations=args.activations if model_has_q4(path) else "float")
+    model = bmc.load(path, activations=args.activations if has_quantized(path) else "float")
     prompts = synthetic_prompts(model, 8, 32)
     bmc.generate(model, prompts[:1], max_new_tokens=4, ignore_eos=True)  # warm-up
     from collections import Counter
@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--work-dir", default=os.path.expanduser("~/.cache/bmc/bench"))
     p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated, of {','.join(TYPES)}")
     p.add_argument("--activations", default="float", choices=["float", "int8"],
-                   help="bmc's activations for files with Q4 matrices (int8: as llama.cpp computes them)")
+                   help="bmc's activations on quantized matrices (int8: as llama.cpp computes them; F32 stays float)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     unknown = set(args.types.split(",")) - set(TYPES)

@@ -407,20 +407,24 @@ def _has_int8_dot() -> bool:
 
 
 @pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k", "q8_0", "q5_k", "q6_k", "mixed"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
     """activations="int8": each row's block of 32 activations becomes x~ = dx * qx (dx = max|x| / 127, qx rounded)
     and the GEMM computes w . x~ exactly (the offsets' factor from x~ too), so per output |y - exact| <=
     sum_k |w_k| dx / 2, plus float32 rounding (1e-5 of sum |x w|)."""
-    w = random_matrix(kind, 50, 512, rows, MODEL_D)
+    if kind == "mixed":
+        w = QuantWeight.cat([random_matrix(t, n, 512, rows + i, MODEL_D)
+                             for i, (t, n) in enumerate(zip(MIXED, (16, 8, 9, 17)))])
+    else:
+        w = random_matrix(kind, 50, 512, rows, MODEL_D)
     lin = bmc.models.ops.Linear(w, torch.randn(50))
     x = torch.randn(rows, 512)
     exact = x.double() @ w.dequantize().double().t() + lin.b.double()
     lin.int8_activations = True
     got = lin(x).double()
     dx = x.view(rows, 16, 32).abs().amax(-1).double() / 127  # [rows, blocks]
-    wsum = w.dequantize().double().abs().view(50, 16, 32).sum(-1)  # [50, blocks]: sum_k |w_k| per block
+    wsum = w.dequantize().double().abs().view(w.shape[0], 16, 32).sum(-1)  # [50, blocks]: sum_k |w_k| per block
     bound = (dx / 2) @ wsum.t() + 1e-5 * (x.double().abs() @ w.dequantize().double().abs().t() + lin.b.abs().double())
     err = (got - exact).abs()
     assert (err <= bound).all(), (err / bound).max()
@@ -431,14 +435,14 @@ def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
 
 @pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
 def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
-    """A Q4_0 model with activations="int8": the native decode step and the PyTorch path (which call the same
+    """A Q4_0 model (its LM head Q8_0) with activations="int8": the native decode step and the PyTorch path (which call the same
     GEMM) give the same tokens; logits stay near the float activations' (a few % of their range on this random
     model); refused by name without Q4 matrices or with an unknown value."""
     path = str(tmp_path / "q4.gguf")
     _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0)
     m8, mf = bmc.load(path, activations="int8"), bmc.load(path)
-    q4 = [lin for lin in m8.linears() if lin.quant == "q4_0"]
-    assert m8.activations == "int8" and len(q4) >= 8 and all(lin.int8_activations for lin in q4)
+    quantized = [lin for lin in m8.linears() if lin.quant is not None]
+    assert m8.activations == "int8" and len(quantized) >= 8 and all(lin.int8_activations for lin in quantized)
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42]]
     native = bmc.generate(m8, prompts, max_new_tokens=16, ignore_eos=True)
     with pytest.MonkeyPatch.context() as mp:
@@ -450,7 +454,7 @@ def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
     with torch.inference_mode():
         a, b = prompt_logits(m8, prompts[0]), prompt_logits(mf, prompts[0])
     assert 0 < (a - b).abs().max() < 0.05 * (b.max() - b.min())
-    with pytest.raises(BmcError, match="Q4 matrices"):
+    with pytest.raises(BmcError, match="quantized matrices"):
         bmc.load(str(gqa_dir), activations="int8")
     with pytest.raises(BmcError, match="unknown activations"):
         bmc.load(path, activations="fp8")

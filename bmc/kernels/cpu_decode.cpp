@@ -606,11 +606,66 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
   for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
 }
 
+// Q8 and Q8X panels against int8 activations: VNNI multiplies unsigned by signed bytes, so the activations go in
+// as qx + 128 (their bytes' sign bits flipped) and 128 times each column's sum of quants is taken back out (those
+// sums by the same instruction against ones, once a block for all rows): the same exact integer sums. Q8X applies
+// its two scales to rows 0-15's and 16-31's sums and its offsets to dx sum_k qx_k, as Q4 does.
+template <int MB, int KIND>
+void quant_int8x_q8_kernel(const int8_t* xq, const float* dx, int64_t ldq, const uint8_t* wq, int64_t K,
+                           const float* bias, float* y, int64_t ldy, int64_t nw, bool accumulate, const float* xsum) {
+  const __m512i order = q4_vnni_order(), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+  constexpr int64_t bb = KIND_BLOCK[KIND];
+  v16 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = v16{};
+  const int64_t nblk = K / QK;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint8_t* blk = wq + b * bb;
+    for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
+    __m512i w[8], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g)  // rows 4g .. 4g + 3, each column's 4 in one lane
+      w[g] = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + KIND_QUANTS[KIND] + g * 64));
+    for (int g = 0; g < 4; ++g) {
+      c0 = _mm512_dpbusd_epi32(c0, ones, w[g]);
+      c1 = _mm512_dpbusd_epi32(c1, ones, w[4 + g]);
+    }
+    c0 = _mm512_slli_epi32(c0, 7);
+    c1 = _mm512_slli_epi32(c1, 7);
+    const v16 d0 = load16(reinterpret_cast<const float*>(blk));
+    const v16 d1 = KIND == KQ8X ? load16(reinterpret_cast<const float*>(blk + 4 * P)) : d0;
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* q = xq + i * ldq + b * QK;
+      int32_t four[8];
+      std::memcpy(four, q, 32);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(four[g]), flip), w[g]);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(four[4 + g]), flip), w[4 + g]);
+      }
+      const v16 lo = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));
+      const v16 hi = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));
+      if (KIND == KQ8X) {
+        const v16 m = load16(reinterpret_cast<const float*>(blk + 8 * P));
+        acc[i] += (d0 * lo + d1 * hi) * dx[i * nblk + b] + m * xsum[i * nblk + b];
+      } else {
+        acc[i] += d0 * ((lo + hi) * dx[i * nblk + b]);
+      }
+    }
+  }
+  const v16 bv = load_bias(bias, nw);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
+}
+
 using Int8xKernel = void (*)(const int8_t*, const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
                              int64_t, int64_t, bool, const float*);
-constexpr Int8xKernel INT8X_KERNELS[8] = {quant_int8x_kernel<1>, quant_int8x_kernel<2>, quant_int8x_kernel<3>,
-                                          quant_int8x_kernel<4>, quant_int8x_kernel<5>, quant_int8x_kernel<6>,
-                                          quant_int8x_kernel<7>, quant_int8x_kernel<8>};
+template <int KIND>
+constexpr Int8xKernel INT8X_Q8_KERNELS[8] = {
+    quant_int8x_q8_kernel<1, KIND>, quant_int8x_q8_kernel<2, KIND>, quant_int8x_q8_kernel<3, KIND>,
+    quant_int8x_q8_kernel<4, KIND>, quant_int8x_q8_kernel<5, KIND>, quant_int8x_q8_kernel<6, KIND>,
+    quant_int8x_q8_kernel<7, KIND>, quant_int8x_q8_kernel<8, KIND>};
+constexpr Int8xKernel INT8X_Q4_KERNELS[8] = {quant_int8x_kernel<1>, quant_int8x_kernel<2>, quant_int8x_kernel<3>,
+                                             quant_int8x_kernel<4>, quant_int8x_kernel<5>, quant_int8x_kernel<6>,
+                                             quant_int8x_kernel<7>, quant_int8x_kernel<8>};
+constexpr const Int8xKernel* INT8X_BY_KIND[3] = {INT8X_Q8_KERNELS<KQ8>, INT8X_Q4_KERNELS, INT8X_Q8_KERNELS<KQ8X>};
 
 // Rows of x as int8 blocks of 32 (qx) with their scales dx, as the kernel above reads them.
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx) {
@@ -645,7 +700,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
   const int64_t panel_bytes = K / QK * KIND_BLOCK[kind], nblk = K / QK;
   const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  if (int8_x && kind == KQ4) {  // activations as int8 blocks: VNNI dot products (a stated bound), 8 rows a pass
+  if (int8_x) {  // activations as int8 blocks: VNNI dot products (a stated bound), 8 rows a pass
     static thread_local std::vector<int8_t> xq_buf;
     static thread_local std::vector<float> dx_buf, xs_buf;
     if (static_cast<int64_t>(xq_buf.size()) < M * K) xq_buf.resize(M * K);
@@ -664,7 +719,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
         for (int64_t r0 = 0; r0 < M; r0 += 8) {  // the panel stays in L1/L2 across the row groups
           const int64_t mb = std::min<int64_t>(8, M - r0);
-          INT8X_KERNELS[mb - 1](xq + r0 * K, dx + r0 * nblk, K, base + p * panel_bytes, K,
+          INT8X_BY_KIND[kind][mb - 1](xq + r0 * K, dx + r0 * nblk, K, base + p * panel_bytes, K,
                                 bias == nullptr ? nullptr : bias + n0, y + r0 * N + n0, N, nw, accumulate,
                                 xsum + r0 * nblk);
         }
@@ -1240,7 +1295,7 @@ class NativeDecoder {
   }
 
   // Gemma 2: attention scores become cap * tanh(score / cap) before the bias is added (0: off).
-  // Q4 weights against int8-quantized activations (VNNI): a stated bound, not the float weights' logits
+  // quantized weights against int8-quantized activations (VNNI): a stated bound, not the float weights' logits
   void set_int8_activations(bool on) {
     TORCH_CHECK(!on || HAVE_INT8_DOT, "int8 activations need AVX512-VNNI and AVX512-VBMI, which this CPU lacks");
     int8_x_ = on;

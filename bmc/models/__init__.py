@@ -199,24 +199,24 @@ def check_activations(activations: str) -> str:
 
 
 def set_activations(model: Model, activations: str) -> None:
-    """activations="int8": the Q4 matrices (Q4_0, Q4_1, Q4_K) of a model on the native step multiply int8 blocks
-    of their activations by VNNI dot products (prefill, decode and verify alike); other matrices stay float.
-    Refused by name where it cannot run."""
+    """activations="int8": the quantized matrices of a model on the native step (every GGUF block type kept, and
+    q8_0 / q4_0 made at load) multiply int8 blocks of their activations by VNNI dot products (prefill, decode and
+    verify alike); float matrices stay float. Refused by name where it cannot run."""
     if check_activations(activations) == "float":
         return
     from ..kernels.native import native_module, native_supported
 
-    q4 = [lin for lin in model.linears() if lin.panels is not None and lin.panels.dtype == torch.uint8]
+    quantized = [lin for lin in model.linears() if lin.panels is not None and lin.panels.dtype != torch.float32]
     if not native_supported(model.device, model.dtype):
         raise InvalidRequestError("activations='int8' runs on the native CPU step in float32 (here: "
                                   f"{model.device.type}, {str(model.dtype).split('.')[-1]})")
     if not native_module().has_int8_dot():
         raise InvalidRequestError("activations='int8' needs a CPU with AVX512-VNNI and AVX512-VBMI; this one lacks "
                                   "them: use activations='float'")
-    if not q4:
-        raise InvalidRequestError(f"activations='int8' applies to Q4 matrices (Q4_0, Q4_1, Q4_K: quant='gguf' on such "
-                                  f"a file, or quant='q4_0'); this model has none (quant {model.quant!r})")
-    for lin in q4:
+    if not quantized:
+        raise InvalidRequestError("activations='int8' applies to quantized matrices (quant='gguf' on a quantized GGUF "
+                                  f"file, or quant='q8_0' / 'q4_0'); this model has none (quant {model.quant!r})")
+    for lin in quantized:
         lin.int8_activations = True
     model.net.int8_activations = True
     model.net.native.clear()  # a decoder built before this bakes in float activations
