@@ -667,17 +667,23 @@ constexpr Int8xKernel INT8X_Q4_KERNELS[8] = {quant_int8x_kernel<1>, quant_int8x_
                                              quant_int8x_kernel<7>, quant_int8x_kernel<8>};
 constexpr const Int8xKernel* INT8X_BY_KIND[3] = {INT8X_Q8_KERNELS<KQ8>, INT8X_Q4_KERNELS, INT8X_Q8_KERNELS<KQ8X>};
 
-// Rows of x as int8 blocks of 32 (qx) with their scales dx, as the kernel above reads them.
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx) {
+// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: a
+// scalar loop with nearbyint per value took ~1 ms of a 4.5 ms batch-1 decode step (150 GEMMs a step).
+// cvtps_epi32 rounds to nearest even, as nearbyint does under the default rounding mode.
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
   const int64_t nblk = K / QK;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t b = 0; b < nblk; ++b) {
       const float* xb = x + i * ldx + b * QK;
-      float amax = 0.0f;
-      for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
       const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK + 16), _mm512_cvtepi32_epi8(qc));
       dx[i * nblk + b] = d;
-      for (int k = 0; k < QK; ++k) xq[i * K + b * QK + k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+      xsum[i * nblk + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
     }
 }
 #else
@@ -707,13 +713,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     if (static_cast<int64_t>(dx_buf.size()) < M * nblk) dx_buf.resize(M * nblk), xs_buf.resize(M * nblk);
     int8_t* xq = xq_buf.data();
     float *dx = dx_buf.data(), *xsum = xs_buf.data();
-    quantize_rows(x, ldx, M, K, xq, dx);
-    for (int64_t i = 0; i < M; ++i)  // the offsets' factor from the quantized activations too: y = w . x~ exactly
-      for (int64_t b = 0; b < nblk; ++b) {
-        int32_t t = 0;
-        for (int64_t k = 0; k < QK; ++k) t += xq[i * K + b * QK + k];
-        xsum[i * nblk + b] = dx[i * nblk + b] * static_cast<float>(t);
-      }
+    quantize_rows(x, ldx, M, K, xq, dx, xsum);  // the offsets' factor from x~ too: y = w . x~ exactly
     at::parallel_for(0, np, M <= 8 ? 8 : 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
