@@ -125,7 +125,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         engine_bars(ax, result["rows"], types, key, title)
     axes[0].legend()
     c = result["config"]
-    save_titled(fig, f"SmolLM2-135M-Instruct GGUF, bmc vs llama.cpp, {c['threads']} threads, {c['host']}; perplexity: "
+    save_titled(fig, f"SmolLM2-135M-Instruct GGUF, bmc (activations {c.get('activations', 'float')}) vs llama.cpp, "
+                 f"{c['threads']} threads, {c['host']}; perplexity: "
                  f"{c['chunks']} chunks of {c['ctx']} of {c['text']}", path)
 
 

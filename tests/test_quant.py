@@ -148,6 +148,13 @@ def test_cli_flag(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--quant", "int3", "hi"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--quant" in bad.stderr and "Traceback" not in bad.stderr
+    if native_module().has_int8_dot():
+        act = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--activations", "int8",
+                              "--max-new-tokens", "4", "hello"], capture_output=True, text=True, timeout=300)
+        assert act.returncode == 0, act.stderr
+    none = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--quant", "none",
+                           "--activations", "int8", "hi"], capture_output=True, text=True, timeout=300)
+    assert none.returncode != 0 and "activations='int8'" in none.stderr and "Traceback" not in none.stderr
 
 
 @pytest.mark.slow
