@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", choices=["none", "gguf", "q8_0", "q4_0"],
                    help="bmc's weights (default none: float, as the peers and HF run them); quantized runs compare "
                    "bmc's strategies with each other, not with the float engines' tokens")
+    p.add_argument("--activations", default="float", choices=["float", "int8"],
+                   help="bmc's activations on quantized weights (int8: VNNI dot products, within a stated bound)")
     p.add_argument("--out", default="bench/out/bench", help="output prefix: PREFIX.json and PREFIX-*.png")
     p.add_argument("--smoke", action="store_true", help="B=2, 16-token prompts, 8 tokens; exit 1 on any mismatch")
     return p
@@ -80,8 +82,11 @@ def csv_ints(s: str, name: str) -> list[int]:
     return vals
 
 
-def load_models(spec: str | None, need_hf: bool, quant: str = "none") -> tuple[Model, Any, str]:
+def load_models(spec: str | None, need_hf: bool, quant: str = "none", activations: str = "float"
+                ) -> tuple[Model, Any, str]:
     """(bmc model, HF model or None, description); both hold the same weights (bmc's quantized with --quant)."""
+    from ..models import set_activations
+
     hf = None
     if spec in RANDOM_MODELS:
         import transformers
@@ -89,9 +94,11 @@ def load_models(spec: str | None, need_hf: bool, quant: str = "none") -> tuple[M
         cfg = transformers.OPTConfig(**RANDOM_MODELS[spec])
         hf = transformers.OPTForCausalLM(cfg).eval()
         model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin=spec, quant=quant)
+        set_activations(model, activations)
         model.net.native_decoder()
-        return model, hf if need_hf else None, spec + ("" if quant == "none" else f" ({quant})")
-    model = load(spec, quant=quant)  # by default float weights, as the peers run them
+        suffix = "" if quant == "none" else f" ({quant}{', int8 activations' if activations == 'int8' else ''})"
+        return model, hf if need_hf else None, spec + suffix
+    model = load(spec, quant=quant, activations=activations)  # by default float weights, as the peers run them
     if need_hf:
         import transformers
         if model.path.endswith(".gguf"):
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or physical_cores()
     torch.set_num_threads(threads)
     try:
-        model, hf, desc = load_models(args.model, need_hf, args.quant)
+        model, hf, desc = load_models(args.model, need_hf, args.quant, args.activations)
     except BmcError as e:
         fail(str(e))
     peers = prepare_peers(engines, args, model)
