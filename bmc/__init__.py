@@ -60,8 +60,9 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it.
     quant: "auto" (a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices kept as stored, on a CPU in float32; else "none"),
     "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py.
-    activations: "float" (exact: the quantized matrices' float weights) or "int8" (Q4 matrices against activations
-    quantized to int8 blocks on the native step, VNNI dot products: ~2x the GEMMs at batch 8, within a stated bound).
+    activations: "float" (exact: the quantized matrices' float weights) or "int8" (quantized matrices against
+    activations quantized to int8 blocks on the native step, VNNI dot products: ~2x the Q4 GEMMs at batch 8, within
+    a stated bound).
     tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
     torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
     from .models import check_activations, set_activations

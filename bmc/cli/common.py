@@ -70,9 +70,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                    "as llama.cpp does). Quantized matrices compute with exactly the float weights they dequantize to "
                    "(on CUDA in bfloat16, Q4 runs torch's int4 GEMM within a stated bound)")
     p.add_argument("--activations", default="float", choices=["float", "int8"],
-                   help="float (exact), or int8: Q4 matrices (Q4_0/Q4_1/Q4_K) against activations quantized to int8 "
-                   "blocks, by VNNI dot products, as llama.cpp computes them; ~2x the decode GEMMs at batch 8, within "
-                   "a stated bound (needs AVX512-VNNI/VBMI)")
+                   help="float (exact), or int8: quantized matrices against activations quantized to int8 blocks of "
+                   "32, by VNNI dot products, as llama.cpp computes them; ~2x the Q4 GEMMs at batch 8, within a "
+                   "stated bound (needs AVX512-VNNI/VBMI)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="read the weights from the model file, instead of mapping the weights derived from it from "
                    "~/.cache/bmc/weights (written on the first run, rebuilt when the file changes; a fast start)")
