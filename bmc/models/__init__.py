@@ -36,7 +36,7 @@ class Model:
     dtype: torch.dtype
     device: torch.device
     quant: str = "none"  # "none", or the kind of the GEMM matrices kept quantized ("gguf", "q8_0", "q4_0")
-    activations: str = "float"  # "int8": Q4 GEMMs of 1-8 rows on int8 activation blocks (set_activations)
+    activations: str = "float"  # "int8": the quantized GEMMs on int8 activation blocks (set_activations)
     # tensor parallelism: the whole model's config where `config` is one rank's part (bmc/parallel/shard.py)
     full_config: ModelConfig | None = None
 
@@ -218,7 +218,6 @@ def set_activations(model: Model, activations: str) -> None:
                                   f"file, or quant='q8_0' / 'q4_0'); this model has none (quant {model.quant!r})")
     for lin in quantized:
         lin.int8_activations = True
-    model.net.int8_activations = True
     model.net.native.clear()  # a decoder built before this bakes in float activations
     model.activations = activations
 

@@ -144,12 +144,12 @@ class LlamaModel:
                                             cfg.intermediate_size, True, True, cfg.activation, cfg.norm_eps, self.scale)
         if cfg.attn_softcap is not None:
             dec.set_softcap(cfg.attn_softcap)
-        if getattr(self, "int8_activations", False):  # set by models.set_activations
-            dec.set_int8_activations(True)
         tied = (self.embed is not None and self.lm_head.wt is not None
                 and self.embed.data_ptr() == self.lm_head.wt.data_ptr())
-        for lin in [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]:
+        linears = [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]
+        for lin in linears:
             lin.keep_panels_only()  # the panels are the weights from here on: one copy
+        dec.set_int8_activations(any(lin.int8_activations for lin in linears))  # models.set_activations
         if tied:
             self.embed = None  # looked up in the LM head's panels
         for i, L in enumerate(self.layers):

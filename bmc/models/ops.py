@@ -49,7 +49,7 @@ class Linear:
         self.panels: torch.Tensor | None = None  # the native step's layout, when a shared weight file holds it
         self.device_q: TorchQuantWeight | None = None  # quantized where the native step does not run (CUDA)
         self.quant: str | None = None  # a QuantWeight kind ("q8_0", "q6_k", "mixed", ...): wt None
-        self.int8_activations = False  # Q4 panels against int8 activation blocks (models.set_activations)
+        self.int8_activations = False  # quantized panels against int8 activation blocks (models.set_activations)
         if isinstance(wt, TorchQuantWeight):
             self.wt = None
             self.out_features, self.in_features = wt.shape

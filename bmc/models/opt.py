@@ -75,8 +75,9 @@ class OPTModel:
         act = "relu" if cfg.activation == "relu" else "gelu"
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_heads, cfg.head_dim,
                                             cfg.intermediate_size, False, False, act, cfg.norm_eps, self.scale)
-        if getattr(self, "int8_activations", False):  # set by models.set_activations
-            dec.set_int8_activations(True)
+        dec.set_int8_activations(any(lin.int8_activations for lin in  # models.set_activations
+                                     [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")),
+                                      self.lm_head]))
         for L in self.layers:
             dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(),
                           or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.gemm_weight(), or_empty(L.fc1.b),
