@@ -24,6 +24,7 @@ from .test_gguf import LAYER_PLAN, Q, _write
 pytestmark = pytest.mark.skipif(not native_supported(torch.device("cpu"), torch.float32),
                                 reason="quantized weights run on the native CPU step")
 KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+HALF_TYPES = {"f16": Q.F16, "bf16": Q.BF16}
 
 
 def random_blocks(kind: str, shape: tuple[int, int], seed: int = 0) -> QuantWeight:
@@ -66,17 +67,19 @@ def uniform_plan(qtype) -> list:
     return [(g, h, qtype if not g.endswith("norm") else Q.F32) for g, h, _ in LAYER_PLAN]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, *HALF_TYPES])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tied):
     path = str(tmp_path / f"{kind}.gguf")
-    _write(path, tied=tied, plan=uniform_plan(KINDS[kind]), embed_type=KINDS[kind])
+    qtype = {**KINDS, **HALF_TYPES}[kind]
+    _write(path, tied=tied, plan=uniform_plan(qtype), embed_type=qtype)
     mq, mf = bmc.load(path), bmc.load(path, quant="none")  # auto: gguf on a CPU in float32
     assert mq.quant == "gguf" and mf.quant == "none"
     for lq, lf in zip(mq.linears(), mf.linears()):
         if lq.quant is not None:
             assert torch.equal(lq.dense_weight(), lf.dense_weight())
-    assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + tied  # every layer matrix (+ the tied head)
+    assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + 1  # every layer matrix and the head (tied:
+    # the table in the file's type; untied: output.weight, F16 in these files)
     assert mq.weight_bytes < 0.6 * mf.weight_bytes  # the matrices 3.8-6.4x smaller; norms and an untied table not
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42], [100, 3, 99, 98, 97, 96]]
     a = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True)
@@ -84,6 +87,26 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     spec = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True, speculative="ngram")
     assert [c.token_ids for c in spec] == [c.token_ids for c in b]
+
+
+@pytest.mark.parametrize("kind", HALF_TYPES)
+def test_16_bit_float_panels_compute_the_float_gemm_bit_for_bit(kind):
+    """F16 / BF16 matrices kept as stored: gguf's values, and the native GEMM (widening each weight as it is
+    loaded) equals the float32 panels' GEMM exactly at every row count's kernel (1-4, 5-8, blocked)."""
+    N, K = 50, 96
+    x = (np.random.default_rng(3).standard_normal((N, K)) * 0.05).astype(np.float32)
+    w = QuantWeight(kind, (N, K), gguf.quants.quantize(x, HALF_TYPES[kind]).reshape(N, -1).view(np.uint8))
+    want = torch.from_numpy(gguf.quants.dequantize(w.blocks, HALF_TYPES[kind]).astype(np.float32)).view(N, K)
+    assert torch.equal(w.dequantize(), want) and 0 < (want - torch.from_numpy(x)).abs().max() < 1e-3
+    lin = bmc.models.ops.Linear(w, torch.randn(N))
+    assert lin.quant == kind and lin.panels.dtype == {"f16": torch.float16, "bf16": torch.bfloat16}[kind]
+    assert torch.equal(lin.dense_weight(), want.t()) and torch.equal(lin.rows(torch.tensor([0, 17, 49])), want[[0, 17, 49]])
+    packed = native_module().pack_panels(want.t().contiguous())
+    for rows in (1, 3, 4, 5, 8, 9, 17, 33):
+        xs = torch.randn(rows, K)
+        assert torch.equal(lin(xs), native_module().panel_linear(xs, packed, N, lin.b, False)), rows
+    q8 = random_blocks("q8_0", (16, K))
+    assert not QuantWeight.can_cat([w, q8]) and QuantWeight.can_cat([w, w]) and QuantWeight.can_cat([q8, q8])
 
 
 def test_mixed_types_and_the_weights_cache(tmp_path, monkeypatch):
@@ -94,7 +117,7 @@ def test_mixed_types_and_the_weights_cache(tmp_path, monkeypatch):
     _write(path)
     mq, mf = bmc.load(path), bmc.load(path, quant="none")
     kinds = {name: getattr(mq.net.layers[0], name).quant for name in ("qkv", "o", "gate_up", "down")}
-    assert kinds == {"qkv": None, "o": "q4_1", "gate_up": None, "down": None}
+    assert kinds == {"qkv": None, "o": "q4_1", "gate_up": None, "down": "f16"}
     shared = bmc.load(path, share_weights=True)
     again = bmc.load(path, share_weights=True)  # built from the weight file: no dequantization
     assert getattr(again, "weight_file", None) and again.net.layers[0].o.quant == "q4_1"
@@ -410,7 +433,8 @@ def test_torch_ops_path_gives_the_dequantized_models_tokens(tmp_path, plan, monk
 
 
 def _has_int8_dot() -> bool:
-    return bool(native_module().has_int8_dot())
+    mod = native_module()  # None under BMC_NATIVE=0 (the module is skipped then, but still collected)
+    return mod is not None and bool(mod.has_int8_dot())
 
 
 @pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
@@ -448,8 +472,10 @@ def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
     path = str(tmp_path / "q4.gguf")
     _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0)
     m8, mf = bmc.load(path, activations="int8"), bmc.load(path)
-    quantized = [lin for lin in m8.linears() if lin.quant is not None]
+    quantized = [lin for lin in m8.linears() if lin.quant not in (None, *HALF_TYPES)]
     assert m8.activations == "int8" and len(quantized) >= 8 and all(lin.int8_activations for lin in quantized)
+    head = [lin for lin in m8.linears() if lin.quant == "f16"]  # output.weight: a 16-bit float stays float
+    assert len(head) == 1 and not head[0].int8_activations
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42]]
     native = bmc.generate(m8, prompts, max_new_tokens=16, ignore_eos=True)
     with pytest.MonkeyPatch.context() as mp:

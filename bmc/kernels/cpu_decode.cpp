@@ -161,6 +161,38 @@ inline v16 load_part(const float* p, int64_t n) {  // n < P lanes, the rest zero
   return load16(tmp);
 }
 
+// Weights a GGUF file stores in 16 bits (F16, BF16), kept so in float panels' layout ([ceil(N/16), K, 16]) and
+// widened to float32 as they are loaded: a widening is exact, so the float kernels below compute exactly what they
+// compute on the float32 panels of the same values (quant="none"), reading half the bytes.
+struct Half16 {  // IEEE binary16
+  uint16_t bits;
+};
+struct BHalf16 {  // bfloat16: float32's upper half
+  uint16_t bits;
+};
+#if defined(__AVX512F__)
+inline v16 load16(const Half16* p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline v16 load16(const BHalf16* p) {
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+inline v8 widen_bf16(const BHalf16* p) {
+  return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline v16 load16(const BHalf16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+#if defined(__F16C__)
+inline v16 load16(const Half16* p) {
+  return {(v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+#else
+inline v16 load16(const Half16* p) {
+  float f[P];
+  for (int i = 0; i < P; ++i) f[i] = static_cast<float>(c10::Half(p[i].bits, c10::Half::from_bits()));
+  return load16(f);
+}
+#endif
+#endif
+
 // e^x in float32 to < 4 ulp (measured over [-87.3, 88.3]), 0 below -87.3, 2.2e38 above 88.3 (not inf): 2^n p(r)
 // with r = x - n ln2 (ln2 split in two so that n ln2 is exact) and p the degree-6 Taylor polynomial of e^r on
 // |r| <= ln2/2. Branch-free, so GCC vectorises the loops that call it (8 or 16 lanes, ~10 FP operations a vector)
@@ -234,8 +266,8 @@ inline void store_out(float* out, v16 r, int64_t width, bool accumulate) {
 }
 
 // y[MB rows][16] (+)= x[MB rows][K] @ panel[K][16] (+ bias); two partial sums over k halve the FMA chains.
-template <int MB>
-void panel_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y,
+template <int MB, typename W>
+void panel_kernel(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
                   int64_t ldy, int64_t nw, bool accumulate) {
   v16 a0[MB], a1[MB];
   for (int i = 0; i < MB; ++i) a0[i] = a1[i] = v16{};
@@ -258,13 +290,14 @@ void panel_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
 }
 
 // 1-4 rows, each panel streamed once with the rows in registers (5 and more: block_kernel)
-void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y,
+template <typename W>
+void rows_kernel(int64_t mb, const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
                  int64_t ldy, int64_t nw, bool acc) {
   switch (mb) {
-    case 1: return panel_kernel<1>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 2: return panel_kernel<2>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    case 3: return panel_kernel<3>(x, ldx, wp, K, bias, y, ldy, nw, acc);
-    default: return panel_kernel<4>(x, ldx, wp, K, bias, y, ldy, nw, acc);
+    case 1: return panel_kernel<1, W>(x, ldx, wp, K, bias, y, ldy, nw, acc);
+    case 2: return panel_kernel<2, W>(x, ldx, wp, K, bias, y, ldy, nw, acc);
+    case 3: return panel_kernel<3, W>(x, ldx, wp, K, bias, y, ldy, nw, acc);
+    default: return panel_kernel<4, W>(x, ldx, wp, K, bias, y, ldy, nw, acc);
   }
 }
 
@@ -273,8 +306,8 @@ void rows_kernel(int64_t mb, const float* x, int64_t ldx, const float* wp, int64
 // more rows (a batch of 8, a verify step's tree, 32 shared-prefix samples), where the FMAs slow the weight stream
 // or bound the GEMM. nw: valid columns of the last panel. PF: prefetch the panels ahead (the block that streams
 // them from DRAM). next: lines to prefetch over the k steps (a share of the next group's panels).
-template <int MB, int NB, bool PF>
-void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const float* bias, float* y, int64_t ldy,
+template <int MB, int NB, bool PF, typename W = float>
+void block_kernel(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y, int64_t ldy,
                   int64_t nw, bool accumulate, Lines next) {
   v16 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -298,22 +331,25 @@ void block_kernel(const float* x, int64_t ldx, const float* wp, int64_t K, const
   }
 }
 
-using BlockKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t, bool,
-                             Lines);
-template <bool PF>
-constexpr BlockKernel BLOCK_KERNELS[24] = {
-    block_kernel<1, 1, PF>, block_kernel<1, 2, PF>, block_kernel<1, 3, PF>, block_kernel<1, 4, PF>,
-    block_kernel<2, 1, PF>, block_kernel<2, 2, PF>, block_kernel<2, 3, PF>, block_kernel<2, 4, PF>,
-    block_kernel<3, 1, PF>, block_kernel<3, 2, PF>, block_kernel<3, 3, PF>, block_kernel<3, 4, PF>,
-    block_kernel<4, 1, PF>, block_kernel<4, 2, PF>, block_kernel<4, 3, PF>, block_kernel<4, 4, PF>,
-    block_kernel<5, 1, PF>, block_kernel<5, 2, PF>, block_kernel<5, 3, PF>, block_kernel<5, 4, PF>,
-    block_kernel<6, 1, PF>, block_kernel<6, 2, PF>, block_kernel<6, 3, PF>, block_kernel<6, 4, PF>};
+template <typename W>
+using BlockKernelOf = void (*)(const float*, int64_t, const W*, int64_t, const float*, float*, int64_t, int64_t, bool,
+                               Lines);
+using BlockKernel = BlockKernelOf<float>;
+template <bool PF, typename W = float>
+constexpr BlockKernelOf<W> BLOCK_KERNELS[24] = {
+    block_kernel<1, 1, PF, W>, block_kernel<1, 2, PF, W>, block_kernel<1, 3, PF, W>, block_kernel<1, 4, PF, W>,
+    block_kernel<2, 1, PF, W>, block_kernel<2, 2, PF, W>, block_kernel<2, 3, PF, W>, block_kernel<2, 4, PF, W>,
+    block_kernel<3, 1, PF, W>, block_kernel<3, 2, PF, W>, block_kernel<3, 3, PF, W>, block_kernel<3, 4, PF, W>,
+    block_kernel<4, 1, PF, W>, block_kernel<4, 2, PF, W>, block_kernel<4, 3, PF, W>, block_kernel<4, 4, PF, W>,
+    block_kernel<5, 1, PF, W>, block_kernel<5, 2, PF, W>, block_kernel<5, 3, PF, W>, block_kernel<5, 4, PF, W>,
+    block_kernel<6, 1, PF, W>, block_kernel<6, 2, PF, W>, block_kernel<6, 3, PF, W>, block_kernel<6, 4, PF, W>};
 
-constexpr BlockKernel WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, streaming (first-block prefetch)
-    block_kernel<5, 1, true>, block_kernel<5, 2, true>, block_kernel<5, 3, true>,
-    block_kernel<6, 1, true>, block_kernel<6, 2, true>, block_kernel<6, 3, true>,
-    block_kernel<7, 1, true>, block_kernel<7, 2, true>, block_kernel<7, 3, true>,
-    block_kernel<8, 1, true>, block_kernel<8, 2, true>, block_kernel<8, 3, true>};
+template <typename W = float>
+constexpr BlockKernelOf<W> WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, streaming (first-block prefetch)
+    block_kernel<5, 1, true, W>, block_kernel<5, 2, true, W>, block_kernel<5, 3, true, W>,
+    block_kernel<6, 1, true, W>, block_kernel<6, 2, true, W>, block_kernel<6, 3, true, W>,
+    block_kernel<7, 1, true, W>, block_kernel<7, 2, true, W>, block_kernel<7, 3, true, W>,
+    block_kernel<8, 1, true, W>, block_kernel<8, 2, true, W>, block_kernel<8, 3, true, W>};
 
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
 // panels, so each streams its own contiguous part of W. Up to 4 rows, each panel is streamed once with all rows in
@@ -357,7 +393,6 @@ constexpr int64_t KIND_QUANTS[3] = {4 * P, 8 * P, 12 * P};  // where a block's q
 constexpr int64_t KIND_OFFSET[3] = {0, 4 * P, 8 * P};       // where its offsets m start (Q8: none)
 constexpr bool has_offset(int kind) { return kind != KQ8; }
 
-inline bool is_quant(const torch::Tensor& w) { return w.scalar_type() != torch::kFloat; }
 // -1: not a quantized panel layout
 inline int quant_kind_or_none(const torch::Tensor& w) {
   if (w.dim() != 3) return -1;
@@ -367,6 +402,7 @@ inline int quant_kind_or_none(const torch::Tensor& w) {
   return -1;
 }
 inline QuantKind quant_kind(const torch::Tensor& w) { return static_cast<QuantKind>(quant_kind_or_none(w)); }
+inline bool is_quant(const torch::Tensor& w) { return quant_kind_or_none(w) >= 0; }
 
 template <int KIND>
 inline void dequant_block(const uint8_t* blk, float* out) {  // out [32][16]
@@ -765,7 +801,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
           m0 += mb;
         }
       } else if (M >= 5) {
-        WIDE_ROW_KERNELS[(M - 5) * 3 + nb - 1](x, ldx, buf, K, b, y + n0, N, nw, accumulate, Lines{nullptr, 0});
+        WIDE_ROW_KERNELS<>[(M - 5) * 3 + nb - 1](x, ldx, buf, K, b, y + n0, N, nw, accumulate, Lines{nullptr, 0});
       } else {
         rows_kernel(M, x, ldx, buf, K, b, y + n0, N, nw, accumulate);
       }
@@ -773,11 +809,11 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
   });
 }
 
-void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias, float* y,
-          bool accumulate, bool int8_x = false) {
-  if (is_quant(wp)) return gemm_quant(x, ldx, M, K, wp, N, bias, y, accumulate, int8_x);
-  const int64_t np = wp.size(0);
-  const float* w = wp.data_ptr<float>();
+// gemm() over float panels of element type W (float32, or 16-bit weights widened as they are loaded)
+template <typename W>
+void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, int64_t np, int64_t N,
+                 const float* bias, float* y, bool accumulate) {
+  constexpr int64_t per_line = sizeof(float) / sizeof(W);  // panel rows of W per 64-byte line of floats: 1 or 2
   if (blocked(M)) {
     const int64_t groups = (np + GROUP_PANELS - 1) / GROUP_PANELS, blocks = (M + 5) / 6;
     at::parallel_for(0, groups, 8 / GROUP_PANELS, [&](int64_t begin, int64_t end) {
@@ -787,12 +823,13 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
         // the next group's panels are prefetched over this group's row blocks, a share each (when each group's
         // first block streamed its own panels, the memory was busy in 1 of `blocks` passes and that block ran
         // ~2.6x as long as the others; M = 32 GEMMs of the default model's shapes 4-7 % faster)
-        const int64_t next_lines = g + 1 < end ? std::min<int64_t>(GROUP_PANELS, np - p0 - GROUP_PANELS) * K : 0;
-        const float* next = w + (p0 + GROUP_PANELS) * K * P;
+        const int64_t next_lines =
+            g + 1 < end ? std::min<int64_t>(GROUP_PANELS, np - p0 - GROUP_PANELS) * K / per_line : 0;
+        const float* next = reinterpret_cast<const float*>(w + (p0 + GROUP_PANELS) * K * P);
         for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
           const int64_t mb = (M - m0) / (blocks - blk);  // near-equal blocks: 17 rows -> 5, 6, 6
           const int64_t lo = next_lines * blk / blocks, hi = next_lines * (blk + 1) / blocks;
-          (blk == 0 && g == begin ? BLOCK_KERNELS<true> : BLOCK_KERNELS<false>)[(mb - 1) * 4 + nb - 1](
+          (blk == 0 && g == begin ? BLOCK_KERNELS<true, W> : BLOCK_KERNELS<false, W>)[(mb - 1) * 4 + nb - 1](
               x + m0 * ldx, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0, y + m0 * N + n0, N, nw,
               accumulate, Lines{hi > lo ? next + lo * P : nullptr, hi - lo});
           m0 += mb;
@@ -807,8 +844,8 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = g * WIDE_PANELS, nb = std::min<int64_t>(WIDE_PANELS, np - p0), n0 = p0 * P;
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
-        WIDE_ROW_KERNELS[(M - 5) * 3 + nb - 1](x, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
-                                               y + n0, N, nw, accumulate, Lines{nullptr, 0});
+        WIDE_ROW_KERNELS<W>[(M - 5) * 3 + nb - 1](x, ldx, w + p0 * K * P, K, bias == nullptr ? nullptr : bias + n0,
+                                                  y + n0, N, nw, accumulate, Lines{nullptr, 0});
       }
     });
     return;
@@ -819,6 +856,26 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
       rows_kernel(M, x, ldx, w + p * K * P, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate);
     }
   });
+}
+
+// 16-bit float panels (F16 / BF16 weights kept as stored): dtype half or bfloat16, [ceil(N/16), K, 16]
+inline bool is_half_panels(const torch::Tensor& w) {
+  return w.scalar_type() == torch::kHalf || w.scalar_type() == torch::kBFloat16;
+}
+
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias,
+          float* y, bool accumulate, bool int8_x = false) {
+  const int64_t np = wp.size(0);
+  switch (wp.scalar_type()) {
+    case torch::kFloat:
+      return gemm_panels(x, ldx, M, K, wp.data_ptr<float>(), np, N, bias, y, accumulate);
+    case torch::kHalf:
+      return gemm_panels(x, ldx, M, K, static_cast<const Half16*>(wp.data_ptr()), np, N, bias, y, accumulate);
+    case torch::kBFloat16:
+      return gemm_panels(x, ldx, M, K, static_cast<const BHalf16*>(wp.data_ptr()), np, N, bias, y, accumulate);
+    default:
+      return gemm_quant(x, ldx, M, K, wp, N, bias, y, accumulate, int8_x);
+  }
 }
 
 // Weights are streamed once per step: 2 MiB pages spare the TLB a miss every 4 KiB of the stream. Asked for
@@ -901,7 +958,9 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
   if (is_quant(wp))
     check_quant(wp, K, N, "panel_linear");
   else
-    TORCH_CHECK(wp.size(2) == P && wp.size(1) == K && wp.size(0) * P >= N, "panel_linear: weight does not match x");
+    TORCH_CHECK((wp.scalar_type() == torch::kFloat || is_half_panels(wp)) && wp.size(2) == P && wp.size(1) == K &&
+                    wp.size(0) * P >= N,
+                "panel_linear: weight does not match x");
   auto y = torch::empty({M, N}, xc.options());
   gemm(xc.data_ptr<float>(), K, M, K, wp, N, bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
        false, int8_activations);
@@ -1298,7 +1357,8 @@ class NativeDecoder {
       return w;
     }
     if (w.dim() == 3) {
-      TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous() && w.size(0) == (out + P - 1) / P &&
+      TORCH_CHECK((w.scalar_type() == torch::kFloat || is_half_panels(w)) && w.is_contiguous() &&
+                      w.size(0) == (out + P - 1) / P &&
                       w.size(1) == in && w.size(2) == P,
                   name, ": panels do not match the decoder");
       return w;

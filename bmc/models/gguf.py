@@ -162,7 +162,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
                 blocks, release = None, None
                 if not shapes_only:
                     data = tensors[name].data
-                    blocks = np.asarray(data).reshape(shape[0], -1)
+                    blocks = np.asarray(data).reshape(shape[0], -1).view(np.uint8)  # F16 comes as float16
                     if widen:
                         blocks = q5_0_as_q8_0(blocks)
                     if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:

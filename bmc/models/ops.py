@@ -75,8 +75,9 @@ class Linear:
         from ..kernels.native import native_module
 
         p = self.panels
-        if p.dtype != torch.float32:
+        if p.dtype in (torch.int8, torch.uint8):
             p = native_module().dequantize_panels(p, self.in_features)  # [np, K, 16]
+        p = p.float()  # 16-bit float panels widened (exact)
         return p.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features].contiguous()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ class Linear:
             return self.wt.t()[ids]
         if self.device_q is not None:
             return self.device_q.dense(ids)
-        if self.panels.dtype == torch.float32:
-            return self.panels[ids // 16, :, ids % 16]
+        if self.panels.dtype not in (torch.int8, torch.uint8):  # float panels, in 32 or 16 bits
+            return self.panels[ids // 16, :, ids % 16].float()
         from ..kernels.native import native_module
 
         return native_module().quant_rows(self.panels, self.in_features, ids)

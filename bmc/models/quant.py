@@ -7,9 +7,10 @@ thread's buffer and runs the float32 GEMM kernels on it, so a quantized model co
 weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the native step, bit for bit, reading
 4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
 
-Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and
-Q6_K matrices of a GGUF file as stored (K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same
-values (q5_0_as_q8_0; other types, e.g. F16 or Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize
+Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K and Q6_K matrices of a GGUF file as stored (16-bit floats as float panels in 16 bits, widened as they are read;
+K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same values (q5_0_as_q8_0; other types, e.g.
+Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize
 the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file where the native step runs (CPU,
 float32) and "none" otherwise."""
 from __future__ import annotations
@@ -24,8 +25,12 @@ from ..errors import InvalidRequestError
 
 QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # GGUF's block sizes
-BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}  # K-quants: super-blocks
+# GGUF's block sizes (bytes, values): K-quants in super-blocks of 256; 16-bit floats a "block" per value
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210, "f16": 2, "bf16": 2}
+BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "f16": 1, "bf16": 1}
+# 16-bit float matrices kept as stored: the float panels' layout [ceil(N/16), K, 16] in this dtype; the native
+# GEMM widens each weight as it loads it (exact), so they compute quant="none"'s float32 GEMM bit for bit
+HALF_KINDS = {"f16": torch.float16, "bf16": torch.bfloat16}
 PANEL = 16
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
@@ -169,6 +174,13 @@ class QuantWeight:
             raise ValueError(f"{self.kind} blocks {self.blocks.shape} do not match the shape {self.shape}")
 
     @staticmethod
+    def can_cat(parts: list["QuantWeight"]) -> bool:
+        """Whether cat can stack them as they are stored: one kind, or block types (whose values all fit q8x panels);
+        16-bit floats beside other types cannot (the caller fuses their float32 values instead)."""
+        kinds = {p.kind for p in parts}
+        return len(kinds) == 1 or not kinds & HALF_KINDS.keys()
+
+    @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
         """Matrices stacked along the output axis (fused q|k|v, gate|up): one kind's blocks concatenated, or parts
         of different kinds held as "mixed" (panels in q8x, which every kind's values fit exactly)."""
@@ -191,9 +203,14 @@ class QuantWeight:
     def has_values(self) -> bool:
         return all(p.blocks is not None for p in self.parts) if self.parts else self.blocks is not None
 
+    def half_rows(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows [r0, r1) of a 16-bit float matrix (HALF_KINDS) as a tensor of that dtype (a copy)."""
+        assert self.kind in HALF_KINDS and self.blocks is not None
+        return torch.from_numpy(self.blocks[r0:r1].copy().view(np.int16)).view(HALF_KINDS[self.kind])
+
     def decode(self, r0: int = 0, r1: int | None = None) -> Values32:
-        """Rows [r0, r1) as Values32."""
-        assert self.has_values()
+        """Rows [r0, r1) as Values32 (block types only)."""
+        assert self.has_values() and self.kind not in HALF_KINDS
         N, K = self.shape
         r1 = N if r1 is None else r1
         if not self.parts:
@@ -214,32 +231,49 @@ class QuantWeight:
         assert self.has_values()
         if self.parts:
             return torch.cat([p.dequantize() for p in self.parts])
+        if self.kind in HALF_KINDS:
+            return self.half_rows().float()
         qtype = getattr(gguf.GGMLQuantizationType, self.kind.upper())
         return torch.from_numpy(np.require(gguf.quants.dequantize(self.blocks, qtype), np.float32, ["C", "W"])
                                 ).view(self.shape)
 
     def panel_shape(self) -> tuple[int, int, int]:
         N, K = self.shape
+        if self.kind in HALF_KINDS:
+            return (N + PANEL - 1) // PANEL, K, PANEL
         return (N + PANEL - 1) // PANEL, K // QK, PANEL_FORMATS[FORMAT_OF[self.kind]][0]
 
     def panel_dtype(self) -> torch.dtype:
-        return PANEL_FORMATS[FORMAT_OF[self.kind]][1]
+        return HALF_KINDS[self.kind] if self.kind in HALF_KINDS else PANEL_FORMATS[FORMAT_OF[self.kind]][1]
 
     def panels(self) -> torch.Tensor:
         """The native step's layout, PANEL_FORMATS[FORMAT_OF[kind]]: int8 [np, K/32, 576] (q8), uint8 [np, K/32,
-        384] (q4) or int8 [np, K/32, 704] (q8x); uninitialised when only the shape is known."""
+        384] (q4) or int8 [np, K/32, 704] (q8x); for 16-bit floats [np, K, 16] in float16 / bfloat16;
+        uninitialised when only the shape is known."""
         out = torch.empty(self.panel_shape(), dtype=self.panel_dtype())
         if not self.has_values():
             return out
-        N, fmt = self.shape[0], FORMAT_OF[self.kind]
+        N = self.shape[0]
         for r0 in range(0, N, PANEL_ROWS):  # a slice of rows at a time: the temporaries stay a few MB
             r1 = min(N, r0 + PANEL_ROWS)
-            out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = panels_of(self.decode(r0, r1), fmt)
+            if self.kind in HALF_KINDS:
+                out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = _half_panels(self.half_rows(r0, r1))
+            else:
+                out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = panels_of(self.decode(r0, r1), FORMAT_OF[self.kind])
             if not self.parts:
                 self.done(r0, r1)
         if self.parts:
             self.done()
         return out
+
+
+def _half_panels(w: torch.Tensor) -> torch.Tensor:
+    """[n, K] -> [ceil(n/16), K, 16] (pack_panels' layout, in w's dtype), the rows past n zero."""
+    n, K = w.shape
+    rows = (n + PANEL - 1) // PANEL * PANEL
+    pad = torch.zeros((rows, K), dtype=w.dtype)
+    pad[:n] = w
+    return pad.view(rows // PANEL, PANEL, K).transpose(1, 2)
 
 
 def quantize(w: torch.Tensor, kind: str) -> QuantWeight:

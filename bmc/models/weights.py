@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from .quant import QuantWeight, quantize
+from .quant import HALF_KINDS, QuantWeight, quantize
 
 if TYPE_CHECKING:
     from .quant_torch import TorchQuantWeight
@@ -61,7 +61,7 @@ class WeightSource:
         """`cat` for Linear: [in, sum(out)], or quantized blocks stacked when every part is kept quantized (parts of
         different types as one "mixed" matrix)."""
         parts = [self.get_matrix(n, s) for n, s in zip(names, shapes)]
-        if all(isinstance(p, QuantWeight) for p in parts):
+        if all(isinstance(p, QuantWeight) for p in parts) and QuantWeight.can_cat(parts):  # type: ignore[arg-type]
             return self.as_linear(QuantWeight.cat(parts))  # type: ignore[arg-type]
         return self.as_linear(self.cat(names, shapes))
 
@@ -74,6 +74,8 @@ class WeightSource:
         if isinstance(w, QuantWeight):
             from ..kernels.native import native_supported
 
+            if not native_supported(self.device, self.dtype) and w.kind in HALF_KINDS:  # torch's own GEMM
+                return w.dequantize().to(device=self.device, dtype=self.dtype).t().contiguous()
             if not native_supported(self.device, self.dtype):
                 from .quant_torch import TorchQuantWeight
 
