@@ -5,7 +5,7 @@ held-out text, per precision, in one run.
                                               # llama-perplexity, llama-quantize); without it, bmc alone
 
 Files (under --work-dir): Q4_1 is the default model as shipped; F32 is it dequantized (bmc.bench.peers.f32_gguf);
-Q8_0, Q4_0 and Q6_K are llama-quantize --pure of the F32 file (every matrix in that type where its rows allow),
+F16, BF16, Q8_0, Q4_0 and Q6_K are llama-quantize --pure of the F32 file (every matrix in that type where its rows allow),
 Q4_K_M llama-quantize's own mix of Q4_K, Q6_K and (rows not whole super-blocks) Q5_0 / Q8_0. Both engines read the
 same file: bmc keeps every block as stored (quant="auto"; F32 runs float32).
 - decode: bmc's generate() decode tok/s on 8 synthetic 32-token prompts (batch 8) or the first (batch 1), 128
@@ -31,10 +31,10 @@ from typing import Any
 
 from bmc.bench.results import write_result
 
-TYPES = ["F32", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K_M"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K_M"]
 # llama-quantize --pure: every matrix in the type (a K-quant falls back to Q8_0 where a row is not whole
 # super-blocks: the model's width 576 is not a multiple of 256, only ffn_down's 1536 is); Q4_K_M: llama.cpp's mix
-PURE = {"Q8_0": True, "Q4_0": True, "Q6_K": True, "Q4_K_M": False}
+PURE = {"F16": True, "BF16": True, "Q8_0": True, "Q4_0": True, "Q6_K": True, "Q4_K_M": False}
 
 
 def held_out_text(path: str | None) -> tuple[str, str]:
