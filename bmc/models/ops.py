@@ -98,9 +98,9 @@ class Linear:
         if self.wt is None or self.wt.device.type != "cpu" or self.wt.dtype != torch.float32:
             return
         if self.panels is None:
-            from ..kernels.native import native_module
+            from .quant import float_panels
 
-            self.panels = native_module().pack_panels(self.wt)
+            self.panels = float_panels(self.wt)
         self.wt, self.packed, self.packed_m = None, None, 0
 
     def pack(self, m: int) -> None:

@@ -15,6 +15,9 @@ the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file w
 float32) and "none" otherwise."""
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -250,9 +253,9 @@ class QuantWeight:
         """The native step's layout, PANEL_FORMATS[FORMAT_OF[kind]]: int8 [np, K/32, 576] (q8), uint8 [np, K/32,
         384] (q4) or int8 [np, K/32, 704] (q8x); for 16-bit floats [np, K, 16] in float16 / bfloat16;
         uninitialised when only the shape is known."""
-        out = torch.empty(self.panel_shape(), dtype=self.panel_dtype())
         if not self.has_values():
-            return out
+            return torch.empty(self.panel_shape(), dtype=self.panel_dtype())
+        out = PANEL_ARENA.empty(self.panel_shape(), self.panel_dtype())
         N = self.shape[0]
         for r0 in range(0, N, PANEL_ROWS):  # a slice of rows at a time: the temporaries stay a few MB
             r1 = min(N, r0 + PANEL_ROWS)
@@ -265,6 +268,64 @@ class QuantWeight:
         if self.parts:
             self.done()
         return out
+
+
+class HugePageArena:
+    """Weight panels carved out of chunks whose aligned interior is asked to be backed by 2 MiB pages (madvise
+    before the first touch; Linux with transparent huge pages in "madvise" mode, elsewhere a no-op). Why: the
+    decode step streams every panel once a step, and most matrices of a small model are under 2 MiB each, so
+    allocated one by one they sit on 4 KiB pages. Measured (2-core EPYC, 2 threads, batch 1, int8 activations): a
+    200-300 MB matrix streamed at 27-42 GB/s on 4 KiB pages and at 33-63 GB/s on 2 MiB pages in the same runs.
+    A chunk lives while any panel in it does; its untouched tail costs no memory."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self.chunk: torch.Tensor | None = None
+        self.used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes_aligned = (nbytes + 63) // 64 * 64
+        if self.chunk is None or self.used + nbytes_aligned > self.chunk.numel():
+            self.chunk, self.used = _advised(max(self.CHUNK, nbytes_aligned)), 0
+        out = self.chunk[self.used : self.used + nbytes].view(dtype).view(shape)
+        self.used += nbytes_aligned
+        return out
+
+
+def _advised(nbytes: int) -> torch.Tensor:
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    advice, libc = getattr(mmap, "MADV_HUGEPAGE", None), _libc()
+    huge = 2 << 20
+    begin, end = (out.data_ptr() + huge - 1) & ~(huge - 1), (out.data_ptr() + nbytes) & ~(huge - 1)
+    if advice is not None and libc is not None and end > begin:
+        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
+    return out
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+PANEL_ARENA = HugePageArena()
+
+
+def float_panels(wt: torch.Tensor) -> torch.Tensor:
+    """A float32 [in K, out N] matrix in the native step's panels [ceil(N/16), K, 16] (the kernel's pack_panels
+    layout, the columns past N zero), on the panel arena's huge pages."""
+    K, N = wt.shape
+    whole = N // PANEL
+    out = PANEL_ARENA.empty(((N + PANEL - 1) // PANEL, K, PANEL), torch.float32)
+    out[:whole].copy_(wt[:, : whole * PANEL].reshape(K, whole, PANEL).transpose(0, 1))
+    if whole * PANEL < N:
+        out[whole].zero_()
+        out[whole, :, : N - whole * PANEL].copy_(wt[:, whole * PANEL :])
+    return out
 
 
 def _half_panels(w: torch.Tensor) -> torch.Tensor:
