@@ -80,12 +80,18 @@ def bmc_row(path: str, text: str, args: argparse.Namespace) -> dict[str, Any]:
     kept = Counter(lin.quant or "float32" for lin in model.linears())
     row: dict[str, Any] = {"quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
                            "matrices": dict(kept)}
+    from bmc.bench.engines import stream_read_gbps
+
+    gbps = stream_read_gbps()  # just before batch 1: this host's bandwidth drifts between minutes
     for batch in (1, 8):
         best = 0.0
         for _ in range(args.repeats):
             out = bmc.generate(model, prompts[:batch], max_new_tokens=args.gen, ignore_eos=True)
             best = max(best, out.stats.decode_tokens_per_s)
         row[f"decode_b{batch}"] = best
+    # batch 1's roofline: the weight bytes a step streams (the KV, ~7 MB at these lengths, left out) at the read
+    # bandwidth measured above
+    row.update(read_gb_per_s=gbps, b1_roofline_fraction=row["decode_b1"] * model.weight_bytes / (gbps * 1e9))
     res = bmc.perplexity(model, text, context=args.ctx, max_chunks=args.chunks)
     row.update(ppl=res.ppl, ppl_stderr=res.ppl_stderr, ppl_seconds=res.seconds)
     return row
@@ -175,6 +181,7 @@ def main() -> None:
             rows["llama.cpp"] = llama_row(files[t], text_file, args)
         line = "  ".join(f"{e}: b1 {r['decode_b1']:.1f} b8 {r['decode_b8']:.1f} tok/s ppl {r['ppl']:.4f}"
                          for e, r in rows.items())
+        line += f"  bmc b1 {100 * rows['bmc']['b1_roofline_fraction']:.0f}% of roofline"
         ratio = ""
         if "llama.cpp" in rows:
             rb, rl = rows["bmc"], rows["llama.cpp"]

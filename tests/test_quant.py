@@ -89,6 +89,18 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     assert [c.token_ids for c in spec] == [c.token_ids for c in b]
 
 
+def test_q4h_panels_hold_fp16_scales_exactly_or_refuse():
+    """Q4_0 / Q4_1 panels keep d and m in fp16 (320 bytes a block-panel): exact, since GGUF stores them so; a Q4_0
+    block whose -8 d passes fp16's range is refused by name rather than rounded."""
+    w = random_blocks("q4_0", (40, 64))
+    assert tuple(w.panels().shape) == (3, 2, 320) and w.panels().dtype == torch.uint8
+    assert torch.equal(bmc.models.ops.Linear(w).dense_weight(), w.dequantize().t())
+    big = w.blocks.copy()
+    big[0, 0:2] = np.frombuffer(np.float16(9000.0).tobytes(), np.uint8)  # d = 9000: -8 d = -72000
+    with pytest.raises(BmcError, match="too large for bmc's fp16 panel scales"):
+        QuantWeight("q4_0", (40, 64), big).panels()
+
+
 @pytest.mark.parametrize("kind", HALF_TYPES)
 def test_16_bit_float_panels_compute_the_float_gemm_bit_for_bit(kind):
     """F16 / BF16 matrices kept as stored: gguf's values, and the native GEMM (widening each weight as it is

@@ -376,6 +376,8 @@ constexpr bool blocked(int64_t M) { return M > 8 || M == 3 || M == 4; }
 //                                 high nibble row j + 16 (GGUF's own order within a block)           w = d * q + m
 //   Q8X, int8  [np, K/32, 704]:  float d0[16] | float d1[16] | float m[16] | int8 q[32][16]
 //                                                                w = d0 * q + m (rows 0-15), d1 * q + m (16-31)
+//   Q4H, uint8 [np, K/32, 320]:  fp16 d[16] | fp16 m[16] | Q4's nibbles: Q4_0 and Q4_1, whose scales (and Q4_0's
+//                                 -8 d) GGUF stores in fp16 already: 0.625 bytes a weight against Q4's 0.75
 // (Q4_0 is Q4 with m = -8 d; Q4_K is Q4 with d = d * sc_j, m = -dmin * m_j per 32-value sub-block. Q8X holds any
 // of them: Q5_K (q in 0-31), Q6_K (q - 32 in -32..31, a scale per 16 values), and a fused matrix whose parts are
 // of different types.) d * q is exact in float32 (d has at most 18 significant bits: an fp16 times a K-quant's 6-
@@ -387,18 +389,34 @@ constexpr bool blocked(int64_t M) { return M > 8 || M == 3 || M == 4; }
 // lm_head, 2 threads), per token at M = 1: this file's fp32 panels 8.2 ms, MKL fp32 33.7, _weight_int8pack_mm 56.6,
 // _weight_int4pack_mm_for_cpu 122.6; at M = 8: 12.7, 52.3, 457, 942.
 constexpr int64_t QK = 32, Q8_BLOCK = 64 + QK * P, Q4_BLOCK = 128 + QK * P / 2, Q8X_BLOCK = 192 + QK * P;
-enum QuantKind : int { KQ8 = 0, KQ4 = 1, KQ8X = 2 };
-constexpr int64_t KIND_BLOCK[3] = {Q8_BLOCK, Q4_BLOCK, Q8X_BLOCK};
-constexpr int64_t KIND_QUANTS[3] = {4 * P, 8 * P, 12 * P};  // where a block's quants start
-constexpr int64_t KIND_OFFSET[3] = {0, 4 * P, 8 * P};       // where its offsets m start (Q8: none)
+constexpr int64_t Q4H_BLOCK = 64 + QK * P / 2;
+enum QuantKind : int { KQ8 = 0, KQ4 = 1, KQ8X = 2, KQ4H = 3 };
+constexpr int64_t KIND_BLOCK[4] = {Q8_BLOCK, Q4_BLOCK, Q8X_BLOCK, Q4H_BLOCK};
+constexpr int64_t KIND_QUANTS[4] = {4 * P, 8 * P, 12 * P, 4 * P};  // where a block's quants start (bytes)
+constexpr int64_t KIND_OFFSET[4] = {0, 4 * P, 8 * P, 2 * P};       // where its offsets m start (Q8: none)
 constexpr bool has_offset(int kind) { return kind != KQ8; }
+constexpr bool is_q4(int kind) { return kind == KQ4 || kind == KQ4H; }  // nibbles
+
+// A block's 16 scales (or offsets) at byte `at`: float32, or fp16 in Q4H (widened: exact)
+template <int KIND>
+inline void scales_of(const uint8_t* blk, int64_t at, float* out) {
+  if (KIND == KQ4H) {
+    for (int c = 0; c < P; ++c) {
+      uint16_t bits;
+      std::memcpy(&bits, blk + at + 2 * c, 2);
+      out[c] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    }
+  } else {
+    std::memcpy(out, blk + at, P * sizeof(float));
+  }
+}
 
 // -1: not a quantized panel layout
 inline int quant_kind_or_none(const torch::Tensor& w) {
   if (w.dim() != 3) return -1;
   const int64_t bytes = w.size(2);
   if (w.scalar_type() == torch::kChar) return bytes == Q8_BLOCK ? KQ8 : bytes == Q8X_BLOCK ? KQ8X : -1;
-  if (w.scalar_type() == torch::kByte) return bytes == Q4_BLOCK ? KQ4 : -1;
+  if (w.scalar_type() == torch::kByte) return bytes == Q4_BLOCK ? KQ4 : bytes == Q4H_BLOCK ? KQ4H : -1;
   return -1;
 }
 inline QuantKind quant_kind(const torch::Tensor& w) { return static_cast<QuantKind>(quant_kind_or_none(w)); }
@@ -407,11 +425,11 @@ inline bool is_quant(const torch::Tensor& w) { return quant_kind_or_none(w) >= 0
 template <int KIND>
 inline void dequant_block(const uint8_t* blk, float* out) {  // out [32][16]
   float d[P], d1[P], m[P];
-  std::memcpy(d, blk, sizeof d);
+  scales_of<KIND>(blk, 0, d);
   if (KIND == KQ8X) std::memcpy(d1, blk + 4 * P, sizeof d1);
-  if (has_offset(KIND)) std::memcpy(m, blk + KIND_OFFSET[KIND], sizeof m);
-  if (KIND == KQ4) {
-    const uint8_t* q = blk + 8 * P;
+  if (has_offset(KIND)) scales_of<KIND>(blk, KIND_OFFSET[KIND], m);
+  if (is_q4(KIND)) {
+    const uint8_t* q = blk + KIND_QUANTS[KIND];
     for (int64_t j = 0; j < QK / 2; ++j)
       for (int64_t c = 0; c < P; ++c) {
         const uint8_t b = q[j * P + c];
@@ -433,6 +451,7 @@ inline void dequant_any(QuantKind kind, const uint8_t* blk, float* out) {
     case KQ8: return dequant_block<KQ8>(blk, out);
     case KQ4: return dequant_block<KQ4>(blk, out);
     case KQ8X: return dequant_block<KQ8X>(blk, out);
+    case KQ4H: return dequant_block<KQ4H>(blk, out);
   }
 }
 
@@ -469,8 +488,15 @@ inline v16 q4_ints(const uint8_t* q) {
 // rows 16-31 their high nibbles.
 template <int KIND>
 inline v16 block_ints(const uint8_t* blk, int k) {
-  if (KIND == KQ4) return k < QK / 2 ? q4_ints<0>(blk + 8 * P + k * P) : q4_ints<1>(blk + 8 * P + (k - QK / 2) * P);
-  return q8_ints(blk + KIND_QUANTS[KIND] + k * P);
+  constexpr int64_t q = KIND_QUANTS[KIND];
+  if (is_q4(KIND)) return k < QK / 2 ? q4_ints<0>(blk + q + k * P) : q4_ints<1>(blk + q + (k - QK / 2) * P);
+  return q8_ints(blk + q + k * P);
+}
+// A block's 16 scales or offsets at byte `at`, in a register (Q4H's fp16 widened: exact)
+template <int KIND>
+inline v16 scale_vec(const uint8_t* blk, int64_t at) {
+  if (KIND == KQ4H) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + at)));
+  return load16(reinterpret_cast<const float*>(blk + at));
 }
 
 // Software prefetch 8 blocks ahead only where a block has enough arithmetic to hide it (3 or more rows): at 1-2
@@ -494,7 +520,7 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
     const uint8_t* blk = wq + b * bb;
     if (prefetches_ahead(MB))
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
-    const v16 d = load16(reinterpret_cast<const float*>(blk));
+    const v16 d = scale_vec<KIND>(blk, 0);
     const float* xb = x + b * QK;
     v16 s0[MB], s1[MB];
     for (int i = 0; i < MB; ++i) s0[i] = s1[i] = v16{};
@@ -519,7 +545,7 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
       }
     }
     if (has_offset(KIND)) {
-      const v16 m = load16(reinterpret_cast<const float*>(blk + 4 * P));
+      const v16 m = scale_vec<KIND>(blk, KIND_OFFSET[KIND]);
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]) + m * xsum[i * nblk + b];
     } else {
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]);
@@ -545,8 +571,8 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
     for (int j = 0; j < NB; ++j) {
       blk[j] = wq + j * panel_bytes + b * bb;
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk[j] + 4 * bb + line);
-      d[j] = load16(reinterpret_cast<const float*>(blk[j]));
-      m[j] = has_offset(KIND) ? load16(reinterpret_cast<const float*>(blk[j] + KIND_OFFSET[KIND])) : v16{};
+      d[j] = scale_vec<KIND>(blk[j], 0);
+      m[j] = has_offset(KIND) ? scale_vec<KIND>(blk[j], KIND_OFFSET[KIND]) : v16{};
     }
     const float* xb = x + b * QK;
     for (int k = 0; k < QK; ++k) {
@@ -583,16 +609,16 @@ constexpr QuantBlockKernel QUANT_WIDE_KERNELS[12] = {
     quant_block_kernel<6, 1, KIND>, quant_block_kernel<6, 2, KIND>, quant_block_kernel<6, 3, KIND>,
     quant_block_kernel<7, 1, KIND>, quant_block_kernel<7, 2, KIND>, quant_block_kernel<7, 3, KIND>,
     quant_block_kernel<8, 1, KIND>, quant_block_kernel<8, 2, KIND>, quant_block_kernel<8, 3, KIND>};
-constexpr const QuantBlockKernel* WIDE_BY_KIND[3] = {QUANT_WIDE_KERNELS<KQ8>, QUANT_WIDE_KERNELS<KQ4>,
-                                                     QUANT_WIDE_KERNELS<KQ8X>};
+constexpr const QuantBlockKernel* WIDE_BY_KIND[4] = {QUANT_WIDE_KERNELS<KQ8>, QUANT_WIDE_KERNELS<KQ4>,
+                                                     QUANT_WIDE_KERNELS<KQ8X>, QUANT_WIDE_KERNELS<KQ4H>};
 
 using QuantPanelKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
                                   int64_t, bool, const float*);
 template <int KIND>
 constexpr QuantPanelKernel QUANT_ROW_KERNELS[4] = {quant_panel_kernel<1, KIND>, quant_panel_kernel<2, KIND>,
                                                    quant_panel_kernel<3, KIND>, quant_panel_kernel<4, KIND>};
-constexpr const QuantPanelKernel* ROWS_BY_KIND[3] = {QUANT_ROW_KERNELS<KQ8>, QUANT_ROW_KERNELS<KQ4>,
-                                                     QUANT_ROW_KERNELS<KQ8X>};
+constexpr const QuantPanelKernel* ROWS_BY_KIND[4] = {QUANT_ROW_KERNELS<KQ8>, QUANT_ROW_KERNELS<KQ4>,
+                                                     QUANT_ROW_KERNELS<KQ8X>, QUANT_ROW_KERNELS<KQ4H>};
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -636,7 +662,7 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
     if (prefetches_ahead(MB))
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
     __m512i w[8], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
-    if (KIND == KQ4) {  // 16 rows of bytes: row j's low nibbles are row j, its high nibbles row j + 16
+    if (is_q4(KIND)) {  // 16 rows of bytes: row j's low nibbles are row j, its high nibbles row j + 16
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + KIND_QUANTS[KIND] + g * 64));
         w[g] = _mm512_and_si512(v, low);
@@ -652,15 +678,15 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
       c0 = _mm512_slli_epi32(c0, 7);
       c1 = _mm512_slli_epi32(c1, 7);
     }
-    const v16 d0 = load16(reinterpret_cast<const float*>(blk));
+    const v16 d0 = scale_vec<KIND>(blk, 0);
     const v16 d1 = KIND == KQ8X ? load16(reinterpret_cast<const float*>(blk + 4 * P)) : d0;
-    const v16 m = has_offset(KIND) ? load16(reinterpret_cast<const float*>(blk + KIND_OFFSET[KIND])) : v16{};
+    const v16 m = has_offset(KIND) ? scale_vec<KIND>(blk, KIND_OFFSET[KIND]) : v16{};
     for (int i = 0; i < MB; ++i) {
       int32_t four[8];  // the row's activations 4 at a time: four[g] matches w[g]
       std::memcpy(four, xq + i * ldq + b * QK, 32);
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int g = 0; g < 4; ++g) {
-        if (KIND == KQ4) {
+        if (is_q4(KIND)) {
           s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(four[g]));
           s1 = _mm512_dpbusd_epi32(s1, w[4 + g], _mm512_set1_epi32(four[4 + g]));
         } else {
@@ -685,7 +711,8 @@ constexpr Int8xKernel INT8X_KERNELS[8] = {
     quant_int8x_kernel<1, KIND>, quant_int8x_kernel<2, KIND>, quant_int8x_kernel<3, KIND>,
     quant_int8x_kernel<4, KIND>, quant_int8x_kernel<5, KIND>, quant_int8x_kernel<6, KIND>,
     quant_int8x_kernel<7, KIND>, quant_int8x_kernel<8, KIND>};
-constexpr const Int8xKernel* INT8X_BY_KIND[3] = {INT8X_KERNELS<KQ8>, INT8X_KERNELS<KQ4>, INT8X_KERNELS<KQ8X>};
+constexpr const Int8xKernel* INT8X_BY_KIND[4] = {INT8X_KERNELS<KQ8>, INT8X_KERNELS<KQ4>, INT8X_KERNELS<KQ8X>,
+                                                 INT8X_KERNELS<KQ4H>};
 
 // Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: a
 // scalar loop with nearbyint per value took ~1 ms of a 4.5 ms batch-1 decode step (150 GEMMs a step).

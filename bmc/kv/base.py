@@ -28,6 +28,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
+from ..hugepages import empty_huge
 from .formats import KVFormat, kv_format
 
 
@@ -382,6 +383,8 @@ class KVCache(ABC):
         if self.spare is not None and self.spare.numel() >= n:
             buf, self.spare = self.spare, None
             return buf[:n].view(shape)
+        if self.device.type == "cpu":  # streamed every step: on 2 MiB pages (hugepages.py)
+            return empty_huge(shape, self.format.storage)
         return torch.empty(shape, dtype=self.format.storage, device=self.device)
 
     def _keep_as_spare(self, old: torch.Tensor) -> None:

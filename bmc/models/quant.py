@@ -15,9 +15,6 @@ the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file w
 float32) and "none" otherwise."""
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..hugepages import HugePageArena
 
 QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
@@ -39,11 +37,13 @@ Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
 PANEL_ROWS = 2048
 # The native step's panel formats (cpu_decode.cpp's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
-#   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others.
+#   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others;
+#   q4h: q4 with d and m in fp16 (Q4_0 and Q4_1, whose scales GGUF stores in fp16; Q4_K's d * sc_j need float32).
 PANEL_FORMATS = {"q8": (4 * PANEL + QK * PANEL, torch.int8), "q4": (8 * PANEL + QK * PANEL // 2, torch.uint8),
-                 "q8x": (12 * PANEL + QK * PANEL, torch.int8)}
+                 "q8x": (12 * PANEL + QK * PANEL, torch.int8), "q4h": (4 * PANEL + QK * PANEL // 2, torch.uint8)}
+VECTOR_BYTES = {"q8": 4, "q4": 4, "q8x": 4, "q4h": 2}  # bytes of each scale / offset
 # "mixed": a fused matrix (q|k|v, gate|up) whose parts a GGUF file stores in different types
-FORMAT_OF = {"q8_0": "q8", "q4_0": "q4", "q4_1": "q4", "q4_k": "q4", "q5_k": "q8x", "q6_k": "q8x", "mixed": "q8x"}
+FORMAT_OF = {"q8_0": "q8", "q4_0": "q4h", "q4_1": "q4h", "q4_k": "q4", "q5_k": "q8x", "q6_k": "q8x", "mixed": "q8x"}
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -138,17 +138,25 @@ def _by_panel(x: np.ndarray) -> np.ndarray:
 
 
 def panels_of(v: Values32, fmt: str) -> torch.Tensor:
-    """Values32 in panel format `fmt` (PANEL_FORMATS): each block's float32 vectors, then its quants, per 16
-    columns. q8 needs d0 == d1 and m == 0, q4 d0 == d1 and q in 0-15 (the kinds FORMAT_OF maps there)."""
+    """Values32 in panel format `fmt` (PANEL_FORMATS): each block's scale and offset vectors (float32, or fp16 in
+    q4h), then its quants, per 16 columns. q8 needs d0 == d1 and m == 0, q4 and q4h d0 == d1 and q in 0-15, q4h
+    d0 and m exact in fp16 (the kinds FORMAT_OF maps there)."""
     N, nblk = v.d0.shape
     npanels = (N + PANEL - 1) // PANEL
-    vectors = {"q8": [v.d0], "q4": [v.d0, v.m], "q8x": [v.d0, v.d1, v.m]}[fmt]
-    q = v.packed() if fmt == "q4" else v.quants().view(np.uint8)
+    vectors = {"q8": [v.d0], "q4": [v.d0, v.m], "q8x": [v.d0, v.d1, v.m], "q4h": [v.d0, v.m]}[fmt]
+    q = v.packed() if fmt in ("q4", "q4h") else v.quants().view(np.uint8)
+    size = VECTOR_BYTES[fmt]
+    vtype = np.float16 if size == 2 else np.float32
     out = np.empty((npanels, nblk, PANEL_FORMATS[fmt][0]), dtype=np.uint8)
     for i, x in enumerate(vectors):
-        out[..., 4 * PANEL * i : 4 * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(x.astype(np.float32))).view(
+        with np.errstate(over="ignore"):  # an overflow is caught just below
+            narrow = x.astype(vtype)
+        if size == 2 and not np.array_equal(narrow.astype(np.float32), x):  # Q4_0's -8 d past fp16's range
+            raise InvalidRequestError("a Q4_0 block's scale is too large for bmc's fp16 panel scales (|d| > 8188): "
+                                      "load this file with quant='none'")
+        out[..., size * PANEL * i : size * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(narrow)).view(
             np.uint8).reshape(npanels, nblk, -1)
-    out[..., 4 * PANEL * len(vectors) :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]
+    out[..., size * PANEL * len(vectors) :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]
     return torch.from_numpy(out).view(PANEL_FORMATS[fmt][1])
 
 
@@ -270,49 +278,7 @@ class QuantWeight:
         return out
 
 
-class HugePageArena:
-    """Weight panels carved out of chunks whose aligned interior is asked to be backed by 2 MiB pages (madvise
-    before the first touch; Linux with transparent huge pages in "madvise" mode, elsewhere a no-op). Why: the
-    decode step streams every panel once a step, and most matrices of a small model are under 2 MiB each, so
-    allocated one by one they sit on 4 KiB pages. Measured (2-core EPYC, 2 threads, batch 1, int8 activations): a
-    200-300 MB matrix streamed at 27-42 GB/s on 4 KiB pages and at 33-63 GB/s on 2 MiB pages in the same runs.
-    A chunk lives while any panel in it does; its untouched tail costs no memory."""
-
-    CHUNK = 64 << 20
-
-    def __init__(self) -> None:
-        self.chunk: torch.Tensor | None = None
-        self.used = 0
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        nbytes_aligned = (nbytes + 63) // 64 * 64
-        if self.chunk is None or self.used + nbytes_aligned > self.chunk.numel():
-            self.chunk, self.used = _advised(max(self.CHUNK, nbytes_aligned)), 0
-        out = self.chunk[self.used : self.used + nbytes].view(dtype).view(shape)
-        self.used += nbytes_aligned
-        return out
-
-
-def _advised(nbytes: int) -> torch.Tensor:
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    advice, libc = getattr(mmap, "MADV_HUGEPAGE", None), _libc()
-    huge = 2 << 20
-    begin, end = (out.data_ptr() + huge - 1) & ~(huge - 1), (out.data_ptr() + nbytes) & ~(huge - 1)
-    if advice is not None and libc is not None and end > begin:
-        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
-    return out
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
-
-
-PANEL_ARENA = HugePageArena()
+PANEL_ARENA = HugePageArena()  # every weight panel a load makes
 
 
 def float_panels(wt: torch.Tensor) -> torch.Tensor:

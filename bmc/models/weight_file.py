@@ -26,7 +26,8 @@ import torch
 from .ops import Linear
 from .weights import ShapeSource
 
-FORMAT_VERSION = 3  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits
+FORMAT_VERSION = 4  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits;
+# 4: Q4_0 / Q4_1 in q4h panels (fp16 scales)
 MAGIC = b"BMCWEIGHTS\n"
 ALIGN = 4096  # page-aligned tensors: the mapping hands out whole pages
 

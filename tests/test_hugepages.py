@@ -1,0 +1,58 @@
+"""Weight panels and KV caches on 2 MiB pages (bmc/hugepages.py): what the arena hands out is correct memory, and
+the advice covers exactly the 2 MiB-aligned interior of each allocation."""
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from bmc import hugepages
+from bmc.hugepages import HugePageArena, empty_huge
+
+HUGE = 2 << 20
+
+
+class FakeLibc:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def madvise(self, addr, length, advice) -> int:
+        self.calls.append((addr.value, length.value, advice))
+        return 0
+
+
+@pytest.fixture
+def libc(monkeypatch) -> FakeLibc:
+    fake = FakeLibc()
+    monkeypatch.setattr(hugepages, "_libc", lambda: fake)
+    return fake
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_empty_huge_advises_the_aligned_interior(libc):
+    t = empty_huge((3 * HUGE + 12345,), torch.uint8)
+    assert len(libc.calls) == 1
+    begin, length, advice = libc.calls[0]
+    assert advice == mmap.MADV_HUGEPAGE and begin % HUGE == 0 and length % HUGE == 0 and length >= 2 * HUGE
+    assert t.data_ptr() <= begin and begin + length <= t.data_ptr() + t.numel()
+    empty_huge((1000,), torch.float32)  # under 2 MiB: no aligned interior, no advice
+    assert len(libc.calls) == 1
+
+
+def test_arena_hands_out_disjoint_aligned_tensors(libc, monkeypatch):
+    monkeypatch.setattr(HugePageArena, "CHUNK", 1 << 20)
+    arena = HugePageArena()
+    shapes = [((36, 18, 384), torch.uint8), ((4, 96, 16), torch.float16), ((3, 5), torch.float32),
+              ((2, 20000, 16), torch.float32), ((1, 1), torch.int8)]  # the fourth outgrows a chunk
+    got = [arena.empty(s, d) for s, d in shapes]
+    spans = []
+    for t, (shape, dtype) in zip(got, shapes):
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0
+        t.fill_(1)
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 3  # a chunk, one made to measure, a chunk
+    for t in got:
+        assert bool((t == 1).all())
