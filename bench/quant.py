@@ -82,16 +82,18 @@ def bmc_row(path: str, text: str, args: argparse.Namespace) -> dict[str, Any]:
                            "matrices": dict(kept)}
     from bmc.bench.engines import stream_read_gbps
 
-    gbps = stream_read_gbps()  # just before batch 1: this host's bandwidth drifts between minutes
+    gbps = [stream_read_gbps()]  # around batch 1: this host's bandwidth drifts by 1.5x between minutes
     for batch in (1, 8):
         best = 0.0
         for _ in range(args.repeats):
             out = bmc.generate(model, prompts[:batch], max_new_tokens=args.gen, ignore_eos=True)
             best = max(best, out.stats.decode_tokens_per_s)
         row[f"decode_b{batch}"] = best
-    # batch 1's roofline: the weight bytes a step streams (the KV, ~7 MB at these lengths, left out) at the read
-    # bandwidth measured above
-    row.update(read_gb_per_s=gbps, b1_roofline_fraction=row["decode_b1"] * model.weight_bytes / (gbps * 1e9))
+        if batch == 1:
+            gbps.append(stream_read_gbps())
+    # batch 1's roofline: the weight bytes a step streams (the KV, ~7 MB at these lengths, left out) at the higher
+    # of the read bandwidths measured just before and just after
+    row.update(read_gb_per_s=gbps, b1_roofline_fraction=row["decode_b1"] * model.weight_bytes / (max(gbps) * 1e9))
     res = bmc.perplexity(model, text, context=args.ctx, max_chunks=args.chunks)
     row.update(ppl=res.ppl, ppl_stderr=res.ppl_stderr, ppl_seconds=res.seconds)
     return row

@@ -122,6 +122,19 @@ def test_panel_linear_equals_matmul(M, K, N):
     torch.testing.assert_close(mod.panel_linear(x, packed, N, None), x @ w, atol=1e-5, rtol=1e-5)
 
 
+def test_stream_read_reads_every_line():
+    """The benchmarks' read-bandwidth probe must touch every 256-byte step of the buffer, on every thread's share:
+    a single set byte anywhere shows in what it returns."""
+    require_native()
+    mod = native_module()
+    x = torch.zeros(3 * 4096 * 256 + 512, dtype=torch.uint8)  # more than one parallel_for grain
+    assert mod.stream_read(x) == 0
+    for at in (0, 255, 4096 * 256 - 1, 4096 * 256 + 64, x.numel() - 1):
+        x[at] = 0x40
+        assert mod.stream_read(x) != 0, at
+        x[at] = 0
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 49152), (1, 1), (3, 15), (3, 16), (2, 4, 17), (5, 1000)])
 def test_native_argmax_equals_torch(shape):
     """Greedy decoding's argmax: the first index of the maximum (ties), of the first NaN, +-inf, odd lengths."""

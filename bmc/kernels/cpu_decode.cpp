@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cfloat>
 #include <cmath>
@@ -992,6 +993,42 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
   gemm(xc.data_ptr<float>(), K, M, K, wp, N, bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
        false, int8_activations);
   return y;
+}
+
+// Reads every byte of x once, as a decode step streams its weights (threads over contiguous halves, 64-byte loads
+// OR-ed into four accumulators: next to no arithmetic per line), and returns a value that depends on all of them.
+// The read-bandwidth probe of the benchmarks' rooflines: torch's sum, the probe before, was bound by its additions
+// on one 2-core EPYC, so a step could "beat" it (an F32 decode step read 42 GB/s where sum measured 31-36).
+int64_t stream_read(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "stream_read: a contiguous CPU tensor");
+  const uint8_t* p = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t lines = x.numel() * x.element_size() / 256;  // 4 lines a step; a ragged tail is not read
+  std::atomic<int64_t> folded{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* q = p + i * 256;
+      a0 = _mm512_or_si512(a0, _mm512_loadu_si512(q));
+      a1 = _mm512_or_si512(a1, _mm512_loadu_si512(q + 64));
+      a2 = _mm512_or_si512(a2, _mm512_loadu_si512(q + 128));
+      a3 = _mm512_or_si512(a3, _mm512_loadu_si512(q + 192));
+    }
+    const __m512i a = _mm512_or_si512(_mm512_or_si512(a0, a1), _mm512_or_si512(a2, a3));
+    folded.fetch_or(_mm512_reduce_or_epi64(a));
+#else
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    for (int64_t i = begin; i < end; ++i)
+      for (int j = 0; j < 256; j += 64) {
+        a0 = _mm256_or_si256(a0, _mm256_loadu_si256((const __m256i*)(p + i * 256 + j)));
+        a1 = _mm256_or_si256(a1, _mm256_loadu_si256((const __m256i*)(p + i * 256 + j + 32)));
+      }
+    alignas(32) int64_t v[4];
+    _mm256_store_si256((__m256i*)v, _mm256_or_si256(a0, a1));
+    folded.fetch_or(v[0] | v[1] | v[2] | v[3]);
+#endif
+  });
+  return folded.load();
 }
 
 // torch.argmax over the last dimension of float32 logits: the first index of the maximum, or of the first NaN
@@ -2470,6 +2507,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("int8_activations") = false);
   m.def("has_int8_dot", []() { return HAVE_INT8_DOT; }, "whether int8 activations can run (AVX512-VNNI and VBMI)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) for float32 x, NaN included");
+  m.def("stream_read", &stream_read, "read every byte of x once (the read-bandwidth probe)");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [ceil(out/16), in, 16] panels");
   m.def("encode_kv", &encode_kv, "float32 [N, head_dim] rows stored as a KV format (the dtype of `like`)");
   m.def("quant_rows", &quant_rows, "rows `ids` of the [out, in] matrix quantized panels hold, float32");
