@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -306,23 +307,41 @@ def test_two_instances_of_the_real_model_hold_its_weights_once():
 
 @needs_two_cores
 def test_sigterm_drains_the_router_and_its_instances(tiny_dir):
-    """SIGTERM: the request in flight finishes whole, then the router and every instance exit (the router 0)."""
+    """SIGTERM: the request in flight finishes whole, then the router and every instance exit (the router 0). The
+    request streams, and SIGTERM goes once its first token is out: it is in flight then, however fast the tiny
+    model is (polling /metrics for it raced a 300-token request that could finish between two polls)."""
     import psutil
 
     srv = ServerProcess(["--instances", "2", "--model", str(tiny_dir)], startup_timeout=180)
     try:
         wait_health(srv.url, "ok")
         children = psutil.Process(srv.proc.pid).children(recursive=True)
+        first_token = threading.Event()
+
+        def run() -> dict:
+            body = {"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            usage, done = None, False
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    first_token.set()
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    usage = event.get("usage") or usage
+            return {"done": done, "usage": usage}
+
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            body = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-            fut = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=120)
-            deadline = time.monotonic() + 30
-            while metric(srv.url, "bmc:num_requests_running", "all") < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            fut = pool.submit(run)
+            assert first_token.wait(60), "no token streamed"
             assert srv.terminate(60) == 0
             r = fut.result(timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 300
+        assert r["done"] and r["usage"]["completion_tokens"] == 2000
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive
     finally:
