@@ -190,7 +190,10 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)
     stats.r, stats.T = r, math.ceil(max_length / r)
-    return BMCCache(r=r, **kw)
+    cache = BMCCache(r=r, **kw)
+    # each growth copies into the buffer the last one left (KVCache._replace_kv): pages faulted once per run
+    cache.keep_spare = True
+    return cache
 
 
 def window_in_reach(cfg: ModelConfig, max_length: int) -> int | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
+import sys
 
 import numpy as np
 import torch
@@ -33,6 +35,42 @@ class HugePageArena:
         out = self.chunk[self.used : self.used + nbytes].view(dtype).view(shape)
         self.used += nbytes_aligned
         return out
+
+
+def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -> torch.Tensor:
+    """A zero-filled CPU tensor on an anonymous mapping of its own, advised onto 2 MiB pages before its first touch
+    and unmapped when the last view of it dies. `reserve`: elements of address space to map in all (at least the
+    tensor's), so that the mapping can later hold a larger tensor (`whole_mapping`); pages cost memory only once
+    written. For the KV cache, whose BMC growth writes a larger tensor every r tokens: fresh memory costs more than
+    the copy itself, and where glibc's malloc maps it the first write takes a 4 KiB fault per page (the madvise of
+    empty_huge reaches only the aligned interior, after malloc's own touch). Measured on the 2-core EPYC, 1 GiB
+    written for the first time: 180-2400 ms on malloc's pages (torch.empty), 60-1760 with empty_huge's advice,
+    60-135 on a mapping advised before any touch; written again: 48-110 ms in every case. Where there is no
+    anonymous mmap or no THP advice, it is torch.zeros."""
+    numel = math.prod(shape)
+    element = torch.empty(0, dtype=dtype).element_size()
+    nbytes = max(numel, reserve) * element
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    advice, libc = getattr(mmap, "MADV_HUGEPAGE", None), _libc()
+    if nbytes == 0 or advice is None or libc is None or not flags:
+        return torch.zeros(shape, dtype=dtype)
+    try:  # address space beyond what is written is not committed memory (Linux's MAP_NORESERVE)
+        region = mmap.mmap(-1, nbytes, flags=flags | (_MAP_NORESERVE if sys.platform == "linux" else 0))
+    except OSError:  # strict overcommit refusing the reservation: the tensor's own size
+        if nbytes == numel * element:
+            raise
+        region = mmap.mmap(-1, numel * element, flags=flags)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` alive: unmapped with the last view
+    libc.madvise(ctypes.c_void_p(whole.data_ptr()), ctypes.c_size_t(len(region)), advice)
+    return whole.view(dtype)[:numel].view(shape)
+
+
+def whole_mapping(t: torch.Tensor) -> torch.Tensor:
+    """All of the storage a tensor views (e.g. the whole reserve of empty_mapped), as a flat tensor of its dtype."""
+    return t.new_empty(0).set_(t.untyped_storage())
+
+
+_MAP_NORESERVE = 0x4000  # Linux's value on every architecture; Python's mmap module does not name it
 
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -206,8 +206,7 @@ class Scheduler:
     def kv_bytes(self) -> int:
         """KV bytes held: the batch cache and the caches of prompts being prefilled or about to join."""
         own = sum(p.cache.nbytes for p in self.prefilling) + sum(p.cache.nbytes for p, _ in self.joining)
-        spare = self.cache.spare.numel() * self.cache.spare.element_size() if self.cache.spare is not None else 0
-        return self.cache.nbytes + spare + own
+        return self.cache.nbytes + self.cache.spare_nbytes + own
 
     def fail_all(self, error: BaseException) -> None:
         """An unexpected error outside any one request: every request in the scheduler fails with it, the batch

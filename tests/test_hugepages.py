@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bmc import hugepages
-from bmc.hugepages import HugePageArena, empty_huge
+from bmc.hugepages import HugePageArena, empty_huge, empty_mapped
 
 HUGE = 2 << 20
 
@@ -56,3 +56,17 @@ def test_arena_hands_out_disjoint_aligned_tensors(libc, monkeypatch):
     assert len({t.untyped_storage().data_ptr() for t in got}) == 3  # a chunk, one made to measure, a chunk
     for t in got:
         assert bool((t == 1).all())
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_empty_mapped_is_zeroed_and_advised_whole(libc):
+    shape = (2, 3, HUGE // 4 + 5)
+    t = empty_mapped(shape, torch.float32)
+    assert tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % mmap.PAGESIZE == 0 and bool((t == 0).all())  # a fresh mapping: zeros, page-aligned
+    assert libc.calls == [(t.data_ptr(), t.numel() * 4, mmap.MADV_HUGEPAGE)]  # all of it, before any write
+    view = t[1, 2]
+    del t
+    view.fill_(3.0)  # a view alone keeps the mapping alive
+    assert float(view.sum()) == 3.0 * view.numel()
+    assert empty_mapped((0, 4), torch.int8).numel() == 0

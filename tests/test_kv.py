@@ -395,3 +395,36 @@ def test_retire_then_place_reuses_a_slot_in_place(name: str) -> None:
     fill(too_long, steps=0, first=batch.length + 1)
     batch.retire([0])
     assert not batch.place(0, too_long)  # more columns than the batch: a regroup re-aligns instead
+
+
+def test_growth_with_a_spare_ping_pongs_between_two_mappings():
+    """keep_spare (a generate() decode cache): every growth copies into the storage the previous one left, so after
+    the first two a run faults in no new memory; the contents survive each copy, padding is re-zeroed (the reused
+    storage holds an older tensor's rows), and the spare counts the bytes written in it, not its reservation."""
+    cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
+    cache.keep_spare = True
+    storages = set()
+    history = []
+    for t in [5] + [1] * 40:
+        cache.reserve(t)
+        for layer in range(cache.num_layers):
+            k = torch.randn(cache.batch_size, cache.num_kv_heads, t, cache.head_dim)
+            cache.update(layer, k, -k)
+            history.append((layer, cache.length, k))
+        cache.commit(t)
+        cache.check_integrity()
+        storages.add(cache.kv.untyped_storage().data_ptr())
+        assert bool((cache.kv[..., cache.length :, :] == 0).all())  # padding zeroed on the reused storage too
+    assert cache.allocations > 3 and len(storages) == 2
+    for layer, start, k in history:  # every column written is still there after all the copies
+        torch.testing.assert_close(cache.kv[layer, 0, :, :, start : start + k.shape[2]], k, rtol=0, atol=0)
+    whole = 2 * 2 * 2 * 2 * 45 * 4  # layers x K/V x batch x heads x max_length x head_dim: each mapping's reserve
+    assert cache.spare.numel() == whole and 0 < cache.spare_nbytes < whole * 4
+    # the tensor before the last growth: 44 columns (chunks of 4), then the run's maximum length 45
+    assert cache.spare_nbytes == 44 * 2 * 2 * 2 * 2 * 4 * 4
+
+
+def test_growth_without_a_spare_holds_no_second_buffer():
+    cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
+    fill(cache, steps=20)
+    assert cache.spare is None and cache.spare_nbytes == 0

@@ -28,7 +28,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from ..hugepages import empty_huge
+from ..hugepages import empty_mapped, whole_mapping
 from .formats import KVFormat, kv_format
 
 
@@ -83,11 +83,15 @@ class KVCache(ABC):
         # False: the window is some layers' only (Gemma 2/3): the kept bias stays the full causal one, every column
         # stays (the other layers read it) and those layers' bias comes from window_bias() per forward
         self.window_every_layer = window_every_layer
-        self.keep_spare = False  # keep the last KV tensor a copy left for the next copy (see _keep_as_spare)
+        self.keep_spare = False  # keep the last KV tensor a copy left for the next copy (see _replace_kv)
         # drop the columns that left every row's window at a reallocation; off for attention backends that keep
         # state by column (SparQ's K copy)
         self.compact_window = True
         self.spare: torch.Tensor | None = None
+        # elements written so far in the spare's storage and in the KV tensor's (the pages they hold: a CPU mapping
+        # reserves more address space than it has written)
+        self.spare_written = 0
+        self._kv_written = 0
         # sliding window only: each column's position, and per row the last position that left the window
         self.col_pos = torch.zeros((batch_size, 0), dtype=torch.long, device=self.device) if window else None
         self.window_floor = torch.full((batch_size,), -1, dtype=torch.long, device=self.device) if window else None
@@ -187,6 +191,7 @@ class KVCache(ABC):
         rows = rows.to(self.device)
         old = self.nbytes
         self.kv = self.kv.index_select(2, rows)
+        self._kv_written = self.kv.numel()
         self.peak_bytes = max(self.peak_bytes, old + self.nbytes)  # both alive while the rows are copied
         self.bias = self.bias.index_select(0, rows)
         if self.col_pos is not None:
@@ -247,7 +252,7 @@ class KVCache(ABC):
         B = sum(int(rows.numel()) for _, rows in parts)
         L, _, _, H, _, d = self.kv.shape
         capacity = self._grow_to(length + 1)
-        kv = self._new_kv((L, 2, B, H, capacity, d))
+        kv, written = self._new_kv((L, 2, B, H, capacity, d))
         kv[:, :, :, :, length:].zero_()  # padding must be finite (0 * NaN garbage would poison attention) ...
         bias = torch.full((B, 1, 1, capacity), self.min_value, dtype=self.dtype, device=self.device)
         col_pos = torch.zeros((B, capacity), dtype=torch.long, device=self.device) if self.window else None
@@ -271,8 +276,8 @@ class KVCache(ABC):
             holes = holes or cache.holes
             b += n
         self.peak_bytes = max(self.peak_bytes, self.nbytes + kv.numel() * kv.element_size())
-        self._keep_as_spare(self.kv)
-        self.kv, self.bias, self.length, self.batch_size = kv, bias, length, B
+        self._replace_kv(kv, written)
+        self.bias, self.length, self.batch_size = bias, length, B
         if B == 0:
             self.spare = None  # idle: no KV memory held at all
         self.left_pad = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.long, device=self.device)
@@ -377,23 +382,42 @@ class KVCache(ABC):
             hidden = hidden | (self.col_pos[:, : self.length] <= self.window_floor[:, None])
         return hidden[:, None, None, :]
 
-    def _new_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Storage for a new KV tensor: the spare buffer when it is large enough, else a fresh allocation."""
+    def _new_kv(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        """Storage for a new KV tensor, and the elements its storage has had written (the pages it holds): the
+        spare when it is large enough, else a fresh allocation. On a CPU a fresh one is a mapping with address space
+        for this batch at the maximum length, so that with keep_spare the two mappings a growth copies between serve
+        every later growth too: each page is faulted in once per run, not once per copy (see _replace_kv)."""
         n = math.prod(shape)
         if self.spare is not None and self.spare.numel() >= n:
-            buf, self.spare = self.spare, None
-            return buf[:n].view(shape)
-        if self.device.type == "cpu":  # streamed every step: on 2 MiB pages (hugepages.py)
-            return empty_huge(shape, self.format.storage)
-        return torch.empty(shape, dtype=self.format.storage, device=self.device)
+            buf, written = self.spare, max(self.spare_written, n)
+            self.spare, self.spare_written = None, 0
+            return buf[:n].view(shape), written
+        if self.device.type == "cpu":  # fresh pages cost more than the copy: a mapping on 2 MiB pages (hugepages.py)
+            L, two, B, H, capacity, width = shape
+            reserve = L * two * B * H * max(capacity, self.max_length) * width
+            return empty_mapped(shape, self.format.storage, reserve=reserve), n
+        return torch.empty(shape, dtype=self.format.storage, device=self.device), n
 
-    def _keep_as_spare(self, old: torch.Tensor) -> None:
-        """With keep_spare, the tensor a copy just left becomes the next copy's target (the larger of the two is
-        kept). Fresh pages cost more than the copy itself: a 345 MB regroup took 85 ms in one process and 400 ms in
-        another whose allocation met never-touched memory (86k page faults at ~10 us, VM-backed), so a server holds
-        up to twice its KV instead. Only for a cache whose tensors nobody else holds (the scheduler's batch)."""
-        if self.keep_spare and old.is_contiguous() and (self.spare is None or old.numel() > self.spare.numel()):
-            self.spare = old.view(-1)
+    def _replace_kv(self, new: torch.Tensor, written: int) -> None:
+        """`new` (from _new_kv) becomes the KV tensor. With keep_spare the old one's storage, all of it (a CPU
+        mapping's reserve too), becomes the next copy's target (the larger of the two is kept). Fresh pages cost
+        more than the copy itself: a 345 MB regroup took 85 ms in one process and 400 ms in another whose
+        allocation met never-touched memory (86k page faults at ~10 us, VM-backed); a BMC growth of an OPT-1.3B
+        batch-8 cache (3.2 GB copied) took 0.4-3.9 s on fresh pages against ~0.09 s of copying alone. So a cache
+        holds up to twice its KV instead. Only for a cache whose tensors nobody else holds (the scheduler's batch,
+        a generate() or chat decode cache)."""
+        old, old_written = self.kv, max(self._kv_written, self.kv.numel())
+        self.kv, self._kv_written = new, written
+        if not self.keep_spare:
+            return
+        flat = whole_mapping(old)
+        if flat.numel() and (self.spare is None or flat.numel() > self.spare.numel()):
+            self.spare, self.spare_written = flat, old_written
+
+    @property
+    def spare_nbytes(self) -> int:
+        """Memory the spare holds: the pages written in it, not the address space it reserves."""
+        return self.spare_written * self.format.storage.itemsize if self.spare is not None else 0
 
     def dead_prefix(self, rows: torch.Tensor | None = None) -> int:
         """How many leading columns no row (of `rows`, default all) reads now or later: each row's prompt padding
@@ -412,7 +436,7 @@ class KVCache(ABC):
         rows, never read unmasked, so they are not copied."""
         old, keep = self.kv, self.length - drop
         L, _, B, H, _, d = old.shape
-        new = self._new_kv((L, 2, B, H, new_capacity, d))
+        new, written = self._new_kv((L, 2, B, H, new_capacity, d))
         new[:, :, :, :, :keep].copy_(old[:, :, :, :, drop : self.length])
         new[:, :, :, :, keep:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
@@ -426,6 +450,6 @@ class KVCache(ABC):
             self.left_pad = (self.left_pad - drop).clamp_(min=0)
             self._max_pad = int(self.left_pad.max()) if B else 0
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
-        self._keep_as_spare(old)
-        self.kv, self.bias = new, bias
+        self._replace_kv(new, written)
+        self.bias = bias
         self.allocations += 1
