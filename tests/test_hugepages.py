@@ -1,14 +1,16 @@
-"""Weight panels and KV caches on 2 MiB pages (bmc/hugepages.py): what the arena hands out is correct memory, and
-the advice covers exactly the 2 MiB-aligned interior of each allocation."""
+"""Weight panels on 2 MiB pages and KV mappings (bmc/hugepages.py): what the arena hands out is correct memory, the
+advice covers exactly the 2 MiB-aligned interior of each allocation, and a KV mapping is zeroed, reserves room and
+takes no advice."""
 from __future__ import annotations
 
+import math
 import mmap
 
 import pytest
 import torch
 
 from bmc import hugepages
-from bmc.hugepages import HugePageArena, empty_huge, empty_mapped
+from bmc.hugepages import HugePageArena, empty_huge, empty_mapped, whole_mapping
 
 HUGE = 2 << 20
 
@@ -58,15 +60,17 @@ def test_arena_hands_out_disjoint_aligned_tensors(libc, monkeypatch):
         assert bool((t == 1).all())
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
-def test_empty_mapped_is_zeroed_and_advised_whole(libc):
+def test_empty_mapped_is_zeroed_reserves_room_and_takes_no_huge_page_advice(libc):
     shape = (2, 3, HUGE // 4 + 5)
-    t = empty_mapped(shape, torch.float32)
+    t = empty_mapped(shape, torch.float32, reserve=4 * math.prod(shape))
     assert tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % mmap.PAGESIZE == 0 and bool((t == 0).all())  # a fresh mapping: zeros, page-aligned
-    assert libc.calls == [(t.data_ptr(), t.numel() * 4, mmap.MADV_HUGEPAGE)]  # all of it, before any write
+    assert libc.calls == []  # 4 KiB pages: THP's compaction stalled every growth
+    whole = whole_mapping(t)
+    assert whole.dtype == torch.float32 and whole.numel() == 4 * math.prod(shape) and whole.data_ptr() == t.data_ptr()
+    whole[-1] = 7.0  # the reserve is memory too, once written
     view = t[1, 2]
-    del t
+    del t, whole
     view.fill_(3.0)  # a view alone keeps the mapping alive
     assert float(view.sum()) == 3.0 * view.numel()
     assert empty_mapped((0, 4), torch.int8).numel() == 0

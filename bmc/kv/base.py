@@ -392,7 +392,7 @@ class KVCache(ABC):
             buf, written = self.spare, max(self.spare_written, n)
             self.spare, self.spare_written = None, 0
             return buf[:n].view(shape), written
-        if self.device.type == "cpu":  # fresh pages cost more than the copy: a mapping on 2 MiB pages (hugepages.py)
+        if self.device.type == "cpu":  # fresh pages cost more than the copy: a mapping to grow into (hugepages.py)
             L, two, B, H, capacity, width = shape
             reserve = L * two * B * H * max(capacity, self.max_length) * width
             return empty_mapped(shape, self.format.storage, reserve=reserve), n
