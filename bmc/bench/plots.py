@@ -40,7 +40,7 @@ def write_plots(report: dict[str, Any], prefix: str) -> list[str]:
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"B={r['batch']}, {r['prompt_len']}+{r['gen_len']}", fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle(f"per-token latency over the context: {title}", fontsize=9)
+    fig.suptitle(f"per-token latency over the context:\n{title}", fontsize=9)  # one line overran a 1-panel figure
     paths.append(_save(fig, prefix + "-latency.png"))
 
     split_results = [r for r in results if r.get("decode_split")]
