@@ -424,6 +424,16 @@ def test_growth_with_a_spare_ping_pongs_between_two_mappings():
     assert cache.spare_nbytes == 44 * 2 * 2 * 2 * 2 * 4 * 4
 
 
+def test_integrity_check_catches_a_spare_aliasing_the_kv_tensor():
+    cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
+    cache.keep_spare = True
+    fill(cache, steps=10)
+    cache.check_integrity()
+    cache.spare = cache.kv.view(-1)  # a growth would then copy the cache onto itself
+    with pytest.raises(AssertionError, match="spare is not the KV tensor's storage"):
+        cache.check_integrity()
+
+
 def test_growth_without_a_spare_holds_no_second_buffer():
     cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
     fill(cache, steps=20)

@@ -330,6 +330,10 @@ class KVCache(ABC):
             assert torch.all(written[~hidden] == 0), "written columns are visible"
         assert all(torch.isfinite(self.read(self.kv[i])).all() for i in range(L)), \
             "no NaN/inf in KV rows (padding rows are zero-filled)"
+        if self.spare is not None:  # the next growth writes it: it must not be (a view of) the live tensor
+            spare_at = self.spare.untyped_storage().data_ptr()
+            assert spare_at != self.kv.untyped_storage().data_ptr(), "the spare is not the KV tensor's storage"
+            assert self.spare_written <= self.spare.numel(), "the spare's written count within its storage"
 
     # ---- internals -----------------------------------------------------------------------------
     def _check_format(self, src: "KVCache") -> None:
