@@ -87,9 +87,11 @@ def engine_bars(ax: Any, rows: dict[str, dict[str, dict[str, Any]]], kinds: list
     for i, e in enumerate(engines):
         vals = [rows[k].get(e, {}).get(key) or 0 for k in kinds]
         bars = ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=e)
-        ax.bar_label(bars, fmt="%.3f" if key == "ppl" else "%.1f", fontsize=7)
+        # perplexities differ in the third decimal: upright, side by side, their labels ran into each other
+        ax.bar_label(bars, fmt="%.3f" if key == "ppl" else "%.1f", fontsize=7, rotation=90 if key == "ppl" else 0,
+                     padding=2)
     ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(kinds))], labels or kinds)
     ax.set_title(title)
     if key == "ppl":
         lo = min((v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))), default=0)
-        ax.set_ylim(lo * 0.95, None)
+        ax.set_ylim(lo * 0.95, max(v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))) * 1.04)
