@@ -191,8 +191,9 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         r = r_from_T(max_length, T)
     stats.r, stats.T = r, math.ceil(max_length / r)
     cache = BMCCache(r=r, **kw)
-    # each growth copies into the buffer the last one left (KVCache._replace_kv): pages faulted once per run
-    cache.keep_spare = True
+    # on a CPU each growth copies into the mapping the last one left (KVCache._new_kv reserves room for the run):
+    # pages faulted once per run. On CUDA the spare could never hold the next growth; its allocator reuses blocks.
+    cache.keep_spare = model.device.type == "cpu"
     return cache
 
 

@@ -92,6 +92,6 @@ def engine_bars(ax: Any, rows: dict[str, dict[str, dict[str, Any]]], kinds: list
                      padding=2)
     ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(kinds))], labels or kinds)
     ax.set_title(title)
-    if key == "ppl":
-        lo = min((v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))), default=0)
-        ax.set_ylim(lo * 0.95, max(v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))) * 1.04)
+    ppls = [v for k in kinds for e in engines if (v := rows[k].get(e, {}).get("ppl"))]
+    if key == "ppl" and ppls:  # from near the lowest (the differences show) to room for the upright labels
+        ax.set_ylim(min(ppls) * 0.95, max(ppls) * 1.04)
