@@ -58,21 +58,22 @@ def test_speculation_leaves_room_for_prompts_waiting(gqa_dir):
     assert_idle(sched)
 
 
-def test_sparq_serving_equals_sparq_generate_alone(gqa_dir):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_sparq_serving_equals_sparq_generate_alone(gqa_dir, kv_dtype):
     """SparQ decode attention over the batch cache: each row picks its own top-k of its own columns (other rows'
     columns and padding are masked out of the selection), so a request's tokens equal generate(attention='sparq')
-    alone with the same r and k."""
+    alone with the same r and k; over an int8 cache too, which it reads as stored."""
     model = bmc.load(str(gqa_dir))
     opts = AttentionOptions(sparq=SparQOptions(r=4, k=6))
     sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=64, r=4, attention="sparq",
-                      attention_options=opts)
+                      attention_options=opts, kv_dtype=kv_dtype)
     lengths = [20, 8, 15, 11, 6]
     reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
     arrivals = {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]}
     drive(sched, arrivals, collectors=[c for _, c in reqs])
     for (req, col), p, n in zip(reqs, PROMPTS, lengths):
         assert col.error is None
-        assert col.tokens == {0: alone(model, p, n, attention="sparq", sparq_r=4, sparq_k=6)}, p
+        assert col.tokens == {0: alone(model, p, n, attention="sparq", sparq_r=4, sparq_k=6, kv_dtype=kv_dtype)}, p
     assert sched.decode_attention.transfers < sched.decode_attention.dense_transfers  # it did read less
     assert_idle(sched)
 

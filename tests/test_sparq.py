@@ -248,7 +248,8 @@ def test_fused_cpu_kernel_matches_the_reference_path():
                 qg = q.reshape(q.shape[0], kv_heads, G, d)
                 _, _, i2 = sparq_select(qg, Kt, bias[..., :S], 0.3, r, k, window)
                 mean_arg = bias_none(q.device) if v_mean is None else v_mean[:, :, 0, :]
-                _, i2_fast = kernel(qg, K[:, :, :S], V[:, :, :S], Kt, bias[:, 0, 0, :S], mean_arg, S, r, k, window, 0.3)
+                _, i2_fast = kernel(qg, K[:, :, :S], V[:, :, :S], Kt, bias_none(q.device), bias[:, 0, 0, :S], mean_arg, S, r,
+                                    k, window, 0.3)
                 # the same visible positions (k beyond them takes some masked ones, which are interchangeable)
                 assert visible_sets(i2_fast, bias) == visible_sets(i2, bias)
 
@@ -284,3 +285,93 @@ def test_opt_runs_sparq(tiny_dirs):
     cut = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, attention="sparq",
                        sparq_r=max(1, model.config.head_dim // 4), sparq_k=4)
     assert 0 < cut.stats.attention_transfers < cut.stats.attention_dense_transfers
+
+
+NARROW = ["bfloat16", "float16", "int8"]
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW)
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "pytorch"])
+def test_narrow_kv_is_read_as_stored(kv_dtype, fused):
+    """Over a narrow KV format's stored rows (the mirror holding the stored values, an int8 one its columns'
+    scales), SparQ gives what it gives over the rows' decoded float32 values: the same visible positions chosen,
+    the same output within float rounding, and dense attention over the decoded rows at r = d, k = S."""
+    from bmc.kv.formats import KV_FORMATS
+
+    fmt = KV_FORMATS[kv_dtype]
+    for seed, (heads, kv_heads) in enumerate(SHAPES):
+        for S, d in [(40, 16), (600, 64)]:  # 1 and 3 of the kernel's column blocks, tails past its 16-wide tiles
+            q, K, V, bias = random_case(seed, heads, kv_heads, S=S, d=d)
+            Ks, Vs = fmt.encode(K), fmt.encode(V)
+            Kd, Vd = fmt.decode(Ks, torch.float32), fmt.decode(Vs, torch.float32)
+            values, kt_scale = fmt.split(Ks)
+            Kt = values.transpose(-1, -2).contiguous()
+            kt_scale = None if kt_scale is None else kt_scale.contiguous()
+            for r, k, window in [(4, 8, 0), (8, 20, 5), (d, S, 0)]:
+                got, _ = sparq_attention(q, Ks, Vs, bias, 0.3, r, k, Kt, None, window, fused, fmt, kt_scale)
+                ref, _ = sparq_attention(q, Kd, Vd, bias, 0.3, r, k, None, None, window, fused=False)
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+                G = heads // kv_heads
+                qg = q.reshape(q.shape[0], kv_heads, G, d)
+                i2 = sparq_select(qg, Kt, bias, 0.3, r, k, window, kt_scale)[2]
+                i2_ref = sparq_select(qg, Kd.transpose(-1, -2), bias, 0.3, r, k, window)[2]
+                assert visible_sets(i2, bias) == visible_sets(i2_ref, bias)
+            dense = dense_attention(q, Kd, Vd, bias, 0.3)
+            full, _ = sparq_attention(q, Ks, Vs, bias, 0.3, d, S, Kt, None, 0, fused, fmt, kt_scale)
+            torch.testing.assert_close(full, dense, rtol=1e-4, atol=1e-5)
+
+
+def test_only_the_chosen_rows_are_decoded():
+    """The PyTorch path over int8 rows decodes the k chosen K and V rows per KV head, never the whole span."""
+    from bmc.kv.formats import Int8
+
+    decoded_rows = []
+
+    class Spy(Int8):
+        def decode(self, s, dtype):
+            decoded_rows.append(s.shape[-2])
+            return super().decode(s, dtype)
+
+    fmt = Spy()
+    q, K, V, bias = random_case(0, 6, 2, S=200, d=16)
+    Ks, Vs = fmt.encode(K), fmt.encode(V)
+    values, kt_scale = fmt.split(Ks)
+    sparq_attention(q, Ks, Vs, bias, 0.3, 4, 12, values.transpose(-1, -2).contiguous(), None, 0, False, fmt,
+                    kt_scale.contiguous())
+    assert decoded_rows == [12, 12]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_runtime_mirror_keeps_the_stored_format(tiny_dirs, kv_dtype):
+    """Under a narrow kv_dtype the runtime's mirror holds K's stored values (an int8 one, its columns' scales)
+    through chunk reallocations, and greedy SparQ tokens equal those of a stateless SparQ recomputed each step
+    from the cache's decoded rows."""
+    from bmc.attention import SparQAttention
+
+    model = bmc.load(str(tiny_dirs["llama-gqa"]))
+    prompts = [[5, 9, 13, 7, 21, 33, 40, 2 + 9, 17, 19, 23, 29], [44, 45, 46, 47, 48]]
+    kw = dict(max_new_tokens=20, r=4, ignore_eos=True, sparq_r=3, sparq_k=6, kv_dtype=kv_dtype)
+    made: list[SparQAttention] = []
+
+    def keep(cache, opts, g):
+        made.append(SparQAttention(cache, opts.sparq, g))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ATTENTION_BACKENDS, "kept", keep)
+        mp.setitem(ATTENTION_BACKENDS, "stateless", lambda cache, opts, g: StatelessSparQ(cache, opts.sparq, g))
+        fast = bmc.generate(model, prompts, attention="kept", **kw)
+        ref = bmc.generate(model, prompts, attention="stateless", **kw)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in ref]
+    sp = made[-1]
+    cache = sp.cache
+    assert cache.format.name == kv_dtype
+    S = cache.length
+    for layer in range(cache.num_layers):
+        values, scale = cache.format.split(cache.kv[layer, 0, :, :, :S])
+        assert sp.Kt[layer].dtype == cache.format.storage
+        assert torch.equal(sp.Kt[layer][..., :S], values.transpose(-1, -2))
+        if scale is None:
+            assert sp.Kt_scale[layer] is None
+        else:
+            assert torch.equal(sp.Kt_scale[layer][..., :S], scale)

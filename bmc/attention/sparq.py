@@ -13,7 +13,12 @@ Elements read per KV head and step (Eq. 11): S*r + 2*k*d + 4*d (2*d without step
 
 The BMC cache's masked padding rows never take part: their approximate score is -inf before the top-k, and
 the gathered bias keeps them at zero weight when k exceeds the visible positions. Prefill and verify forwards
-(more than one query per row) run dense attention; only single-query decode steps are approximated."""
+(more than one query per row) run dense attention; only single-query decode steps are approximated.
+
+A narrow KV cache (kv_dtype bfloat16/float16/int8, bmc/kv/formats.py) is read as stored: the K mirror keeps the
+stored values (int8: the rows' int8 values, dimension-major, and their scales, one float32 per column), step 1
+scores s^ from them (int8: (q_r . q8_r) * scale), and step 2 decodes only the k chosen rows. So SparQ's saving
+multiplies the format's: at int8 and r = d/4, step 1 reads S * (r + 4) bytes per KV head against S * r * 4."""
 from __future__ import annotations
 
 import functools
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
+from ..kv.formats import KVFormat
 from .dense import dense_attention
 from .sparq_kernel import fused_decode
 
@@ -99,19 +105,22 @@ def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def sparq_select(qg: torch.Tensor, Kt: torch.Tensor, bias: torch.Tensor | None, scale: float, r: int, k: int,
-                 window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-2 selections. qg [B, H_kv, G, d] (the G query heads of each KV head); Kt [B, H_kv, d, S];
-    bias [B, 1, 1, S] (0 visible, finfo.min masked; None = all visible, which saves two passes). Returns i1 [B, H_kv, r] (query components), s_hat
-    [B, H_kv, G, S] (approximate scores) and i2 [B, H_kv, k] (positions)."""
+                 window: int = 0, kt_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-2 selections. qg [B, H_kv, G, d] (the G query heads of each KV head); Kt [B, H_kv, d, S] (as
+    stored: a narrow format's values, widened here; int8 values with their columns' scales kt_scale [B, H_kv, S]);
+    bias [B, 1, 1, S] (0 visible, finfo.min masked; None = all visible, which saves two passes). Returns i1
+    [B, H_kv, r] (query components), s_hat [B, H_kv, G, S] (approximate scores) and i2 [B, H_kv, k] (positions)."""
     B, kvh, G, d = qg.shape
     S = Kt.shape[-1]
     absq = qg.abs()
     i1 = absq.sum(2).topk(r, dim=-1, sorted=False).indices  # [B, H_kv, r]
     q_r = qg.gather(-1, i1[:, :, None, :].expand(B, kvh, G, r))
-    K_r = take_rows(Kt, i1)  # r rows of the dimension-major copy: [B, H_kv, r, S]
+    K_r = take_rows(Kt, i1).to(qg.dtype)  # r rows of the dimension-major copy: [B, H_kv, r, S]
     ratio = q_r.abs().sum(-1, keepdim=True) / absq.sum(-1, keepdim=True).clamp_min(torch.finfo(qg.dtype).tiny)
     q_r = q_r * (scale / ratio.sqrt())  # Eq. 9's temperature, folded into the r query components
     logits = torch.matmul(q_r, K_r)
+    if kt_scale is not None:  # int8: each column's scale, once for the r rows' sum (as the kernel does)
+        logits.mul_(kt_scale[:, :, None, :])
     s_hat = torch.softmax(logits if bias is None else logits.add_(bias), dim=-1)
     pick = s_hat.sum(2) if G > 1 else s_hat[:, :, 0].clone()  # [B, H_kv, S]
     if bias is not None:  # a masked column scores finfo.min, below every real one (>= 0): never chosen over one
@@ -125,18 +134,22 @@ def sparq_select(qg: torch.Tensor, Kt: torch.Tensor, bias: torch.Tensor | None, 
 
 def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor | None, scale: float, r: int,
                     k: int, Kt: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
-                    window: int = 0, fused: bool = True) -> tuple[torch.Tensor, int]:
-    """One decode query per head. q [B, H, 1, d]; K, V [B, H_kv, S, d] (the visible span of the cache); bias
-    [B, 1, 1, S] or None (nothing masked); Kt: K dimension-major ([B, H_kv, d, S]; made here when not kept); v_mean [B, H_kv, 1, d] turns
-    on step 3. With r = d and k >= S this is dense attention (alpha = 1). Returns the output [B, H, 1, d] and the
-    elements moved (the K rows and K/V positions gathered, plus the new k, v and the mean vector's traffic).
-    fused=True runs steps 1-3 in one C++ call (sparq_kernel.py) on CPU float32 when it builds."""
+                    window: int = 0, fused: bool = True, fmt: KVFormat | None = None,
+                    kt_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """One decode query per head. q [B, H, 1, d]; K, V [B, H_kv, S, width] (the visible span of the cache, rows
+    as `fmt` stores them; None: q's dtype); bias [B, 1, 1, S] or None (nothing masked); Kt: K dimension-major
+    ([B, H_kv, d, S], the stored values; with int8 rows their scales kt_scale [B, H_kv, S]; made here when not
+    kept); v_mean [B, H_kv, 1, d] turns on step 3. With r = d and k >= S this is dense attention (alpha = 1) over
+    the stored rows. Returns the output [B, H, 1, d] and the elements moved (the K rows and K/V positions gathered,
+    plus the new k, v and the mean vector's traffic). fused=True runs steps 1-3 in one C++ call (sparq_kernel.py)
+    on CPU float32 queries when it builds, reading any KV format as stored."""
     B, H, t, d = q.shape
     kvh = K.shape[1]
     G = H // kvh
     qg = q.reshape(B, kvh, G, d)
     if Kt is None:
-        Kt = K.transpose(-1, -2)
+        values, kt_scale = (K, None) if fmt is None else fmt.split(K)
+        Kt = values.transpose(-1, -2)
     S = Kt.shape[-1]
     moved = B * kvh * sparq_transfers(S, r, k, d, v_mean is not None)
     kernel = fused_decode() if fused and q.device.type == "cpu" and q.dtype == torch.float32 and \
@@ -146,12 +159,15 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
         if flat_bias.numel() and flat_bias.stride(-1) != 1:
             flat_bias = flat_bias.contiguous()
         mean = bias_none(q.device) if v_mean is None else v_mean[:, :, 0, :]
-        y, _ = kernel(qg, K, V, Kt, flat_bias, mean, S, r, k, window, scale)
+        y, _ = kernel(qg, K, V, Kt, bias_none(q.device) if kt_scale is None else kt_scale, flat_bias, mean, S, r, k,
+                      window, scale)
         return y.reshape(B, H, t, d), moved
-    i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window)
+    i1, s_hat, i2 = sparq_select(qg, Kt, bias, scale, r, k, window, kt_scale)
     if v_mean is not None:
         alpha = s_hat.gather(-1, i2[:, :, None, :].expand(B, kvh, G, i2.shape[-1])).sum(-1, keepdim=True)
     K_k, V_k = take_rows(K, i2), take_rows(V, i2)
+    if fmt is not None:  # only the k chosen rows are decoded
+        K_k, V_k = fmt.decode(K_k, q.dtype), fmt.decode(V_k, q.dtype)
     bias_k = None if bias is None else bias[:, :, 0, :].expand(B, kvh, -1).gather(-1, i2)[:, :, None, :]
     y = F.scaled_dot_product_attention(qg, K_k, V_k, attn_mask=bias_k, scale=scale)
     if v_mean is not None:
@@ -163,13 +179,17 @@ class SparQAttention:
     """SparQ as an attention backend bound to one generation's cache. Keeps, per layer, the dimension-major K
     mirror (grown with the cache's capacity, so under BMC it is reallocated once per chunk like the cache) and
     the running sum of visible values for step 3. Counts the elements it reads (`transfers`) and what dense
-    attention would have read (`dense_transfers`) over the decode steps."""
+    attention would have read (`dense_transfers`) over the decode steps. Reads the cache's rows as stored (a
+    narrow kv_dtype's bytes): the mirror keeps the stored values, and an int8 mirror its columns' scales."""
+
+    reads_stored = True
 
     def __init__(self, cache, opts: SparQOptions, group_size: int) -> None:  # cache: KVCache (import cycle)
         self.cache = cache
         self.opts = opts.resolve(cache.head_dim, group_size)
         L = cache.num_layers
         self.Kt: list[torch.Tensor | None] = [None] * L
+        self.Kt_scale: list[torch.Tensor | None] = [None] * L  # int8 KV: each mirrored column's scale [B, H_kv, cap]
         self.v_sum: list[torch.Tensor | None] = [None] * L
         self.count: torch.Tensor | None = None  # [B, 1, 1, 1] visible positions per row (same for all layers)
         self.seen = [0] * L  # columns mirrored / summed per layer
@@ -178,27 +198,37 @@ class SparQAttention:
 
     def reorder(self, rows: torch.Tensor) -> None:
         self.Kt = [x.index_select(0, rows) if x is not None else None for x in self.Kt]
+        self.Kt_scale = [x.index_select(0, rows) if x is not None else None for x in self.Kt_scale]
         self.v_sum = [x.index_select(0, rows) if x is not None else None for x in self.v_sum]
         if self.count is not None:
             self.count = self.count.index_select(0, rows)
 
     def _track(self, layer: int, K: torch.Tensor, V: torch.Tensor, S: int) -> None:
-        """Mirror columns [seen, S) of K dimension-major and add their visible values to the running sum."""
+        """Mirror columns [seen, S) of K (as stored) dimension-major and add their visible values to the running
+        sum."""
         start, o = self.seen[layer], self.opts
         if start >= S:
             return
         if o.k_twice:
+            values, scale = self.cache.format.split(K[:, :, start:S])
             Kt, cap = self.Kt[layer], K.shape[2]
             if Kt is None or Kt.shape[-1] != cap:
-                B, kvh, _, d = K.shape
+                B, kvh, d = K.shape[0], K.shape[1], self.cache.head_dim
                 grown = torch.zeros((B, kvh, d, cap), dtype=K.dtype, device=K.device)
                 if Kt is not None:
                     grown[..., :start].copy_(Kt[..., :start])
                 self.Kt[layer] = Kt = grown
-            Kt[..., start:S].copy_(K[:, :, start:S].transpose(-1, -2))
+                if scale is not None:
+                    grown_scale = torch.zeros((B, kvh, cap), dtype=torch.float32, device=K.device)
+                    if self.Kt_scale[layer] is not None:
+                        grown_scale[..., :start].copy_(self.Kt_scale[layer][..., :start])
+                    self.Kt_scale[layer] = grown_scale
+            Kt[..., start:S].copy_(values.transpose(-1, -2))
+            if scale is not None:
+                self.Kt_scale[layer][..., start:S].copy_(scale)
         if o.mean_value:
-            vis = (self.cache.bias[:, :, 0, start:S] == 0).to(V.dtype)  # [B, 1, n]
-            add = torch.matmul(vis[:, :, None, :], V[:, :, start:S])  # [B, H_kv, 1, d]
+            vis = (self.cache.bias[:, :, 0, start:S] == 0).to(self.cache.dtype)  # [B, 1, n]
+            add = torch.matmul(vis[:, :, None, :], self.cache.read(V[:, :, start:S]))  # [B, H_kv, 1, d]
             self.v_sum[layer] = add if self.v_sum[layer] is None else self.v_sum[layer] + add
             if layer == 0:
                 n = vis.sum(-1)[..., None, None]
@@ -211,15 +241,16 @@ class SparQAttention:
         S = self.cache.length + t  # written columns, this forward's included
         self._track(layer, K, V, S)
         o = self.opts
-        if t != 1 or (o.k >= S and o.r == K.shape[-1]):  # prefill / verify, or nothing to save: exact attention
-            return dense_attention(q, K, V, bias, scale, layer)
-        d, kvh, B = K.shape[-1], K.shape[1], K.shape[0]
+        d, kvh, B = self.cache.head_dim, K.shape[1], K.shape[0]
+        if t != 1 or (o.k >= S and o.r == d):  # prefill / verify, or nothing to save: exact attention
+            return dense_attention(q, self.cache.read(K), self.cache.read(V), bias, scale, layer)
         v_mean = self.v_sum[layer] / self.count if o.mean_value else None
         Kt = self.Kt[layer][..., :S] if o.k_twice else None
+        kt_scale = self.Kt_scale[layer][..., :S] if o.k_twice and self.Kt_scale[layer] is not None else None
         # else every written column is visible: no bias
         masked = self.cache._max_pad > 0 or self.cache.holes or self.cache.window is not None
         out, moved = sparq_attention(q, K[:, :, :S], V[:, :, :S], bias[..., :S] if masked else None, scale, o.r, o.k,
-                                     Kt, v_mean, o.local_window)
+                                     Kt, v_mean, o.local_window, fmt=self.cache.format, kt_scale=kt_scale)
         self.transfers += moved
         self.dense_transfers += B * kvh * dense_transfers(S, d)
         return out
@@ -228,7 +259,9 @@ class SparQAttention:
 class WindowAttention:
     """The local-window baseline at a given budget (LM-Infinite, as the SparQ paper runs it): each decode query
     attends to the first `sink` (16) visible positions and the most recent k - sink, exactly; the rest is dropped.
-    Reads 2*k*d + 2*d elements per KV head and step."""
+    Reads 2*k*d + 2*d elements per KV head and step, as the cache stores them (only those rows are decoded)."""
+
+    reads_stored = True
 
     def __init__(self, cache, k: int, sink: int | None = None) -> None:
         sink = min(16, k // 2) if sink is None else sink  # LM-Infinite's 16 first positions, fewer for tiny budgets
@@ -246,7 +279,7 @@ class WindowAttention:
         t = q.shape[2]
         S = self.cache.length + t
         if t != 1 or self.k >= S:
-            return dense_attention(q, K, V, bias, scale, layer)
+            return dense_attention(q, self.cache.read(K), self.cache.read(V), bias, scale, layer)
         B, H, _, d = q.shape
         kvh = K.shape[1]
         first = self.cache.left_pad[:, None] + torch.arange(self.sink, device=q.device)[None, :]
@@ -257,8 +290,9 @@ class WindowAttention:
         dup = torch.zeros_like(cols, dtype=torch.bool)
         dup[:, : self.sink] = first >= S - (self.k - self.sink)
         bias_k = bias_k.masked_fill(dup[:, None, :], torch.finfo(q.dtype).min)[:, :, None, :]  # [B, 1, 1, k]
-        idx = cols[:, None, :, None].expand(B, kvh, self.k, d)
-        out = dense_attention(q, K.gather(2, idx), V.gather(2, idx), bias_k, scale, layer)
+        idx = cols[:, None, :, None].expand(B, kvh, self.k, K.shape[-1])
+        out = dense_attention(q, self.cache.read(K.gather(2, idx)), self.cache.read(V.gather(2, idx)), bias_k, scale,
+                              layer)
         self.transfers += B * kvh * (2 * self.k * d + 2 * d)
         self.dense_transfers += B * kvh * dense_transfers(S, d)
         return out

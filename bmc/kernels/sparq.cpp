@@ -9,8 +9,15 @@
 //
 // Arithmetic is that of sparq_select + exact attention over the chosen positions (bmc/attention/sparq.py); the
 // tests compare both. Masked columns carry finfo.min in `bias`; with -ffast-math only finite sentinels are used.
+//
+// Narrow KV (kv_dtype, bmc/kv/formats.py) is read as stored: the K mirror's r rows and the k chosen K/V rows are
+// widened to float32 in L1 as they are read, so the step moves the narrow bytes from DRAM. An int8 mirror holds
+// the K rows' int8 values dimension-major and their scales as one float32 per column (`kt_scale`): step 1 sums
+// w_j * q8[j, s] and multiplies by the column's scale once. bfloat16 / float16 are widened as cast.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -28,23 +35,189 @@ struct Shape {
   int64_t B, kvh, G, d, S, r, kk, blocks;
 };
 
-// Step 1 for one (row, KV head, column block): approximate logits of the G query heads over the block, then
-// exp(logit - block max) in place; `stats` gets the block's max and sum per query head.
-void approx_block(const Shape& sh, const float* w, const int64_t* comps, const float* Kt, int64_t sD,
-                  const float* bias, float* e, float* stats, int64_t s0) {
-  const int64_t n = std::min(BLOCK, sh.S - s0), G = sh.G;
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = e + g * sh.S + s0;
-    std::fill(row, row + n, 0.0f);
+// How K, V and the K mirror store their values (the cache's kv_dtype)
+enum class Kind { F32, BF16, F16, I8 };
+constexpr int64_t SCALE_BYTES = 4;  // an int8 row's float32 scale, after its values
+
+Kind kind_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return Kind::F32;
+    case torch::kBFloat16: return Kind::BF16;
+    case torch::kHalf: return Kind::F16;
+    case torch::kChar: return Kind::I8;
+    default: TORCH_CHECK(false, "sparq_decode: K stored as ", t.scalar_type(), " (float32, bfloat16, float16, int8)");
   }
-  for (int64_t j = 0; j < sh.r; ++j) {
-    const float* krow = Kt + comps[j] * sD + s0;
-    for (int64_t g = 0; g < G; ++g) {
-      const float wj = w[g * sh.r + j];
-      float* row = e + g * sh.S + s0;
+}
+
+// n stored values at src -> float32 at dst (int8: the integers, not yet scaled). Plain loops GCC vectorises
+// (-O3 -march=native), except float16, converted 8 at a time with F16C where the CPU has it.
+inline void widen_run(Kind kind, const uint8_t* src, int64_t n, float* dst) {
+  switch (kind) {
+    case Kind::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case Kind::I8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(src);
 #pragma omp simd
-      for (int64_t s = 0; s < n; ++s) row[s] += wj * krow[s];
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(q[i]);
+      return;
     }
+    case Kind::BF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+      uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint32_t>(h[i]) << 16;
+      return;
+    }
+    case Kind::F16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+      int64_t i = 0;
+#ifdef __F16C__
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+      for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+      return;
+    }
+  }
+}
+
+// One stored K/V row of d values -> d float32 values (an int8 row times its scale)
+inline void widen_row(Kind kind, const uint8_t* row, int64_t d, float* dst) {
+  widen_run(kind, row, d, dst);
+  if (kind == Kind::I8) {
+    float s;
+    std::memcpy(&s, row + d, SCALE_BYTES);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) dst[c] *= s;
+  }
+}
+
+#ifdef __AVX512F__
+// 16 stored values at p as float32 (int8: the integers, unscaled)
+template <Kind KIND>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (KIND == Kind::I8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  else if constexpr (KIND == Kind::BF16)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else if constexpr (KIND == Kind::F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+constexpr int64_t elem_bytes(Kind k) { return k == Kind::F32 ? 4 : k == Kind::I8 ? 1 : 2; }
+
+// Step 1's logits for the G query heads over columns [s0, s0 + n) in tiles of NV vectors, the G x NV sums held in
+// registers over the r mirror rows: each stored value is loaded (and widened) once and feeds G FMAs. The plain
+// loop below kept the G score rows in L1 and paid a load and a store per FMA: measured at 8K context, batch 8,
+// r = 30 (the default model's heads, 2-core EPYC), step 1 was most of SparQ's step and int8 KV did not help it.
+// Returns the columns done (a multiple of 16); int8 sums are multiplied by their column's scale.
+template <Kind KIND, int G, int NV>
+int64_t approx_tiles(const float* w, int64_t r, const int64_t* comps, const uint8_t* Kt, int64_t sD,
+                     const float* kscale, float* e, int64_t S, int64_t s0, int64_t n, int64_t s) {
+  constexpr int64_t ES = elem_bytes(KIND);
+  for (; s + 16 * NV <= n; s += 16 * NV) {
+    __m512 acc[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      const uint8_t* src = Kt + comps[j] * sD + (s0 + s) * ES;
+      __m512 k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = load16<KIND>(src + v * 16 * ES);
+      for (int g = 0; g < G; ++g) {
+        const __m512 wj = _mm512_set1_ps(w[g * r + j]);
+        for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(wj, k[v], acc[g][v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      if (kscale) {
+        const __m512 sc = _mm512_loadu_ps(kscale + s0 + s + 16 * v);
+        for (int g = 0; g < G; ++g) acc[g][v] = _mm512_mul_ps(acc[g][v], sc);
+      }
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(e + g * S + s0 + s + 16 * v, acc[g][v]);
+    }
+  }
+  return s;
+}
+
+template <Kind KIND, int G>
+int64_t approx_tiles_g(const float* w, int64_t r, const int64_t* comps, const uint8_t* Kt, int64_t sD,
+                       const float* kscale, float* e, int64_t S, int64_t s0, int64_t n) {
+  constexpr int NV = G <= 4 ? 4 : 2;  // at most 16 accumulators of the 32 registers
+  const int64_t s = approx_tiles<KIND, G, NV>(w, r, comps, Kt, sD, kscale, e, S, s0, n, 0);
+  return approx_tiles<KIND, G, 1>(w, r, comps, Kt, sD, kscale, e, S, s0, n, s);
+}
+
+template <Kind KIND>
+int64_t approx_tiles_kind(int64_t G, const float* w, int64_t r, const int64_t* comps, const uint8_t* Kt,
+                          int64_t sD, const float* kscale, float* e, int64_t S, int64_t s0, int64_t n) {
+  switch (G) {
+    case 1: return approx_tiles_g<KIND, 1>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 2: return approx_tiles_g<KIND, 2>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 3: return approx_tiles_g<KIND, 3>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 4: return approx_tiles_g<KIND, 4>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 5: return approx_tiles_g<KIND, 5>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 6: return approx_tiles_g<KIND, 6>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 7: return approx_tiles_g<KIND, 7>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case 8: return approx_tiles_g<KIND, 8>(w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    default: return 0;  // larger groups: the plain loop
+  }
+}
+
+int64_t approx_tiles_any(Kind kind, int64_t G, const float* w, int64_t r, const int64_t* comps, const uint8_t* Kt,
+                         int64_t sD, const float* kscale, float* e, int64_t S, int64_t s0, int64_t n) {
+  switch (kind) {
+    case Kind::F32: return approx_tiles_kind<Kind::F32>(G, w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case Kind::BF16: return approx_tiles_kind<Kind::BF16>(G, w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case Kind::F16: return approx_tiles_kind<Kind::F16>(G, w, r, comps, Kt, sD, kscale, e, S, s0, n);
+    case Kind::I8: return approx_tiles_kind<Kind::I8>(G, w, r, comps, Kt, sD, kscale, e, S, s0, n);
+  }
+  return 0;
+}
+#endif
+
+// Step 1 for one (row, KV head, column block): approximate logits of the G query heads over the block, then
+// exp(logit - block max) in place; `stats` gets the block's max and sum per query head. Kt: the mirror's first
+// column of this (row, KV head), rows sD bytes apart, values of `esize` bytes; kscale: its int8 columns' scales.
+void approx_block(const Shape& sh, const float* w, const int64_t* comps, Kind kind, const uint8_t* Kt, int64_t sD,
+                  int64_t esize, const float* kscale, const float* bias, float* e, float* stats, int64_t s0) {
+  const int64_t n = std::min(BLOCK, sh.S - s0), G = sh.G;
+#ifdef __AVX512F__
+  const int64_t done = approx_tiles_any(kind, G, w, sh.r, comps, Kt, sD, kscale, e, sh.S, s0, n);
+#else
+  const int64_t done = 0;
+#endif
+  // the columns the register tiles did not cover (all of them without AVX-512): G score rows kept in L1
+  if (done < n) {
+    const int64_t m = n - done, c0 = s0 + done;
+    float wide[BLOCK];  // a narrow mirror row's columns, widened (L1)
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = e + g * sh.S + c0;
+      std::fill(row, row + m, 0.0f);
+    }
+    for (int64_t j = 0; j < sh.r; ++j) {
+      const uint8_t* src = Kt + comps[j] * sD + c0 * esize;
+      const float* krow = reinterpret_cast<const float*>(src);
+      if (kind != Kind::F32) {
+        widen_run(kind, src, m, wide);
+        krow = wide;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float wj = w[g * sh.r + j];
+        float* row = e + g * sh.S + c0;
+#pragma omp simd
+        for (int64_t s = 0; s < m; ++s) row[s] += wj * krow[s];
+      }
+    }
+    if (kscale)  // int8: the column's scale, once for the r rows' sum
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = e + g * sh.S + c0;
+#pragma omp simd
+        for (int64_t s = 0; s < m; ++s) row[s] *= kscale[c0 + s];
+      }
   }
   for (int64_t g = 0; g < G; ++g) {
     float* row = e + g * sh.S + s0;
@@ -87,15 +260,17 @@ float kth_largest(const float* v, int64_t n, int64_t kk, std::vector<float>& scr
   return scratch[need - 1];
 }
 
-// Exact attention of the G query heads over the kk chosen positions (+ step 3's mean value when given).
-void attend_chosen(const Shape& sh, const float* q, const int64_t* pos, const float* K, const float* V, int64_t ld,
-                   const float* bias, float scale, const float* alpha, const float* vmean, float* out) {
+// Exact attention of the G query heads over the kk chosen positions (+ step 3's mean value when given); krows[j]
+// and vrows[j]: position pos[j]'s key and value as float32 (in the cache, or widened from it).
+void attend_chosen(const Shape& sh, const float* q, const int64_t* pos, const float* const* krows,
+                   const float* const* vrows, const float* bias, float scale, const float* alpha, const float* vmean,
+                   float* out) {
   std::vector<float> p(sh.kk);
   for (int64_t g = 0; g < sh.G; ++g) {
     const float* qg = q + g * sh.d;
     float m = -BIG;
     for (int64_t j = 0; j < sh.kk; ++j) {
-      const float* k = K + pos[j] * ld;
+      const float* k = krows[j];
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t c = 0; c < sh.d; ++c) dot += qg[c] * k[c];
@@ -111,7 +286,7 @@ void attend_chosen(const Shape& sh, const float* q, const int64_t* pos, const fl
     std::fill(o, o + sh.d, 0.0f);
     for (int64_t j = 0; j < sh.kk; ++j) {
       const float pj = p[j] / sum;
-      const float* v = V + pos[j] * ld;
+      const float* v = vrows[j];
 #pragma omp simd
       for (int64_t c = 0; c < sh.d; ++c) o[c] += pj * v[c];
     }
@@ -124,19 +299,28 @@ void attend_chosen(const Shape& sh, const float* q, const int64_t* pos, const fl
 
 }  // namespace
 
-// q [B, kvh, G, d]; K, V [B, kvh, >=S, d] (rows contiguous); Kt [B, kvh, d, >=S] (columns contiguous);
-// bias [B, >=S] with unit column stride (empty: nothing masked); vmean [B, kvh, d] (empty: no step 3).
+// q [B, kvh, G, d] float32; K, V [B, kvh, >=S, width] as the cache stores them (rows contiguous; width = d, or
+// d + 4 for int8 rows and their scale); Kt [B, kvh, d, >=S] in the same element type (columns contiguous);
+// kt_scale [B, kvh, >=S] float32, the int8 mirror columns' scales (empty for other types); bias [B, >=S] with unit
+// column stride (empty: nothing masked); vmean [B, kvh, d] (empty: no step 3).
 // Returns out [B, kvh, G, d] and the chosen positions i2 [B, kvh, min(k, S)], in increasing order.
 std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch::Tensor V, torch::Tensor Kt,
-                                        torch::Tensor bias, torch::Tensor vmean, int64_t S, int64_t r, int64_t k,
-                                        int64_t window, double scale) {
+                                        torch::Tensor kt_scale, torch::Tensor bias, torch::Tensor vmean, int64_t S,
+                                        int64_t r, int64_t k, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 4 && K.dim() == 4 && V.dim() == 4 && Kt.dim() == 4, "sparq_decode: 4-d q, K, V, Kt");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && K.scalar_type() == torch::kFloat &&
-              V.scalar_type() == torch::kFloat && Kt.scalar_type() == torch::kFloat, "sparq_decode: float32 only");
+  const Kind kind = kind_of(K);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, "sparq_decode: float32 queries");
+  TORCH_CHECK(V.scalar_type() == K.scalar_type() && Kt.scalar_type() == K.scalar_type(),
+              "sparq_decode: K, V and the K mirror in one format");
+  const int64_t width = q.size(3) + (kind == Kind::I8 ? SCALE_BYTES : 0);
+  TORCH_CHECK(K.size(3) == width && V.size(3) == width && Kt.size(2) == q.size(3), "sparq_decode: row width");
   TORCH_CHECK(K.stride(3) == 1 && V.stride(3) == 1 && Kt.stride(3) == 1 && K.stride(2) == V.stride(2) &&
               K.stride(0) == V.stride(0) && K.stride(1) == V.stride(1), "sparq_decode: K/V/Kt layout");
   TORCH_CHECK(K.size(2) >= S && Kt.size(3) >= S && S >= 1 && r >= 1 && r <= q.size(3) && k >= 1,
               "sparq_decode: bad S, r or k");
+  TORCH_CHECK(kind != Kind::I8 || (kt_scale.scalar_type() == torch::kFloat && kt_scale.dim() == 3 &&
+                                   kt_scale.stride(2) == 1 && kt_scale.size(2) >= S),
+              "sparq_decode: an int8 mirror needs its float32 column scales [B, kvh, >=S]");
   const bool masked = bias.numel() > 0, mean = vmean.numel() > 0;
   TORCH_CHECK(!masked || (bias.dim() == 2 && bias.stride(1) == 1 && bias.size(1) >= S), "sparq_decode: bias");
   auto qc = q.contiguous();
@@ -155,7 +339,10 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
   float* const e = e_buf.data();
   float* const stats = stats_buf.data();
   const float* qp = qc.data_ptr<float>();
-  const float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>(), *Ktp = Kt.data_ptr<float>();
+  const int64_t esize = K.element_size();
+  const uint8_t *Kp = static_cast<const uint8_t*>(K.data_ptr()), *Vp = static_cast<const uint8_t*>(V.data_ptr());
+  const uint8_t* Ktp = static_cast<const uint8_t*>(Kt.data_ptr());
+  const float* ksp = kind == Kind::I8 ? kt_scale.data_ptr<float>() : nullptr;
   const float* bp = masked ? bias.data_ptr<float>() : nullptr;
   const float* vmp = mean ? vm.data_ptr<float>() : nullptr;
 
@@ -185,9 +372,11 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
   at::parallel_for(0, BH * sh.blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / sh.blocks, blk = t % sh.blocks, b = bh / sh.kvh, h = bh % sh.kvh;
-      approx_block(sh, w.data() + bh * G * r, comps.data() + bh * r,
-                   Ktp + b * Kt.stride(0) + h * Kt.stride(1), Kt.stride(2), bp ? bp + b * bias.stride(0) : nullptr,
-                   e + bh * G * S, stats + (bh * sh.blocks + blk) * G * 2, blk * BLOCK);
+      approx_block(sh, w.data() + bh * G * r, comps.data() + bh * r, kind,
+                   Ktp + (b * Kt.stride(0) + h * Kt.stride(1)) * esize, Kt.stride(2) * esize, esize,
+                   ksp ? ksp + b * kt_scale.stride(0) + h * kt_scale.stride(1) : nullptr,
+                   bp ? bp + b * bias.stride(0) : nullptr, e + bh * G * S, stats + (bh * sh.blocks + blk) * G * 2,
+                   blk * BLOCK);
     }
   });
 
@@ -196,6 +385,9 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
     std::vector<float> pick(S), scratch, factor(sh.blocks * G), alpha(G);
     scratch.reserve(S);
     std::vector<int64_t> pos(sh.kk);
+    std::vector<const float*> krows(sh.kk), vrows(sh.kk);
+    std::vector<float> kwide(kind == Kind::F32 ? 0 : sh.kk * d), vwide(kind == Kind::F32 ? 0 : sh.kk * d);
+    const int64_t row_bytes = K.stride(2) * esize;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / sh.kvh, h = bh % sh.kvh;
       const float* st = stats + bh * sh.blocks * G * 2;
@@ -237,8 +429,22 @@ std::vector<torch::Tensor> sparq_decode(torch::Tensor q, torch::Tensor K, torch:
         for (int64_t j = 0; j < sh.kk; ++j) a += eh[g * S + pos[j]] * factor[(pos[j] / BLOCK) * G + g];
         alpha[g] = a;
       }
-      attend_chosen(sh, qp + bh * G * d, pos.data(), Kp + b * K.stride(0) + h * K.stride(1),
-                    Vp + b * V.stride(0) + h * V.stride(1), K.stride(2), brow, static_cast<float>(scale),
+      // step 2 reads only the chosen rows: float32 in place, a narrow format widened into L1 buffers
+      const uint8_t* Kh = Kp + (b * K.stride(0) + h * K.stride(1)) * esize;
+      const uint8_t* Vh = Vp + (b * V.stride(0) + h * V.stride(1)) * esize;
+      for (int64_t j = 0; j < sh.kk; ++j) {
+        const uint8_t *krow = Kh + pos[j] * row_bytes, *vrow = Vh + pos[j] * row_bytes;
+        if (kind == Kind::F32) {
+          krows[j] = reinterpret_cast<const float*>(krow);
+          vrows[j] = reinterpret_cast<const float*>(vrow);
+        } else {
+          widen_row(kind, krow, d, kwide.data() + j * d);
+          widen_row(kind, vrow, d, vwide.data() + j * d);
+          krows[j] = kwide.data() + j * d;
+          vrows[j] = vwide.data() + j * d;
+        }
+      }
+      attend_chosen(sh, qp + bh * G * d, pos.data(), krows.data(), vrows.data(), brow, static_cast<float>(scale),
                     alpha.data(), vmp ? vmp + bh * d : nullptr, out.data_ptr<float>() + bh * G * d);
     }
   });

@@ -129,9 +129,11 @@ class KVCache(ABC):
         if self.window is not None:
             self._slide_window(start, end, positions)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               decoded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([B, H_kv, t, d]) in place at columns [length, length + t); return the layer's
-        full-capacity K and V views ([B, H_kv, capacity, d])."""
+        full-capacity K and V views ([B, H_kv, capacity, d]): their values, or with decoded=False the rows as
+        stored ([B, H_kv, capacity, width], for an attention that reads the format itself: SparQ)."""
         t = k.shape[2]
         kv = self.kv[layer]
         if not self.same_dtype:
@@ -142,7 +144,7 @@ class KVCache(ABC):
         else:
             kv[0, :, :, self.length : self.length + t].copy_(k)
             kv[1, :, :, self.length : self.length + t].copy_(v)
-        return self.read(kv[0]), self.read(kv[1])
+        return (self.read(kv[0]), self.read(kv[1])) if decoded else (kv[0], kv[1])
 
     def read(self, stored: torch.Tensor) -> torch.Tensor:
         """Rows as stored in this cache's format ([..., width]) -> their values in the model's dtype (the tensor

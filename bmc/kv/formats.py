@@ -46,6 +46,11 @@ class KVFormat(ABC):
     def decode(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Storage [..., width] -> the rows' values [..., head_dim] in `dtype` (a new tensor)."""
 
+    def split(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Storage [..., width] -> (the stored values [..., head_dim], a view; each row's scale [...] in float32,
+        or None where a value is its own scale). A row's values are decode(s) = values * scale."""
+        return s, None
+
 
 class FloatFormat(KVFormat):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,9 @@ class Int8(KVFormat):
     def decode(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         d = s.shape[-1] - SCALE_BYTES
         return (s[..., :d].float() * scales(s)).to(dtype)
+
+    def split(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return s[..., : s.shape[-1] - SCALE_BYTES], scales(s)[..., 0]
 
 
 def scales(s: torch.Tensor) -> torch.Tensor:

@@ -272,6 +272,7 @@ class LlamaModel:
         if attention is not causal_attention:  # which reads no bias
             bias = group_bias(bias, cfg.group_size)
             local_bias = group_bias(local_bias, cfg.group_size) if local_bias is not None else None
+        decoded = not getattr(attention, "reads_stored", False)  # SparQ reads a narrow KV format as stored
         act = F.silu if cfg.activation == "silu" else lambda g: F.gelu(g, approximate="tanh")
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
@@ -281,7 +282,7 @@ class LlamaModel:
                                 rms_norm(qk[:, :, h:], L.k_norm, cfg.norm_eps)), dim=2)
             qk = apply_rope(qk, *(local_rope if L.local else (cos, sin)))
             q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
-            K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2))
+            K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2), decoded)
             o = attention(q, K, V, local_bias if L.local and local_bias is not None else bias, self.scale, layer=i)
             o = L.o(o.transpose(1, 2).reshape(B, t, h * hd))
             x = x + (rms_norm(o, L.post_attn_norm, cfg.norm_eps) if L.post_attn_norm is not None else o)

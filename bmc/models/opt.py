@@ -126,10 +126,11 @@ class OPTModel:
         if native is not None:
             none = torch.empty(0)
             return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments, [])
+        decoded = not getattr(attention, "reads_stored", False)  # SparQ reads a narrow KV format as stored
         for i, L in enumerate(self.layers):
             a = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps) if pre else x
             q, k, v = L.qkv(a).view(B, t, 3 * h, hd).transpose(1, 2).split(h, dim=1)
-            K, V = cache.update(i, k, v)
+            K, V = cache.update(i, k, v, decoded)
             o = attention(q, K, V, bias, self.scale, layer=i)
             x = x + L.o(o.transpose(1, 2).reshape(B, t, h * hd))  # h: this rank's heads under tensor parallelism
             if not pre:
