@@ -13,7 +13,10 @@ a step against 0.1 GB of weights.
   to the 8 sequences' own KV streams, llama.cpp's default), flash attention on, -ctk/-ctv f32, bf16, q8_0 (llama.cpp's 8-bit KV: blocks of 32 with an fp16 scale; bmc's int8 has
   one float32 scale per row of head_dim);
 - perplexity per KV dtype: bmc.perplexity and llama-perplexity, --chunks chunks of --ppl-ctx tokens of Python's
-  own documentation (pydoc_data.topics), as bench/quant.py scores them.
+  own documentation (pydoc_data.topics), as bench/quant.py scores them;
+- with --sparq C (a compression, e.g. 0.125): rows "<kv dtype>+sparq", bmc decoding with SparQ attention at
+  C of dense attention's transfers (sparq_budget: r and k at this context), reading that KV dtype as stored
+  (approximate attention: no perplexity row, no llama.cpp counterpart).
 Writes JSON and a PNG under bench/results/cpu/."""
 from __future__ import annotations
 
@@ -38,16 +41,16 @@ def bmc_decode(model: Any, kv_dtypes: list[str], ids: list[int], args: argparse.
 
     import torch
 
-    from bmc.attention import causal_attention, dense_attention
+    from bmc.attention import SparQAttention, SparQOptions, causal_attention, dense_attention, sparq_budget
     from bmc.kv import KV_STRATEGIES
 
     cfg, P, B = model.config, len(ids), args.batch
-    caches, prefill_s, times = {}, {}, {k: [] for k in kv_dtypes}
+    caches, prefill_s, times, attention = {}, {}, {k: [] for k in kv_dtypes}, {}
     with torch.inference_mode():
         for k in kv_dtypes:
             cache = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
                                              head_dim=cfg.head_dim, max_length=args.ctx, dtype=model.dtype,
-                                             kv_dtype=k)
+                                             kv_dtype=k.removesuffix("+sparq"))
             t0 = time.perf_counter()
             cache.reserve(P)
             model.net(torch.tensor([ids]), torch.arange(P)[None], cache, causal_attention, cache.attention_bias(P))
@@ -55,6 +58,10 @@ def bmc_decode(model: Any, kv_dtypes: list[str], ids: list[int], args: argparse.
             prefill_s[k] = time.perf_counter() - t0
             cache.reorder(torch.zeros(B, dtype=torch.long))
             caches[k] = cache
+            attention[k] = dense_attention
+            if k.endswith("+sparq"):  # its K mirror is made on the first decode step (a round the median drops)
+                r, kk = sparq_budget(args.sparq, args.ctx, cfg.head_dim)
+                attention[k] = SparQAttention(cache, SparQOptions(r=r, k=kk), cfg.group_size)
         pos, tok = P, torch.full((B, 1), 100)
         for _ in range(args.rounds):
             for k in kv_dtypes:
@@ -62,7 +69,7 @@ def bmc_decode(model: Any, kv_dtypes: list[str], ids: list[int], args: argparse.
                 for i in range(2):
                     t0 = time.perf_counter()
                     cache.reserve(1)
-                    model.net(tok, torch.full((B, 1), pos + i), cache, dense_attention, cache.attention_bias(1))
+                    model.net(tok, torch.full((B, 1), pos + i), cache, attention[k], cache.attention_bias(1))
                     cache.commit(1)
                     times[k].append(time.perf_counter() - t0)
             pos += 2
@@ -74,7 +81,7 @@ def bmc_ppl(model: Any, kv_dtype: str, text: str, args: argparse.Namespace) -> f
     import bmc
 
     return bmc.perplexity(model, text, context=args.ppl_ctx, max_chunks=args.chunks, kv_dtype=kv_dtype).ppl \
-        if args.chunks else None
+        if args.chunks and kv_dtype in KV_DTYPES else None
 
 
 def llama_row(path: str, cache_type: str, text_file: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,11 +114,13 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     from bmc.bench.plots import engine_bars, save_titled
 
-    kinds = [k for k in KV_DTYPES if k in result["rows"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    kinds = list(result["rows"])
+    fig, axes = plt.subplots(1, 2, figsize=(11 + 1.5 * sum(k not in KV_DTYPES for k in kinds), 4.5))
+    labels = [f"{k}\n(llama.cpp {KV_DTYPES[k]})" if k in KV_DTYPES else
+              f"{k.removesuffix('+sparq')}\n+ SparQ {result['config']['sparq']:g}" for k in kinds]
     for ax, key, title in ((axes[0], "decode", "decode tok/s (8 rows, higher is better)"),
                            (axes[1], "ppl", "perplexity (lower is better)")):
-        engine_bars(ax, result["rows"], kinds, key, title, [f"{k}\n(llama.cpp {KV_DTYPES[k]})" for k in kinds])
+        engine_bars(ax, result["rows"], kinds, key, title, labels)
     axes[0].legend()
     c = result["config"]
     save_titled(fig, f"KV dtype at {c['ctx']} context, batch {c['batch']}, {c['gen']} generated; {c['model']}; "
@@ -129,6 +138,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=8, help="perplexity chunks (0: no perplexity)")
     p.add_argument("--model", help="the model (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
     p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--sparq", type=float, default=0.0, help="also decode float32 and int8 KV with SparQ at this "
+                   "compression of dense transfers (e.g. 0.125; 0: off)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -156,6 +167,8 @@ def main() -> None:
     result: dict[str, Any] = {"config": dict(vars(args), host=host, model=os.path.basename(path),
                                              text="pydoc_data.topics"), "rows": {}}
     kinds = args.kv_dtypes.split(",")
+    if args.sparq:
+        kinds += [f"{k}+sparq" for k in ("float32", "int8") if k in kinds]
     if args.ctx - args.gen + 2 * args.rounds > args.ctx:
         sys.exit("--gen must cover the 2 * --rounds decode steps")
     decode = bmc_decode(model, kinds, ids, args)
@@ -163,7 +176,7 @@ def main() -> None:
         rows = result["rows"][kv_dtype] = {}
         t0 = time.time()
         rows["bmc"] = dict(decode[kv_dtype], ppl=bmc_ppl(model, kv_dtype, text, args))
-        if args.llama_bin:
+        if args.llama_bin and kv_dtype in KV_DTYPES:
             rows["llama.cpp"] = llama_row(path, KV_DTYPES[kv_dtype], text_file, args)
         print(f"{kv_dtype:>9}: " + "  ".join(f"{e} decode {r['decode']:.1f} tok/s ppl {r['ppl'] or 0:.4f}"
                                               for e, r in rows.items()) + f"  ({time.time() - t0:.0f} s)", flush=True)

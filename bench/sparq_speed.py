@@ -7,6 +7,10 @@ dimension-major K copy (kept by the runtime) for step 1, and runs in one fused C
 (bmc/kernels/sparq.cpp). Dense is the kernel a dense decode step runs here (the native CPU step's attention;
 SDPA is reported beside it). Output is checked against dense at r = d, k = S first.
 
+`--kv-dtypes float32,int8` measures each KV format (bmc/kv/formats.py): both dense and SparQ read the rows as
+stored (SparQ's mirror holds the stored values, an int8 one with its columns' scales), and each SparQ row's
+speedup is over dense attention of the same format; `speedup_vs_float32_dense` compares with float32 dense.
+
     python bench/sparq_speed.py             # writes bench/out/sparq_speed.json and .png
 """
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import torch
 
 from bmc.attention import dense_attention, sparq_attention, sparq_budget
 from bmc.kernels.native import attention_decoder
+from bmc.kv.formats import KV_FORMATS
 
 OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
@@ -37,22 +43,27 @@ def median_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[float]) -> list[dict]:
+def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[float], kv_dtype: str) -> list[dict]:
     torch.manual_seed(0)
+    fmt = KV_FORMATS[kv_dtype]
     cap = S + 64  # the BMC chunk's padding rows: masked, never read by SparQ
-    kv = [torch.randn(2, batch, KVH, cap, D) for _ in range(layers)]
-    Kt = [x[0].transpose(-1, -2).contiguous() for x in kv]
+    kv = [fmt.encode(torch.randn(2, batch, KVH, cap, D)) for _ in range(layers)]  # rows as the cache stores them
+    mirrors = [fmt.split(x[0]) for x in kv]
+    Kt = [values.transpose(-1, -2).contiguous() for values, _ in mirrors]
+    Kt_scale = [None if sc is None else sc.contiguous() for _, sc in mirrors]
     q = torch.randn(batch, H, 1, D)
     bias = torch.zeros(batch, 1, 1, cap)
     bias[..., S:] = torch.finfo(torch.float32).min
     scale = D**-0.5
-    ref = dense_attention(q, kv[0][0], kv[0][1], bias, scale)
-    full, _ = sparq_attention(q, kv[0][0][:, :, :S], kv[0][1][:, :, :S], bias[..., :S], scale, D, S, Kt[0][..., :S])
-    torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)  # r = d, k = S is dense
+    ref = dense_attention(q, fmt.decode(kv[0][0], q.dtype), fmt.decode(kv[0][1], q.dtype), bias, scale)
+    full, _ = sparq_attention(q, kv[0][0][:, :, :S], kv[0][1][:, :, :S], bias[..., :S], scale, D, S, Kt[0][..., :S],
+                              fmt=fmt, kt_scale=None if Kt_scale[0] is None else Kt_scale[0][..., :S])
+    torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)  # r = d, k = S is dense over the same rows
 
     # dense reads the chunk's whole capacity (as the runtime's dense path does: padding is masked, not skipped),
     # on the kernel a dense decode step runs here (the native step's attention on CPU float32), and on SDPA
-    t_sdpa = median_ms(lambda: [dense_attention(q, x[0], x[1], bias, scale) for x in kv], repeats) / layers
+    t_sdpa = median_ms(lambda: [dense_attention(q, fmt.decode(x[0], q.dtype), fmt.decode(x[1], q.dtype), bias, scale)
+                                for x in kv], repeats) / layers
     dec = attention_decoder(H, KVH, D)
     t_dense = t_sdpa
     if dec is not None:
@@ -63,14 +74,15 @@ def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[fl
         r, k = sparq_budget(c, S, D)
 
         def step() -> None:
-            for x, kt in zip(kv, Kt):
+            for x, kt, ks in zip(kv, Kt, Kt_scale):
                 sparq_attention(q, x[0][:, :, :S], x[1][:, :, :S], bias[..., :S], scale, r, k, kt[..., :S],
-                                window=k // 4)
+                                window=k // 4, fmt=fmt, kt_scale=None if ks is None else ks[..., :S])
 
         t = median_ms(step, repeats) / layers
-        rows.append({"batch": batch, "context": S, "compression": c, "r": r, "k": k, "dense_ms": t_dense, "dense_sdpa_ms": t_sdpa,
-                     "sparq_ms": t, "speedup": t_dense / t, "ideal_speedup": 1 / c})
-        print(f"B={batch:3d} S={S:5d} 1/{round(1 / c)}: r={r:2d} k={k:3d} dense {t_dense:7.3f} ms  "
+        rows.append({"kv_dtype": kv_dtype, "batch": batch, "context": S, "compression": c, "r": r, "k": k,
+                     "dense_ms": t_dense, "dense_sdpa_ms": t_sdpa, "sparq_ms": t, "speedup": t_dense / t,
+                     "ideal_speedup": 1 / c})
+        print(f"{kv_dtype:8s} B={batch:3d} S={S:5d} 1/{round(1 / c)}: r={r:2d} k={k:3d} dense {t_dense:7.3f} ms  "
               f"sparq {t:7.3f} ms  {t_dense / t:5.2f}x", flush=True)
     return rows
 
@@ -82,19 +94,25 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in rows})
+    kv_dtypes = list(dict.fromkeys(r["kv_dtype"] for r in rows))
+    styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), sharey=True)
     axes = list(axes) if len(batches) > 1 else [axes]
     for ax, b in zip(axes, batches):
-        for c in sorted({r["compression"] for r in rows}, reverse=True):
-            pts = sorted((r["context"], r["speedup"]) for r in rows if r["batch"] == b and r["compression"] == c)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"1/{round(1 / c)} transfers")
+        for ci, c in enumerate(sorted({r["compression"] for r in rows}, reverse=True)):
+            for kv_dtype, ls in zip(kv_dtypes, styles):
+                pts = sorted((r["context"], r["speedup_vs_float32_dense"]) for r in rows
+                             if r["batch"] == b and r["compression"] == c and r["kv_dtype"] == kv_dtype)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", ls=ls, color=f"C{ci}",
+                        label=f"1/{round(1 / c)} transfers, {kv_dtype} KV")
         ax.axhline(1.0, color="k", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length S")
         ax.set_title(f"batch {b}")
-        ax.legend()
-    axes[0].set_ylabel("attention step speedup over dense")
-    fig.suptitle(f"SparQ attention step vs dense (9 q / 3 kv heads, d=64, fp32, {torch.get_num_threads()} threads, CPU)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("attention step speedup over float32 dense")
+    fig.suptitle(f"SparQ attention step vs dense (9 q / 3 kv heads, d=64, fp32 queries, "
+                 f"{torch.get_num_threads()} threads, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -107,15 +125,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct layer caches per step (defeats the CPU cache)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-dtypes", default="float32", help="comma-separated KV formats: float32, bfloat16, "
+                    "float16, int8")
     ap.add_argument("--out", default=str(OUT / "sparq_speed.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     comps = [float(c) for c in args.compressions.split(",")]
-    rows = [row for b in map(int, args.batches.split(",")) for S in map(int, args.contexts.split(","))
-            for row in measure(b, S, args.layers, args.repeats, comps)]
+    rows = [row for kv_dtype in args.kv_dtypes.split(",") for b in map(int, args.batches.split(","))
+            for S in map(int, args.contexts.split(","))
+            for row in measure(b, S, args.layers, args.repeats, comps, kv_dtype)]
+    float_dense = {(r["batch"], r["context"]): r["dense_ms"] for r in rows if r["kv_dtype"] == "float32"}
+    for r in rows:  # against float32 dense where it was measured, else against the same format's dense
+        r["speedup_vs_float32_dense"] = float_dense.get((r["batch"], r["context"]), r["dense_ms"]) / r["sparq_ms"]
     from bmc.attention.sparq_kernel import fused_decode
 
-    meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "device": "cpu",
+    meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "kv_dtypes": args.kv_dtypes.split(","),
+            "device": "cpu", "host": platform.node(),
             "sparq": "fused C++ kernel (steps 1-3)" if fused_decode() is not None else "PyTorch ops",
             "dense": "native CPU step's attention" if attention_decoder(H, KVH, D) is not None else "SDPA",
             "threads": torch.get_num_threads(), "layers_per_step": args.layers, "torch": torch.__version__}
