@@ -191,9 +191,10 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         r = r_from_T(max_length, T)
     stats.r, stats.T = r, math.ceil(max_length / r)
     cache = BMCCache(r=r, **kw)
-    # on a CPU each growth copies into the mapping the last one left (KVCache._new_kv reserves room for the run):
-    # pages faulted once per run. On CUDA the spare could never hold the next growth; its allocator reuses blocks.
-    cache.keep_spare = model.device.type == "cpu"
+    # on a CPU the KV tensor's slabs have room for the run (KVCache._new_kv): a growth widens the view, nothing is
+    # copied; a reorder or regroup copies into the mapping the last one left, so pages are faulted once per run. On
+    # CUDA every growth copies (its allocator reuses blocks; the spare could never hold the next growth).
+    cache.grow_in_place = cache.keep_spare = model.device.type == "cpu"
     return cache
 
 

@@ -41,9 +41,10 @@ class HugePageArena:
 def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -> torch.Tensor:
     """A zero-filled CPU tensor on an anonymous mapping of its own, unmapped when the last view of it dies.
     `reserve`: elements of address space to map in all (at least the tensor's), so that the mapping can later hold
-    a larger tensor (`whole_mapping`); a page costs memory only once written. For the KV cache, whose BMC growth
-    writes a larger tensor every r tokens into the mapping the last growth left (kv/base.py, _replace_kv), so that
-    each page is faulted in once a run. On 4 KiB pages, not THP: in "madvise" mode a fault on an advised region
+    a larger tensor (`whole_mapping`); a page costs memory only once written. For the KV cache: a decode cache's
+    tensor is a view whose slabs have room for the run's maximum length, widened in place at each growth, and the
+    copies that remain (reorder, regroup) land in the mapping the last one left (kv/base.py, _new_kv and
+    _replace_kv), so that each page is faulted in once a run. On 4 KiB pages, not THP: in "madvise" mode a fault on an advised region
     compacts memory for its 2 MiB page, ~5 ms a page on the 2-core EPYC. Measured there, the BMC growths of a run
     with two mappings taking turns: default model, 32 -> +256 tokens, 8 growths 49-50 ms advised against 10-11 ms
     not (decode 363-371 against 377-388 tok/s, 3 runs each); an OPT-1.3B batch-8 cache, 128 -> 1152 columns, 4.9-12.7

@@ -144,7 +144,7 @@ class Scheduler:
         # The batch cache: T chosen for a full batch at the longest context (with speculation, Eq. 9's k and m);
         # it starts with no rows.
         self.cache = make_cache(model, gen, max_num_seqs, model.max_context, [0] * max_num_seqs, GenerationStats())
-        self.cache.keep_spare = True  # joins, leaves and growth copy into the last buffer: no fresh pages
+        self.cache.keep_spare = True  # joins and leaves copy into the last buffer (and growth too on CUDA): no fresh pages
         self.cache.regroup([])
         self.decode_attention = served_attention(model, self.cache, attention, options)
         self.spec = served_speculation(speculative, tree)

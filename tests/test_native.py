@@ -328,3 +328,35 @@ def test_native_step_replaces_mkl_packing(gqa_dir):
     assert not model.can_pack
     bmc.generate(model, [[5, 17, 33], [40, 41]], max_new_tokens=4, ignore_eos=True)
     assert model.packed_batch == 0 and all(lin.packed is None for lin in model.linears())
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_native_step_over_a_cache_growing_in_place_equals_a_contiguous_one(gqa_dir, kv_dtype):
+    """The native step reads and writes a cache whose slabs are max_length columns apart (grow_in_place) as it
+    does a contiguous one: prefill, decode steps across growths and a 3-token step give the same logits, bit for
+    bit."""
+    require_native()
+    model = bmc.load(str(gqa_dir))
+    cfg = model.config
+    assert model.net.native_decoder() is not None
+    runs = []
+    for in_place in (False, True):
+        cache = KV_STRATEGIES["bmc"](num_layers=cfg.num_layers, batch_size=2, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, max_length=40, dtype=model.dtype, r=3, kv_dtype=kv_dtype)
+        cache.grow_in_place = in_place
+        tok, pos, logits = torch.tensor([[5, 9, 13, 7, 21], [44, 45, 46, 47, 48]]), torch.arange(5)[None].repeat(2, 1), []
+        with torch.inference_mode():
+            for step in range(12):
+                t = tok.shape[1]
+                cache.reserve(t)
+                out = model.net(tok, pos, cache, dense_attention, cache.attention_bias(t), all_logits=True)
+                cache.commit(t)
+                logits.append(out)
+                nxt = out[:, -1].argmax(-1, keepdim=True)
+                tok = nxt.repeat(1, 3) if step == 6 else nxt  # one 3-token step among the decode steps
+                pos = pos[:, -1:] + 1 + torch.arange(tok.shape[1])[None]
+        cache.check_integrity()
+        if in_place:
+            assert cache.slab_columns == 40 > cache.capacity and cache.allocations > 3
+        runs.append(logits)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -1182,6 +1182,19 @@ KVLayout kv_layout(const torch::Tensor& kv, int64_t hd, const char* what) {
   }
 }
 
+// Rows per (row, KV head) slab of a [L, 2, B, H_kv, cap, width] cache: cap when it is contiguous, more when it is
+// a view of a mapping whose slabs have room to grow in place (bmc/kv/base.py, grow_in_place: a growth widens the
+// view, nothing is copied). Every other stride must be that of a contiguous tensor of `slab` columns.
+int64_t slab_rows(const torch::Tensor& kv, const char* what) {
+  TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2, what, ": a [L, 2, B, H_kv, cap, width] cache");
+  const int64_t w = kv.size(5), row = kv.stride(4), slab = row > 0 ? kv.stride(3) / row : 0;
+  TORCH_CHECK(kv.stride(5) == 1 && row == w && kv.stride(3) == slab * w && slab >= kv.size(4) &&
+                  kv.stride(2) == kv.size(3) * kv.stride(3) && kv.stride(1) == kv.size(2) * kv.stride(2) &&
+                  kv.stride(0) == 2 * kv.stride(1),
+              what, ": a contiguous [L, 2, B, H_kv, cap, width] cache, or a view of one with more columns per slab");
+  return slab;
+}
+
 // One row of hd float32 values x stored as `kind` at dst (the PyTorch side's encode, bit for bit).
 void encode_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
   switch (kind) {
@@ -1495,9 +1508,9 @@ class NativeDecoder {
                                std::vector<torch::Tensor> seg_group) const {
     TORCH_CHECK(q.scalar_type() == torch::kFloat, "q: float32");
     TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
-    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(1) == 2 && kv.size(2) == q.size(0) &&
-                    kv.size(3) == kvh_ && layer >= 0 && layer < kv.size(0),
-                "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder's heads holding `layer`");
+    const int64_t slab = slab_rows(kv, "kv");
+    TORCH_CHECK(kv.size(2) == q.size(0) && kv.size(3) == kvh_ && layer >= 0 && layer < kv.size(0),
+                "kv: a [L, 2, B, H_kv, cap, d] cache of this decoder's heads holding `layer`");
     const KVLayout lay = kv_layout(kv, hd_, "kv");
     const int64_t B = q.size(0), t = q.size(1), cap = kv.size(4);
     TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
@@ -1505,9 +1518,9 @@ class NativeDecoder {
     bias = bias.to(torch::kFloat).contiguous();
     const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, kv.size(0));
     auto out = torch::empty_like(q);
-    const int64_t layer_bytes = 2 * B * kvh_ * cap * lay.row_bytes;
+    const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
     const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
-    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, bias.data_ptr<float>(),
+    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
               bias.size(2), B, t, segs, out.data_ptr<float>());
     return out;
   }
@@ -1515,6 +1528,7 @@ class NativeDecoder {
  private:
   struct Part {  // one batch of a step: B rows of t new tokens each, over its own cache
     int64_t B, t, cap, start;
+    int64_t slab;  // rows per (row, KV head) slab: cap, or more in a cache that grows in place
     KVLayout lay;  // how the cache stores its rows
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
@@ -1533,9 +1547,8 @@ class NativeDecoder {
   Part make_part(const torch::Tensor& kv, const torch::Tensor& bias, const torch::Tensor& cos,
                  const torch::Tensor& sin, int64_t start, int64_t B, int64_t t,
                  const std::vector<torch::Tensor>& local) const {
-    TORCH_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == num_layers() && kv.size(1) == 2 &&
-                    kv.size(3) == kvh_,
-                "kv: a contiguous [L, 2, B, H_kv, cap, d] cache of this decoder");
+    const int64_t slab = slab_rows(kv, "kv");
+    TORCH_CHECK(kv.size(0) == num_layers() && kv.size(3) == kvh_, "kv: a [L, 2, B, H_kv, cap, d] cache of this decoder");
     const KVLayout lay = kv_layout(kv, hd_, "kv");
     const int64_t cap = kv.size(4);
     TORCH_CHECK(kv.size(2) == B && start >= 0 && start + t <= cap, "kv: batch or capacity does not fit the step");
@@ -1543,7 +1556,7 @@ class NativeDecoder {
                 "bias shape");
     if (cos.numel() > 0)
       TORCH_CHECK(cos.numel() == B * t * hd_ && sin.numel() == B * t * hd_, "cos / sin: [B, t, head_dim]");
-    Part part{B, t, cap, start, lay, kv, bias.to(torch::kFloat).contiguous(),
+    Part part{B, t, cap, start, slab, lay, kv, bias.to(torch::kFloat).contiguous(),
               cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin};
     if (!local.empty()) {
       TORCH_CHECK(local.size() == 3, "local: [bias, cos, sin] of the window layers");
@@ -1590,16 +1603,16 @@ class NativeDecoder {
       }
       int64_t row = 0;
       for (const Part& part : parts) {
-        const int64_t rows = part.B * part.t, layer_bytes = 2 * part.B * kvh_ * part.cap * part.lay.row_bytes;
+        const int64_t rows = part.B * part.t, layer_bytes = 2 * part.B * kvh_ * part.slab * part.lay.row_bytes;
         float* q = qp + row * nq;
         if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos_of(L), part.sin_of(L));
         uint8_t* kc = static_cast<uint8_t*>(part.kv.data_ptr()) + l * layer_bytes;
         uint8_t* vc = kc + layer_bytes / 2;
         clock.lap(2);
-        write_kv(q, nq, kc, vc, part.lay, part.B, part.t, part.cap, part.start);
+        write_kv(q, nq, kc, vc, part.lay, part.B, part.t, part.slab, part.start);
         clock.lap(0);
         const torch::Tensor& bias = part.bias_of(L);
-        attention(l, q, nq, kc, vc, part.lay, part.cap, bias.data_ptr<float>(), bias.size(2), part.B, part.t,
+        attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B, part.t,
                   part.segs, ap + row * h_ * hd_);
         clock.lap(1);
         row += rows;
@@ -1716,12 +1729,12 @@ class NativeDecoder {
   }
 
   void write_kv(const float* qkv, int64_t nq, uint8_t* kc, uint8_t* vc, const KVLayout& lay, int64_t B, int64_t t,
-                int64_t cap, int64_t start) const {
+                int64_t slab, int64_t start) const {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < t; ++i) {
         const float* row = qkv + (b * t + i) * nq;
         for (int64_t kh = 0; kh < kvh_; ++kh) {
-          const int64_t at = ((b * kvh_ + kh) * cap + start + i) * lay.row_bytes;
+          const int64_t at = ((b * kvh_ + kh) * slab + start + i) * lay.row_bytes;
           encode_row(lay.kind, row + (h_ + kh) * hd_, hd_, kc + at);
           encode_row(lay.kind, row + (h_ + kvh_ + kh) * hd_, hd_, vc + at);
         }
@@ -1738,7 +1751,7 @@ class NativeDecoder {
   //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
   // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
-                 int64_t cap, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
+                 int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
                  const std::vector<Segment>& segs, float* out) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
@@ -1779,7 +1792,7 @@ class NativeDecoder {
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / spans, next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
         const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
-                                      ? (next_pair % B * kvh_ + next_pair / B) * cap + next_k0
+                                      ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
         const bool direct = spans == 1;  // else the span's partial state goes to part_*
         for (int64_t r = 0; r < R; ++r) {  // row r = g * t + i: query i of the KV head's g-th query head
@@ -1790,7 +1803,7 @@ class NativeDecoder {
           rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
           rows.s[r] = direct && prior ? run_s[state] : 0.0f;
         }
-        const int64_t own = (b * kvh_ + kh) * cap;  // the pair's first row
+        const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
           for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;

@@ -34,7 +34,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 
 
 def native_module() -> Any:
-    return build("bmc_cpu_decode_v61", _SOURCE_FILE, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v62", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:

@@ -84,6 +84,9 @@ class KVCache(ABC):
         # stays (the other layers read it) and those layers' bias comes from window_bias() per forward
         self.window_every_layer = window_every_layer
         self.keep_spare = False  # keep the last KV tensor a copy left for the next copy (see _replace_kv)
+        # CPU decode caches: each (row, KV head) slab of the KV tensor's mapping has room for max_length columns,
+        # so a growth widens the view in place, nothing copied (see _new_kv and _widen)
+        self.grow_in_place = False
         # drop the columns that left every row's window at a reallocation; off for attention backends that keep
         # state by column (SparQ's K copy)
         self.compact_window = True
@@ -192,8 +195,15 @@ class KVCache(ABC):
         """Keep / permute batch rows (finished rows dropped, samples forked); `rows` indexes the batch."""
         rows = rows.to(self.device)
         old = self.nbytes
-        self.kv = self.kv.index_select(2, rows)
-        self._kv_written = self.kv.numel()
+        if self.grow_in_place and self.device.type == "cpu":  # into slabs with room to grow, row by row
+            L, two, _, H, cap, width = self.kv.shape
+            new, written = self._new_kv((L, two, int(rows.numel()), H, cap, width))
+            for i, src in enumerate(rows.tolist()):
+                new[:, :, i].copy_(self.kv[:, :, src])
+            self._replace_kv(new, written)
+        else:
+            self.kv = self.kv.index_select(2, rows)
+            self._kv_written = self.kv.numel()
         self.peak_bytes = max(self.peak_bytes, old + self.nbytes)  # both alive while the rows are copied
         self.bias = self.bias.index_select(0, rows)
         if self.col_pos is not None:
@@ -317,6 +327,10 @@ class KVCache(ABC):
         """Invariants every strategy must keep; raises AssertionError naming the broken one."""
         L, two, B, H, cap, d = self.kv.shape
         assert (L, two, B, H, d) == (self.num_layers, 2, self.batch_size, self.num_kv_heads, self.width), "kv shape"
+        slab = self.slab_columns
+        assert self.kv.numel() == 0 or (slab >= cap and self.kv.stride() == (
+            two * B * H * slab * d, B * H * slab * d, H * slab * d, slab * d, d, 1)), \
+            "kv is contiguous, or slabs of equal room"
         assert self.left_pad.shape == (B,), "one left_pad per row"
         assert self._max_pad == (int(self.left_pad.max()) if B else 0), "max pad matches left_pad"
         assert self.bias.shape == (B, 1, 1, cap), "bias shape"
@@ -391,18 +405,52 @@ class KVCache(ABC):
     def _new_kv(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
         """Storage for a new KV tensor, and the elements its storage has had written (the pages it holds): the
         spare when it is large enough, else a fresh allocation. On a CPU a fresh one is a mapping with address space
-        for this batch at the maximum length, so that with keep_spare the two mappings a growth copies between serve
-        every later growth too: each page is faulted in once per run, not once per copy (see _replace_kv)."""
+        for this batch at the maximum length (a page costs memory only once written). With grow_in_place the tensor
+        is a view of it whose (row, KV head) slabs are max_length columns apart, so that a growth only widens the
+        view (_widen); otherwise it is contiguous and, with keep_spare, the two mappings a growth copies between
+        serve every later growth: each page is faulted in once per run, not once per copy (see _replace_kv)."""
+        L, two, B, H, capacity, width = shape
         n = math.prod(shape)
-        if self.spare is not None and self.spare.numel() >= n:
+        in_place = self.grow_in_place and self.device.type == "cpu"
+        slab = max(capacity, self.max_length) if in_place else capacity
+        total = L * two * B * H * slab * width
+        if self.spare is not None and self.spare.numel() >= total:
             buf, written = self.spare, max(self.spare_written, n)
             self.spare, self.spare_written = None, 0
-            return buf[:n].view(shape), written
-        if self.device.type == "cpu":  # fresh pages cost more than the copy: a mapping to grow into (hugepages.py)
-            L, two, B, H, capacity, width = shape
-            reserve = L * two * B * H * max(capacity, self.max_length) * width
-            return empty_mapped(shape, self.format.storage, reserve=reserve), n
-        return torch.empty(shape, dtype=self.format.storage, device=self.device), n
+        elif self.device.type == "cpu":  # fresh pages cost more than the copy: a mapping to grow into (hugepages.py)
+            reserve = max(total, L * two * B * H * max(capacity, self.max_length) * width)
+            buf, written = whole_mapping(empty_mapped((n,), self.format.storage, reserve=reserve)), n
+            if buf.numel() < total:  # strict overcommit refused the reservation: a contiguous tensor, grown by copies
+                slab, total = capacity, n
+        else:
+            return torch.empty(shape, dtype=self.format.storage, device=self.device), n
+        return buf[:total].as_strided(shape, (two * B * H * slab * width, B * H * slab * width, H * slab * width,
+                                              slab * width, width, 1)), written
+
+    @property
+    def slab_columns(self) -> int:
+        """Columns each (row, KV head) slab of the KV tensor has room for: its capacity when it is contiguous,
+        max_length when the cache grows in place."""
+        return self.kv.stride(3) // self.width if self.kv.numel() else self.capacity
+
+    def _widen(self, new_capacity: int) -> None:
+        """A growth without a copy: the KV view takes the next columns of its slabs (zeroed: padding must be
+        finite, and a reused mapping holds old rows); the bias and column positions are re-made, as small as
+        one column per row."""
+        old = self.capacity
+        L, two, B, H, _, width = self.kv.shape
+        self.kv = self.kv.as_strided((L, two, B, H, new_capacity, width), self.kv.stride())
+        self.kv[:, :, :, :, old:].zero_()
+        self._kv_written = max(self._kv_written, self.kv.numel())
+        bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
+        bias[..., :old].copy_(self.bias)
+        self.bias = bias
+        if self.col_pos is not None:
+            col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
+            col_pos[:, :old].copy_(self.col_pos)
+            self.col_pos = col_pos
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self.allocations += 1
 
     def _replace_kv(self, new: torch.Tensor, written: int) -> None:
         """`new` (from _new_kv) becomes the KV tensor. With keep_spare the old one's storage, all of it (a CPU
@@ -440,6 +488,9 @@ class KVCache(ABC):
         """A new tensor of `new_capacity` columns holding the written columns from `drop` on (the leading `drop`
         columns are read by no row: see dead_prefix): columns beyond `length` are masked padding or rejected draft
         rows, never read unmasked, so they are not copied."""
+        if drop == 0 and self.grow_in_place and self.capacity < new_capacity <= self.slab_columns:
+            self._widen(new_capacity)
+            return
         old, keep = self.kv, self.length - drop
         L, _, B, H, _, d = old.shape
         new, written = self._new_kv((L, 2, B, H, new_capacity, d))
