@@ -166,6 +166,12 @@ def speculation_shape(gen: GenerationConfig) -> tuple[int, float]:
     return 1 + spec.size, 1.0 + expected_accepted(parents, DEFAULT_ACCEPTANCE)
 
 
+def copy_free_growth(model: Model, gen: GenerationConfig) -> bool:
+    """Whether a growth of this run's decode cache copies nothing: on a CPU it widens a view in place (kv/base.py),
+    and only dense attention keeps no state by column (SparQ's K mirror is copied at each growth)."""
+    return model.device.type == "cpu" and gen.attention == "dense"
+
+
 def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int, left_pad: Sequence[int],
                stats: GenerationStats) -> KVCache:
     cfg = model.config
@@ -185,7 +191,8 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         # the whole model's shapes under tensor parallelism: every rank grows its cache at the same boundaries
         T, stats.T_source = choose_T(max_length, model=model.full_config or cfg, batch=batch, dtype=model.dtype,
                                      device=model.device, k=k, m=m,
-                                     kv_bytes=kv_format(gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim))
+                                     kv_bytes=kv_format(gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim),
+                                     copy_free=copy_free_growth(model, gen))
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)

@@ -1,6 +1,7 @@
 """The cost model (seed paper Eq. 5-9), calibration profiles, and the runtime choosing T from them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -106,8 +107,13 @@ def test_calibrate_quick_writes_a_profile_that_generate_uses(cache_dir, tmp_path
     cfg = model.config
     shape = Shape(batch=1, layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim)
-    assert st.T_source == f"profile {stored}"
-    assert st.r == math.ceil(st.max_length / best_T(st.max_length, shape, consts))
+    # a CPU decode cache grows in place: Eq. 5 without its copy term (the profile's C0 against the padding)
+    assert st.T_source == f"profile {stored}; growth in place, no copy term"
+    free = dataclasses.replace(consts, copy_bw=math.inf)
+    assert st.r == math.ceil(st.max_length / best_T(st.max_length, shape, free))
+    sparq = bmc.generate(model, [[5, 6, 7]], max_new_tokens=20, ignore_eos=True, attention="sparq").stats
+    assert sparq.T_source == f"profile {stored}"  # SparQ's K mirror is copied at each growth: the copy term stays
+    assert sparq.r == math.ceil(sparq.max_length / best_T(sparq.max_length, shape, consts))
 
 
 def _write(path, **changes):
@@ -192,3 +198,20 @@ def test_one_flat_configuration_does_not_make_the_calibrated_constant_infinite()
     assert median_of_fitted([2e10, float("inf")]) == 2e10  # a neighbour's burst flattened one configuration's fit
     assert median_of_fitted([1e10, 3e10, -1.0]) == 2e10
     assert median_of_fitted([float("inf"), 0.0]) == float("inf")  # nothing fitted: calibrate() refuses to write
+
+
+def test_a_growth_that_copies_nothing_balances_its_fixed_cost_against_the_padding():
+    """Eq. 5 without the copy term (a = 0, a cache growing in place): T_opt = N sqrt(f / 2 C0), more growths than
+    with the copy, and every token (T = N) where a growth costs nothing at all."""
+    from bmc.analytic.model import Constants, coefficients, predicted_time, t_opt
+
+    shape = Shape(batch=8, layers=30, heads=9, kv_heads=3, head_dim=64)
+    c = Constants(copy_bw=2e10, alloc_s=2e-4, attn_flops=1.25e11)
+    free = dataclasses.replace(c, copy_bw=math.inf)
+    n = 1792
+    _, f = coefficients(shape, free)
+    assert t_opt(n, shape, free) == pytest.approx(n * math.sqrt(f / (2 * c.alloc_s)))
+    assert t_opt(n, shape, free) > t_opt(n, shape, c)
+    best = min(range(1, n + 1), key=lambda T: predicted_time(T, n, shape, free))  # the discrete optimum
+    assert abs(best - t_opt(n, shape, free)) <= 0.01 * best + 1
+    assert t_opt(n, shape, dataclasses.replace(free, alloc_s=0.0)) == n

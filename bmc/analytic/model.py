@@ -13,6 +13,10 @@ negligible (Eq. 7; the paper's C' = alpha*BW / (2*beta*C) in its units). The cop
 `dtype` bytes while attention computes over all H query heads, so GQA and narrower KV dtypes scale C' by the
 group size G and by 4 / dtype bytes (Eq. 8). Under speculative decoding with k verified tokens per step and a
 mean of m accepted, the attention term becomes f' * k * N^2 / m (Eq. 9): T_opt grows as sqrt(N * k / m).
+
+A CPU decode cache grows in place (kv/base.py: its slabs have room, a growth widens the view): its copy term is
+zero (a = 0), and T_opt = N * sqrt(f / (2*C0)) balances the fixed cost of a growth against the padding rows'
+attention alone (choose_T(copy_free=True)).
 """
 from __future__ import annotations
 
@@ -88,9 +92,12 @@ def predicted_time(T: float, n: int, shape: Shape, c: Constants, k: int = 1, m: 
 
 
 def t_opt(n: int, shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> float:
-    """Continuous optimum of Eq. 5/9 with C0 kept (Eq. 6 solved for T)."""
+    """Continuous optimum of Eq. 5/9 with C0 kept (Eq. 6 solved for T). A growth that copies nothing (a = 0: a
+    CPU cache growing in place) leaves T * C0 against the padding's attention: T_opt = N sqrt(f / 2 C0), and with
+    no fixed cost either, every token (T = N)."""
     a, f = coefficients(shape, c, k, m)
-    return n * math.sqrt(f / (a * n + 2 * c.alloc_s))
+    cost = a * n + 2 * c.alloc_s
+    return n * math.sqrt(f / cost) if cost > 0 else float(n)
 
 
 def best_T(n: int, shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> int:

@@ -1,6 +1,7 @@
 """Calibration profiles: where they live, what makes one valid here, and choose_T() that uses them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import logging
@@ -103,10 +104,12 @@ def load_profile(path: Path, device: torch.device, dtype: torch.dtype) -> Consta
 
 
 def choose_T(n: int, *, model: Any, batch: int, dtype: torch.dtype, device: torch.device,
-             k: int = 1, m: float = 1.0, kv_bytes: float | None = None) -> tuple[int, str]:
+             k: int = 1, m: float = 1.0, kv_bytes: float | None = None, copy_free: bool = False) -> tuple[int, str]:
     """Allocations T for a run of maximum length n: from this machine's profile ($BMC_PROFILE or the cache dir),
     else from the paper's C' = 0.1. `kv_bytes`: bytes the cache stores per K or V value (kv_dtype; default the
-    model dtype's). Returns (T, where it came from)."""
+    model dtype's). `copy_free`: the cache grows in place (a CPU decode cache): Eq. 5 without its copy term, the
+    profile's fixed cost per growth (C0, measured with the copy: an upper bound of a widening's) against the
+    padding's attention. Returns (T, where it came from)."""
     path = Path(os.environ["BMC_PROFILE"]) if os.environ.get("BMC_PROFILE") else default_profile_path(device, dtype)
     consts = load_profile(path, device, dtype) if path.exists() else None
     if consts is None:
@@ -121,9 +124,11 @@ def choose_T(n: int, *, model: Any, batch: int, dtype: torch.dtype, device: torc
                 f"default C'={DEFAULT_C_PRIME}")
     shape = Shape(batch=batch, layers=model.num_layers, heads=model.num_heads, kv_heads=model.num_kv_heads,
                   head_dim=model.head_dim, dtype_bytes=kv_bytes or torch.finfo(dtype).bits // 8)
+    if copy_free:
+        consts = dataclasses.replace(consts, copy_bw=math.inf)
     T = best_T(n, shape, consts, k, m)
-    msg = f"bmc: T={T} for N={n}, batch {batch} from profile {path}"
+    msg = f"bmc: T={T} for N={n}, batch {batch} from profile {path}" + (" (growth in place)" if copy_free else "")
     if msg not in _said:
         _said.add(msg)
         log.info(msg)
-    return T, f"profile {path}"
+    return T, f"profile {path}" + ("; growth in place, no copy term" if copy_free else "")
