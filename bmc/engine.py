@@ -24,7 +24,7 @@ from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, Share
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
 from .graphs import DecodeGraphs
-from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T
+from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
 from .models import Model, ModelConfig
 from .sampling import Sampler, SamplingParams
 from .spec import TreeSpec, make_drafter, parse_speculative
@@ -196,6 +196,8 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)
+        if model.device.type == "cpu":  # capacities of whole score blocks: tokens that do not depend on T
+            r = whole_score_blocks(r, max_length)
     stats.r, stats.T = r, math.ceil(max_length / r)
     cache = BMCCache(r=r, **kw)
     # on a CPU the KV tensor's slabs have room for the run (KVCache._new_kv): a growth widens the view, nothing is

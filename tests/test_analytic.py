@@ -12,6 +12,7 @@ import bmc
 from bmc.analytic import (Constants, ProfileWarning, Shape, best_T, c_prime, load_profile, predicted_time,
                           round_pow2, t_opt, t_opt_simple)
 from bmc.analytic import profile as profile_mod
+from bmc.kv import whole_score_blocks
 
 SHAPE = Shape(batch=8, layers=30, heads=9, kv_heads=3, head_dim=64, dtype_bytes=4)
 CONSTS = Constants(copy_bw=10e9, alloc_s=0.0, attn_flops=20e9, verify_flops=80e9)
@@ -110,10 +111,11 @@ def test_calibrate_quick_writes_a_profile_that_generate_uses(cache_dir, tmp_path
     # a CPU decode cache grows in place: Eq. 5 without its copy term (the profile's C0 against the padding)
     assert st.T_source == f"profile {stored}; growth in place, no copy term"
     free = dataclasses.replace(consts, copy_bw=math.inf)
-    assert st.r == math.ceil(st.max_length / best_T(st.max_length, shape, free))
+    n = st.max_length
+    assert st.r == whole_score_blocks(math.ceil(n / best_T(n, shape, free)), n)
     sparq = bmc.generate(model, [[5, 6, 7]], max_new_tokens=20, ignore_eos=True, attention="sparq").stats
     assert sparq.T_source == f"profile {stored}"  # SparQ's K mirror is copied at each growth: the copy term stays
-    assert sparq.r == math.ceil(sparq.max_length / best_T(sparq.max_length, shape, consts))
+    assert sparq.r == whole_score_blocks(math.ceil(n / best_T(n, shape, consts)), n)
 
 
 def _write(path, **changes):
@@ -186,7 +188,7 @@ def test_speculative_runs_choose_T_with_eq_9(cache_dir, gqa_dir):
 
     n = plain.max_length
     T = round_pow2(t_opt_simple(n, profile_mod.DEFAULT_C_PRIME * k / m))
-    assert spec.T == math.ceil(n / r_from_T(n, T)) and "Eq. 9" in spec.T_source
+    assert spec.T == math.ceil(n / whole_score_blocks(r_from_T(n, T), n)) and "Eq. 9" in spec.T_source
     wide = bmc.generate(model, prompt, max_new_tokens=100, ignore_eos=True, speculative="ngram",
                         tree="dynamic:4x6").stats
     assert wide.T > plain.T  # 25 verified rows per ~3.3 emitted tokens: more, smaller chunks (T grows as sqrt(k/m))

@@ -516,3 +516,40 @@ def test_int8_activations_perplexity_of_the_default_model(real_model):
     ppl = {act: bmc.perplexity(bmc.load(activations=act), text, context=256, max_chunks=4).ppl
            for act in ("float", "int8")}
     assert ppl["int8"] != ppl["float"] and abs(ppl["int8"] / ppl["float"] - 1) < 0.01, ppl
+
+
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+def test_int8_activation_tokens_do_not_depend_on_the_cache_growth(tmp_path):
+    """With int8 activations a 1e-7 difference in an attention output can move an activation across a rounding
+    step. A capacity of whole 16-key score blocks computes every key's score as a larger capacity does, so the
+    auto-T cache (r rounded to whole blocks), a cache growing 16 columns at a time and the upfront buffer give the
+    same logits, bit for bit, at every step."""
+    from bmc.attention import dense_attention
+    from bmc.kv import KV_STRATEGIES, whole_score_blocks
+
+    assert [whole_score_blocks(r, 100) for r in (1, 7, 16, 17, 99)] == [16, 16, 16, 32, 100]
+    path = str(tmp_path / "q4.gguf")
+    _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0)
+    model = bmc.load(path, activations="int8")
+    cfg = model.config
+    ids = torch.tensor([[5, 6, 7, 8, 9] * 3 + list(range(20, 60))] * 2)
+    runs = []
+    for kind, kw in (("upfront", {}), ("bmc", {"r": 16}), ("bmc", {"r": 48})):
+        cache = KV_STRATEGIES[kind](num_layers=cfg.num_layers, batch_size=2, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, max_length=ids.shape[1] + 7, dtype=model.dtype, **kw)
+        logits = []
+        with torch.inference_mode():
+            cache.reserve(15)
+            logits.append(model.net(ids[:, :15], torch.arange(15)[None].repeat(2, 1), cache, dense_attention,
+                                    cache.attention_bias(15)))
+            cache.commit(15)
+            for i in range(15, ids.shape[1]):
+                cache.reserve(1)
+                logits.append(model.net(ids[:, i : i + 1], torch.full((2, 1), i), cache, dense_attention, cache.bias))
+                cache.commit(1)
+        runs.append(torch.cat(logits, 1))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    auto = bmc.generate(model, [ids[0, :15].tolist()], max_new_tokens=40, ignore_eos=True)
+    up = bmc.generate(model, [ids[0, :15].tolist()], max_new_tokens=40, ignore_eos=True, kv="upfront")
+    assert auto.stats.r % 16 == 0 or auto.stats.r == auto.stats.max_length
+    assert auto[0].token_ids == up[0].token_ids

@@ -49,6 +49,18 @@ class BMCCache(KVCache):
         return max(needed, min(chunked, self.max_length))  # never past the run's maximum length N
 
 
+SCORE_BLOCK = 16  # keys the native CPU step scores together (cpu_decode.cpp, scores<NV> and sum16)
+
+
+def whole_score_blocks(r: int, max_length: int) -> int:
+    """r rounded up to whole score blocks of the native CPU step (at most max_length), so that every capacity is a
+    multiple of 16 keys and each key's score is summed as at any larger capacity. A partial last block's keys are
+    reduced in another order: the scores' bits differ by ~1e-7, which int8 activations' rounding turned into 0.05
+    logits and other greedy tokens on a random OPT-1.3B between r = 7 or 8 and the upfront buffer (r = 16, 32, 48:
+    bit-identical logits)."""
+    return min(max_length, -(-r // SCORE_BLOCK) * SCORE_BLOCK)
+
+
 def r_from_T(max_length: int, T: int) -> int:
     """Chunk size for T allocations over N = max_length tokens: r = ceil(N / T)."""
     if T < 1:
