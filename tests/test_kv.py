@@ -23,6 +23,28 @@ def fill(cache, steps: int, first: int = 5) -> None:
         cache.check_integrity()
 
 
+def grow_recording(cache, steps: int, each_step=None) -> list:
+    """fill(), keeping every written (layer, column, K) and calling each_step(cache) after each step."""
+    history = []
+    for t in [5] + [1] * steps:
+        cache.reserve(t)
+        for layer in range(cache.num_layers):
+            k = torch.randn(cache.batch_size, cache.num_kv_heads, t, cache.head_dim)
+            cache.update(layer, k, -k)
+            history.append((layer, cache.length, k))
+        cache.commit(t)
+        cache.check_integrity()
+        if each_step is not None:
+            each_step(cache)
+    return history
+
+
+def assert_still_written(cache, history: list) -> None:
+    """Every column written is still where it was written, whatever the growths did."""
+    for layer, start, k in history:
+        torch.testing.assert_close(cache.kv[layer, 0, :, :, start : start + k.shape[2]], k, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("r", [1, 3, 8, 16])
 def test_bmc_allocates_once_every_r_tokens(r):
     n = 5 + 40
@@ -404,20 +426,14 @@ def test_growth_with_a_spare_ping_pongs_between_two_mappings():
     cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
     cache.keep_spare = True
     storages = set()
-    history = []
-    for t in [5] + [1] * 40:
-        cache.reserve(t)
-        for layer in range(cache.num_layers):
-            k = torch.randn(cache.batch_size, cache.num_kv_heads, t, cache.head_dim)
-            cache.update(layer, k, -k)
-            history.append((layer, cache.length, k))
-        cache.commit(t)
-        cache.check_integrity()
-        storages.add(cache.kv.untyped_storage().data_ptr())
-        assert bool((cache.kv[..., cache.length :, :] == 0).all())  # padding zeroed on the reused storage too
+
+    def each_step(c):
+        storages.add(c.kv.untyped_storage().data_ptr())
+        assert bool((c.kv[..., c.length :, :] == 0).all())  # padding zeroed on the reused storage too
+
+    history = grow_recording(cache, 40, each_step)
     assert cache.allocations > 3 and len(storages) == 2
-    for layer, start, k in history:  # every column written is still there after all the copies
-        torch.testing.assert_close(cache.kv[layer, 0, :, :, start : start + k.shape[2]], k, rtol=0, atol=0)
+    assert_still_written(cache, history)
     whole = 2 * 2 * 2 * 2 * 45 * 4  # layers x K/V x batch x heads x max_length x head_dim: each mapping's reserve
     assert cache.spare.numel() == whole and 0 < cache.spare_nbytes < whole * 4
     # the tensor before the last growth: 44 columns (chunks of 4), then the run's maximum length 45
@@ -447,20 +463,15 @@ def test_growth_in_place_widens_one_mapping_without_a_copy():
     alive during a copy, no spare)."""
     cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
     cache.grow_in_place = cache.keep_spare = True
-    storages, history = set(), []
-    for t in [5] + [1] * 40:
-        cache.reserve(t)
-        for layer in range(cache.num_layers):
-            k = torch.randn(cache.batch_size, cache.num_kv_heads, t, cache.head_dim)
-            cache.update(layer, k, -k)
-            history.append((layer, cache.length, k))
-        cache.commit(t)
-        cache.check_integrity()
-        storages.add(cache.kv.untyped_storage().data_ptr())
-        assert cache.slab_columns == 45 and bool((cache.kv[..., cache.length :, :] == 0).all())
+    storages = set()
+
+    def each_step(c):
+        storages.add(c.kv.untyped_storage().data_ptr())
+        assert c.slab_columns == 45 and bool((c.kv[..., c.length :, :] == 0).all())
+
+    history = grow_recording(cache, 40, each_step)
     assert cache.allocations > 3 and len(storages) == 1
-    for layer, start, k in history:
-        torch.testing.assert_close(cache.kv[layer, 0, :, :, start : start + k.shape[2]], k, rtol=0, atol=0)
+    assert_still_written(cache, history)
     assert cache.peak_bytes == cache.nbytes and cache.spare is None
 
 
@@ -490,15 +501,8 @@ def test_growth_in_place_falls_back_to_copies_without_address_space(monkeypatch)
     monkeypatch.setattr(base, "empty_mapped", lambda shape, dtype, reserve=0: torch.zeros(shape, dtype=dtype))
     cache = BMCCache(r=4, batch_size=2, max_length=45, **SHAPE)
     cache.grow_in_place = True
-    history = []
-    for t in [5] + [1] * 12:
-        cache.reserve(t)
-        for layer in range(cache.num_layers):
-            k = torch.randn(cache.batch_size, cache.num_kv_heads, t, cache.head_dim)
-            cache.update(layer, k, -k)
-            history.append((layer, cache.length, k))
-        cache.commit(t)
-        cache.check_integrity()
-        assert cache.kv.is_contiguous() and cache.slab_columns == cache.capacity
-    for layer, start, k in history:
-        torch.testing.assert_close(cache.kv[layer, 0, :, :, start : start + k.shape[2]], k, rtol=0, atol=0)
+
+    def each_step(c):
+        assert c.kv.is_contiguous() and c.slab_columns == c.capacity
+
+    assert_still_written(cache, grow_recording(cache, 12, each_step))
