@@ -111,10 +111,13 @@ def test_cuda_graph_buckets_give_identical_tokens(tiny_dirs, variant, kv):
     assert max(len(c.token_ids) for c in stops) > len(stops[0].token_ids)  # the others ran on, fewer rows
 
 
-def test_cuda_sparq_matches_cpu(tiny_dirs):
-    """SparQ's selections and its K mirror run on the device the same as on the CPU (fp32)."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cuda_sparq_matches_cpu(tiny_dirs, kv_dtype):
+    """SparQ's selections and its K mirror run on the device the same as on the CPU (fp32), over an int8 cache
+    too (read as stored: the mirror in int8 with its columns' scales)."""
     path = str(tiny_dirs["llama-gqa"])
-    kw = dict(max_new_tokens=24, ignore_eos=True, attention="sparq", sparq_r=3, sparq_k=6, kv="bmc", r=8)
+    kw = dict(max_new_tokens=24, ignore_eos=True, attention="sparq", sparq_r=3, sparq_k=6, kv="bmc", r=8,
+              kv_dtype=kv_dtype)
     cpu = bmc.generate(bmc.load(path), PROMPTS, **kw)
     gpu = bmc.generate(bmc.load(path, device="cuda"), PROMPTS, **kw)
     assert [c.token_ids for c in gpu] == [c.token_ids for c in cpu]
