@@ -4,9 +4,10 @@ to its samples) -> repeat: emit_tokens (events and stop checks) -> Rows.keep (fi
 or the speculative step -> finish_stats. The server's scheduler (scheduler.py) reuses make_cache,
 prefill_attention and eos_ids so that a served request is prefilled exactly as here.
 
-A decode step reads straight through: the cache makes room (a chunk boundary allocates and copies, once every r
-tokens) -> the model computes q, k, v for the new token and writes k, v in place -> attention over the cache's
-capacity with its bias -> logits -> sampler -> stop checks. Finished rows leave the batch (cache.reorder)."""
+A decode step reads straight through: the cache makes room (a chunk boundary allocates and copies, or on a CPU
+widens the view in place, once every r tokens) -> the model computes q, k, v for the new token and writes k, v in
+place -> attention over the cache's capacity with its bias -> logits -> sampler -> stop checks. Finished rows leave
+the batch (cache.reorder)."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,10 @@
 """The KV cache interface shared by every allocation strategy.
 
-Layout: one contiguous tensor `kv` of shape [L, 2, B, H_kv, capacity, d] per cache, so that a chunk boundary is
-a single allocation + copy for all layers, and `kv[l, 0]` / `kv[l, 1]` are contiguous [B, H_kv, capacity, d]
-views the attention kernels read as plain dense matrices (no paging, no gather). With a `kv_dtype` other than the
+Layout: one tensor `kv` of shape [L, 2, B, H_kv, capacity, d] per cache, contiguous, or (grow_in_place, a CPU
+decode cache) a view of a mapping whose (layer, K/V, row, head) slabs have room for max_length columns. So a chunk
+boundary is a single allocation + copy for all layers, or a widening of the view with no copy at all, and
+`kv[l, 0]` / `kv[l, 1]` are [B, H_kv, capacity, d] views whose rows the attention kernels read as plain dense
+matrices (no paging, no gather). With a `kv_dtype` other than the
 model's, the last axis holds each row as its format stores it (formats.py: int8 values and their scale) and
 `read` gives the values.
 
