@@ -175,6 +175,15 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
     return y.reshape(B, H, t, d), moved
 
 
+def grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, keep: int,
+          device: torch.device) -> torch.Tensor:
+    """A zeroed tensor of `shape` holding the first `keep` columns (last axis) of `old` (None: nothing to keep)."""
+    out = torch.zeros(shape, dtype=dtype, device=device)
+    if old is not None:
+        out[..., :keep].copy_(old[..., :keep])
+    return out
+
+
 class SparQAttention:
     """SparQ as an attention backend bound to one generation's cache. Keeps, per layer, the dimension-major K
     mirror (grown with the cache's capacity, so under BMC it is reallocated once per chunk like the cache) and
@@ -214,15 +223,9 @@ class SparQAttention:
             Kt, cap = self.Kt[layer], K.shape[2]
             if Kt is None or Kt.shape[-1] != cap:
                 B, kvh, d = K.shape[0], K.shape[1], self.cache.head_dim
-                grown = torch.zeros((B, kvh, d, cap), dtype=K.dtype, device=K.device)
-                if Kt is not None:
-                    grown[..., :start].copy_(Kt[..., :start])
-                self.Kt[layer] = Kt = grown
+                self.Kt[layer] = Kt = grown(Kt, (B, kvh, d, cap), K.dtype, start, K.device)
                 if scale is not None:
-                    grown_scale = torch.zeros((B, kvh, cap), dtype=torch.float32, device=K.device)
-                    if self.Kt_scale[layer] is not None:
-                        grown_scale[..., :start].copy_(self.Kt_scale[layer][..., :start])
-                    self.Kt_scale[layer] = grown_scale
+                    self.Kt_scale[layer] = grown(self.Kt_scale[layer], (B, kvh, cap), torch.float32, start, K.device)
             Kt[..., start:S].copy_(values.transpose(-1, -2))
             if scale is not None:
                 self.Kt_scale[layer][..., start:S].copy_(scale)

@@ -444,15 +444,21 @@ class KVCache(ABC):
         self.kv = self.kv.as_strided((L, two, B, H, new_capacity, width), self.kv.stride())
         self.kv[:, :, :, :, old:].zero_()
         self._kv_written = max(self._kv_written, self.kv.numel())
+        self._regrow_columns(new_capacity, 0)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self.allocations += 1
+
+    def _regrow_columns(self, new_capacity: int, drop: int) -> None:
+        """The bias and column positions at `new_capacity` columns, holding the written columns from `drop` on
+        (everything past them is masked padding)."""
+        B, keep = self.batch_size, self.length - drop
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
-        bias[..., :old].copy_(self.bias)
+        bias[..., :keep].copy_(self.bias[..., drop : self.length])
         self.bias = bias
         if self.col_pos is not None:
             col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
-            col_pos[:, :old].copy_(self.col_pos)
+            col_pos[:, :keep].copy_(self.col_pos[:, drop : self.length])
             self.col_pos = col_pos
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
-        self.allocations += 1
 
     def _replace_kv(self, new: torch.Tensor, written: int) -> None:
         """`new` (from _new_kv) becomes the KV tensor. With keep_spare the old one's storage, all of it (a CPU
@@ -498,17 +504,11 @@ class KVCache(ABC):
         new, written = self._new_kv((L, 2, B, H, new_capacity, d))
         new[:, :, :, :, :keep].copy_(old[:, :, :, :, drop : self.length])
         new[:, :, :, :, keep:].zero_()  # padding must be finite: 0 * NaN garbage would poison attention
-        bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
-        bias[..., :keep].copy_(self.bias[..., drop : self.length])
-        if self.col_pos is not None:
-            col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
-            col_pos[:, :keep].copy_(self.col_pos[:, drop : self.length])
-            self.col_pos = col_pos
+        self._regrow_columns(new_capacity, drop)
         if drop:
             self.length = keep
             self.left_pad = (self.left_pad - drop).clamp_(min=0)
             self._max_pad = int(self.left_pad.max()) if B else 0
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())
         self._replace_kv(new, written)
-        self.bias = bias
         self.allocations += 1
