@@ -70,6 +70,88 @@ def test_int8_attention_is_within_the_bound_its_rows_give():
         assert err.max() > 0
 
 
+def int8_dots_decoder(h: int, kvh: int, hd: int):
+    """A layerless NativeDecoder attending int8 KV in integers (skips where the CPU lacks AVX512-VNNI)."""
+    require_native()
+    dec = native_module().NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    if not dec.int8_kv_dots():
+        pytest.skip("integer int8 KV attention needs AVX512-VNNI and AVX512-BW")
+    return dec
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("h,kvh,B,t,cap,segment", [
+    (9, 3, 4, 1, 200, False),   # GQA, 3 query rows per (row, KV head), a tail of 8 keys after 3 chunks
+    (6, 6, 2, 1, 37, False),    # MHA, one row per KV head, 37 keys: partial 16-key and 4-key blocks
+    (6, 1, 1, 1, 1000, False),  # MQA at batch 1: the capacity split into spans, merged by maxima and sums
+    (6, 2, 3, 2, 77, True),     # 2 queries a row (6 query rows) with their own bias rows, after a shared segment
+    (14, 2, 1, 1, 130, False),  # 7 query rows per KV head: the most attend_i8 takes
+])
+def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap, segment):
+    """The native step's integer attention over int8 rows (cpu_decode.cpp, attend_i8) against exact attention over
+    the same rows decoded. Its stated bound: a query row as 16-bit digits moves each score by at most
+    eps = c * max|q| / 32639 / 2 * sum|k| (so each weight by a factor within exp(+-2 eps)), and weights rounded to
+    16 bits of their 64-key chunk's largest move the output by at most n * max|V| / 131070 over n keys. It is a
+    small part of what int8 rows themselves move attention: asserted under 1/50, measured 1/800 to 1/160, where
+    weights of 8 bits (one digit) measured 1/20 to 1/5 and queries of 8 bits up to 1/1. set_int8_kv_dots(False)
+    gives the widening path, float32 arithmetic over the widened rows."""
+    from .test_native import reference_attention
+
+    dec = int8_dots_decoder(h, kvh, hd)
+    fmt, fmin, c = KV_FORMATS["int8"], torch.finfo(torch.float32).min, hd**-0.5
+    g = torch.Generator().manual_seed(hd + cap)
+    q = torch.randn(B, t, h * hd, generator=g) * 3
+    q[0, 0, :hd] = 0.0  # a zero query row: its digits' step is 0
+    own = torch.randn(1, 2, B, kvh, cap, hd, generator=g) * torch.logspace(-1, 1, cap)[:, None]
+    own[0, :, 0, 0, 5] = 0.0  # an all-zero row: scale 0
+    stored = fmt.encode(own)
+    rows = fmt.decode(stored, torch.float32)
+    bias = torch.zeros(B, 1, t, cap)
+    bias[..., cap - 3:] = fmin  # padding columns
+    bias[0, 0, :, :4] = fmin  # a left-padded row
+    if cap > 130:
+        bias[-1, 0, :, 64:128] = fmin  # a whole masked chunk: its weights are all zero
+    for i in range(t):
+        bias[:, 0, i, cap - 3 - t + i + 1: cap - 3] = fmin  # query i sees the new tokens up to itself
+    segs, ref_segs = [], []
+    if segment:
+        kv = torch.randn(1, 2, 1, kvh, 70, hd, generator=g)
+        segs.append((fmt.encode(kv), torch.zeros(1, 1, 1, 70), torch.zeros(B, dtype=torch.long)))
+        ref_segs.append((fmt.decode(segs[0][0], torch.float32), segs[0][1], segs[0][2]))
+    args = ([s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs])
+    got = dec.attention_step(q, stored, 0, bias, *args)
+    exact = reference_attention(q, rows, bias, ref_segs, c)
+    unrounded = reference_attention(q, own, bias, [(kv, sb, grp) for (_, sb, grp), kv in
+                                                   zip(segs, [kv] if segment else [])], c)
+    err = (got - exact).abs()
+    q_heads = q.view(B, t, h, hd).abs().amax(-1)  # [B, t, h]
+    eps = c * q_heads.amax() / 32639 / 2 * rows.abs().sum(-1).amax()
+    v_max = torch.cat([rows[0, 1].reshape(-1)] + [r[0][0, 1].reshape(-1) for r in ref_segs]).abs().max()
+    n = cap + (70 if segment else 0)
+    bound = (torch.exp(2 * eps) - 1) * v_max + n * v_max / 131070
+    assert err.max() <= bound + 1e-5, (float(err.max()), float(bound))
+    assert err.max() > 0  # integer arithmetic, not the widening path
+    assert err.max() <= 0.02 * (exact - unrounded).abs().max()
+    dec.set_int8_kv_dots(False)
+    widened = dec.attention_step(q, stored, 0, bias, *args)
+    torch.testing.assert_close(widened, exact, atol=2e-5, rtol=1e-4)
+
+
+def test_int8_kv_dots_follow_the_environment(gqa_dir, monkeypatch):
+    """BMC_INT8_KV_DOTS=0 (the A/B switch) builds decoders that widen int8 rows instead; by default they attend in
+    integers where the CPU can."""
+    require_native()
+    from bmc.kernels.native import attention_decoder
+
+    if not attention_decoder(3, 1, 64).int8_kv_dots():
+        pytest.skip("integer int8 KV attention needs AVX512-VNNI and AVX512-BW")
+    monkeypatch.setenv("BMC_INT8_KV_DOTS", "0")
+    assert not attention_decoder(3, 1, 64).int8_kv_dots()
+    assert not bmc.load(str(gqa_dir)).net.native_decoder().int8_kv_dots()
+    monkeypatch.delenv("BMC_INT8_KV_DOTS")
+    assert bmc.load(str(gqa_dir)).net.native_decoder().int8_kv_dots()
+
+
 def test_unknown_kv_dtype_is_refused_by_name():
     with pytest.raises(InvalidRequestError, match="unknown kv_dtype 'int4'"):
         GenerationConfig(kv_dtype="int4")

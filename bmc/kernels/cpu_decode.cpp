@@ -622,6 +622,12 @@ constexpr const QuantPanelKernel* ROWS_BY_KIND[4] = {QUANT_ROW_KERNELS<KQ8>, QUA
                                                      QUANT_ROW_KERNELS<KQ8X>, QUANT_ROW_KERNELS<KQ4H>};
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_I8_KV_DOTS 1  // int8 KV attended in integers (NativeDecoder::attend_i8)
+#else
+#define HAVE_I8_KV_DOTS 0
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 constexpr bool HAVE_INT8_DOT = true;
 // Quantized panels against activations quantized to int8 (int8_activations): each row's block of 32 values x as
@@ -1421,6 +1427,13 @@ class NativeDecoder {
     int8_x_ = on;
   }
 
+  // int8 KV attended in integers (attend_i8, a stated bound beside int8 rows' own) or widened to float32 first
+  void set_int8_kv_dots(bool on) {
+    TORCH_CHECK(!on || HAVE_I8_KV_DOTS, "integer int8 KV attention needs AVX512-VNNI and AVX512-BW");
+    int8_kv_dots_ = on;
+  }
+  bool int8_kv_dots() const { return int8_kv_dots_; }
+
   void set_softcap(double cap) {
     TORCH_CHECK(cap >= 0.0, "set_softcap: cap >= 0");
     softcap_ = cap;
@@ -1779,6 +1792,7 @@ class NativeDecoder {
     }
     auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
     const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
+    const bool dots = integer_dots(lay, R);        // int8 rows attended in integers (attend_i8)
     const float* kf = reinterpret_cast<const float*>(kc);
     const float* vf = reinterpret_cast<const float*>(vc);
     at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
@@ -1786,6 +1800,10 @@ class NativeDecoder {
       std::vector<float> p(R * OWN_KEYS);
       std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
       std::vector<const float*> bias0(R);
+#if HAVE_I8_KV_DOTS
+      std::vector<QueryI8> qi8(dots ? R : 0);
+      std::vector<uint8_t> wq(dots ? 2 * R * (OWN_KEYS + 4) : 0);
+#endif
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
         const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
@@ -1803,6 +1821,10 @@ class NativeDecoder {
           rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
           rows.s[r] = direct && prior ? run_s[state] : 0.0f;
         }
+#if HAVE_I8_KV_DOTS
+        if (dots)
+          for (int64_t r = 0; r < R; ++r) split_query(rows.q[r], hd_, scale, qi8[r]);
+#endif
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
@@ -1824,6 +1846,14 @@ class NativeDecoder {
                 const LinePrefetch pv{vc + (own + c0 + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
                 if (n > 0) pk.share(0), pv.share(0);
               }
+#if HAVE_I8_KV_DOTS
+              if (dots) {
+                attend_i8(rows, R, qi8.data(), kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(),
+                          OWN_KEYS, wq.data(), more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+                continue;
+              }
+#endif
               widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                          ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
@@ -2146,22 +2176,36 @@ class NativeDecoder {
         }
         if (softcap_ > 0.0) cap_scores(pr, rows.bias[r], n);
       }
-      float mx = rows.m[r];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        pr[j] = exp_fast(pr[j] - mx);
-        sum += pr[j];
-      }
-      rows.alpha[r] = prior ? exp_fast(rows.m[r] - mx) : 0.0f;  // rescales what earlier keys contributed
-      rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
-      rows.m[r] = mx;
+      softmax_row(rows, r, pr, n, prior);
     }
     if (vq != nullptr) {
       weigh_int8(rows, R, p, ldp, vq, row_bytes, n, prior);
       return;
     }
     weigh_rows(rows, R, p, ldp, false, V, n, prior, V_next);
+  }
+
+  // The online softmax over one chunk of query row r's scores pr[0, n): each becomes e^(score - m') with m' the
+  // row's new running maximum; the running sum follows, and alpha[r] rescales what earlier keys contributed
+  static void softmax_row(Rows& rows, int64_t r, float* pr, int64_t n, bool prior) {
+    float mx = rows.m[r];
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      pr[j] = exp_fast(pr[j] - mx);
+      sum += pr[j];
+    }
+    rows.alpha[r] = prior ? exp_fast(rows.m[r] - mx) : 0.0f;
+    rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
+    rows.m[r] = mx;
+  }
+
+  // Whether this step's own-cache chunks of an int8 cache are attended in integers (attend_i8): with VNNI, at
+  // head_dim 64 or 128, for fewer than WIDE_ROWS query rows per (row, KV head) and without soft-capping, unless
+  // set_int8_kv_dots turned it off
+  bool integer_dots(const KVLayout& lay, int64_t R) const {
+    return HAVE_I8_KV_DOTS && int8_kv_dots_ && lay.kind == KVKind::I8 && (hd_ == 64 || hd_ == 128) &&
+           R < WIDE_ROWS && softcap_ == 0.0;
   }
 
   // Whether int8 values are weighed straight from their rows: AVX-512 at head_dim 64 or 128 (elsewhere they are
@@ -2197,6 +2241,205 @@ class NativeDecoder {
     TORCH_CHECK(false, "weigh_int8 is built for AVX-512 only");
 #endif
   }
+
+#if HAVE_I8_KV_DOTS
+  // Integer attention over an int8 cache (int8_kv_dots): a chunk's scores and its weighted values as VNNI u8 x s8
+  // dot products (vpdpbusd, 64 products an instruction) on the stored bytes, where the widening path converts
+  // every key and value to float32 and spends 16 FMAs on each 16 products. Measured on the 2-core EPYC (AVX-512),
+  // default model, batch 8 at 8K context: see docs/performance.md ("int8 KV").
+  // The bound it adds to int8 KV's own (a row is within half a step of its values): each query row is split into
+  // two int8 digits, q ~ e (256 hi + lo) with |256 hi + lo| <= 32639 (e = max|q| / 32639, so a score moves by at
+  // most e/2 * sum_d |k_d|), and each chunk's weights p_j s_j (s_j the value row's scale) are rounded to 16 bits
+  // of their chunk maximum w (two u8 digits; a weight moves by at most w / 131070). Both are ~2^-16 of what they
+  // round, against int8 rows' 2^-8: the int8 cache's logits move by what its rows move them (tests/test_kv_dtype).
+  struct QueryI8 {  // one query row as two int8 digits
+    alignas(64) int8_t hi[128];
+    alignas(64) int8_t lo[128];
+    float step;      // e times the softmax scale
+    int32_t offset;  // 128 * sum_d (256 hi_d + lo_d): what reading each key byte as k + 128 (unsigned) adds
+  };
+  static void split_query(const float* q, int64_t hd, float scale, QueryI8& out) {
+    float amax = 0.0f;
+    for (int64_t e = 0; e < hd; ++e) amax = std::max(amax, std::fabs(q[e]));
+    const float step = amax / 32639.0f, inv = step > 0.0f ? 1.0f / step : 0.0f;
+    int32_t sum = 0;
+    for (int64_t e = 0; e < hd; ++e) {
+      const int32_t v = std::min(32639, std::max(-32639, static_cast<int32_t>(std::nearbyint(q[e] * inv))));
+      const int32_t h = (v + 128) >> 8;  // floor: v = 256 h + l with l in [-128, 127], |h| <= 127
+      out.hi[e] = static_cast<int8_t>(h);
+      out.lo[e] = static_cast<int8_t>(v - 256 * h);
+      sum += v;
+    }
+    out.step = step * scale;
+    out.offset = 128 * sum;
+  }
+
+  // The 16 key rows from `rows` (row_bytes apart; those at and past n read as zero), bytes [64 g, 64 g + 64) of
+  // each, transposed: x[c] holds in lane i the key i's dimensions 4c .. 4c + 3, each byte + 128 (unsigned)
+  static void key_block(const uint8_t* rows, int64_t row_bytes, int64_t n, int g, __m512i* x) {
+    v16 t[16];
+    for (int i = 0; i < 16; ++i)
+      t[i] = i < n ? (v16)_mm512_loadu_si512(rows + i * row_bytes + 64 * g) : v16{};
+    transpose16(t);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 16; ++c) x[c] = _mm512_xor_si512((__m512i)t[c], flip);
+  }
+
+  // p[r][j] = q_r . k_j * scale + bias_r[j] for RC query rows and the n <= OWN_KEYS keys at K (int8 rows of NG * 64
+  // values, row_bytes apart, their scales in sk): 16 keys a block, each block's transposed key bytes shared by
+  // the rows' two digits; the next chunk's lines (pk, pv) are prefetched a share a block
+  template <int NG, int RC>
+  static void i8_scores(const QueryI8* qs, const uint8_t* K, int64_t row_bytes, int64_t n, const float* sk,
+                        const float* const* bias, float* p, int64_t ldp, const LinePrefetch& pk,
+                        const LinePrefetch& pv) {
+    for (int64_t s = 0; s < n; s += 16) {
+      pk.share(s / 16);
+      pv.share(s / 16);
+      __m512i hi[RC], lo[RC];
+      for (int r = 0; r < RC; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+      for (int g = 0; g < NG; ++g) {
+        __m512i x[16];
+        key_block(K + s * row_bytes, row_bytes, n - s, g, x);
+        for (int r = 0; r < RC; ++r) {
+          const int32_t* h4 = reinterpret_cast<const int32_t*>(qs[r].hi + 64 * g);
+          const int32_t* l4 = reinterpret_cast<const int32_t*>(qs[r].lo + 64 * g);
+          for (int c = 0; c < 16; ++c) {
+            hi[r] = _mm512_dpbusd_epi32(hi[r], x[c], _mm512_set1_epi32(h4[c]));
+            lo[r] = _mm512_dpbusd_epi32(lo[r], x[c], _mm512_set1_epi32(l4[c]));
+          }
+        }
+      }
+      const __mmask16 live = n - s >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - s)) - 1);
+      const __m512 scales = _mm512_maskz_loadu_ps(live, sk + s);
+      for (int r = 0; r < RC; ++r) {
+        const __m512i dots = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]),
+                                              _mm512_set1_epi32(qs[r].offset));
+        const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scales, _mm512_set1_ps(qs[r].step)));
+        _mm512_storeu_ps(p + r * ldp + s, _mm512_add_ps(sc, _mm512_maskz_loadu_ps(live, bias[r] + s)));
+      }
+    }
+  }
+
+  // sums[r][2 H + k] = sum_j (256 wh[r][j] + wl[r][j]) v_j over half H of the 64 values at V (dimensions 8 H .. 8 H + 7
+  // of each 16) for RC rows: 4 value rows at a time interleaved bytewise, so that a lane holds one dimension of the
+  // 4 keys, against the 4 keys' weight digits broadcast. A lane's dimension is the interleave's: lane 4 L + i of
+  // sums[r][m] is dimension 16 L + 4 m + i (i8_finish puts them back). Half the dimensions a pass keeps the
+  // 4 RC accumulators in registers (all 64 at 3 rows spilled to the stack on every key, GCC 12).
+  template <int H, int RC>
+  static void i8_weigh(const uint8_t* wh, const uint8_t* wl, int64_t ldw, const uint8_t* V, int64_t row_bytes,
+                       int64_t n, __m512i (*sums)[4]) {
+    __m512i hi[RC][2], lo[RC][2];
+    for (int r = 0; r < RC; ++r)
+      for (int k = 0; k < 2; ++k) hi[r][k] = lo[r][k] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < n; j += 4) {
+      __m512i v[4];
+      for (int i = 0; i < 4; ++i)
+        v[i] = j + i < n ? _mm512_loadu_si512(V + (j + i) * row_bytes) : _mm512_setzero_si512();
+      const __m512i a = H == 0 ? _mm512_unpacklo_epi8(v[0], v[1]) : _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i c = H == 0 ? _mm512_unpacklo_epi8(v[2], v[3]) : _mm512_unpackhi_epi8(v[2], v[3]);
+      const __m512i x[2] = {_mm512_unpacklo_epi16(a, c), _mm512_unpackhi_epi16(a, c)};
+      for (int r = 0; r < RC; ++r) {
+        int32_t h4, l4;
+        std::memcpy(&h4, wh + r * ldw + j, 4);
+        std::memcpy(&l4, wl + r * ldw + j, 4);
+        const __m512i bh = _mm512_set1_epi32(h4), bl = _mm512_set1_epi32(l4);
+        for (int k = 0; k < 2; ++k) {
+          hi[r][k] = _mm512_dpbusd_epi32(hi[r][k], bh, x[k]);
+          lo[r][k] = _mm512_dpbusd_epi32(lo[r][k], bl, x[k]);
+        }
+      }
+    }
+    for (int r = 0; r < RC; ++r)
+      for (int k = 0; k < 2; ++k) sums[r][2 * H + k] = _mm512_add_epi32(_mm512_slli_epi32(hi[r][k], 8), lo[r][k]);
+  }
+  using I8Weigh = void (*)(const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, __m512i (*)[4]);
+  using I8Scores = void (*)(const QueryI8*, const uint8_t*, int64_t, int64_t, const float*, const float* const*,
+                            float*, int64_t, const LinePrefetch&, const LinePrefetch&);
+  static constexpr I8Scores I8_SCORES[2][WIDE_ROWS - 1] = {
+      {i8_scores<1, 1>, i8_scores<1, 2>, i8_scores<1, 3>, i8_scores<1, 4>, i8_scores<1, 5>, i8_scores<1, 6>,
+       i8_scores<1, 7>},
+      {i8_scores<2, 1>, i8_scores<2, 2>, i8_scores<2, 3>, i8_scores<2, 4>, i8_scores<2, 5>, i8_scores<2, 6>,
+       i8_scores<2, 7>}};
+  static constexpr int I8_WEIGH_ROWS = 3;  // rows a pass: 4 accumulators each, in 32 registers with the values'
+
+  static constexpr I8Weigh I8_WEIGH[2][I8_WEIGH_ROWS] = {{i8_weigh<0, 1>, i8_weigh<0, 2>, i8_weigh<0, 3>},
+                                                         {i8_weigh<1, 1>, i8_weigh<1, 2>, i8_weigh<1, 3>}};
+
+  // o[0, 64) = alpha * o (or 0) + w * the sums of i8_weigh's two halves (c[m], m = 2 H + k), in dimension order: a
+  // 4 x 4 transpose of 128-bit blocks
+  static void i8_finish(const __m512i* c, float w, float alpha, bool prior, float* o) {
+    const __m512i t0 = _mm512_shuffle_i32x4(c[0], c[1], 0x44), t1 = _mm512_shuffle_i32x4(c[2], c[3], 0x44);
+    const __m512i t2 = _mm512_shuffle_i32x4(c[0], c[1], 0xee), t3 = _mm512_shuffle_i32x4(c[2], c[3], 0xee);
+    const __m512i dims[4] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xdd),
+                             _mm512_shuffle_i32x4(t2, t3, 0x88), _mm512_shuffle_i32x4(t2, t3, 0xdd)};
+    const __m512 wv = _mm512_set1_ps(w), av = _mm512_set1_ps(alpha);
+    for (int q = 0; q < 4; ++q) {
+      const __m512 add = _mm512_mul_ps(_mm512_cvtepi32_ps(dims[q]), wv);
+      _mm512_storeu_ps(o + 16 * q, prior ? _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * q), av, add) : add);
+    }
+  }
+
+  // The float32 scales of n <= OWN_KEYS int8 rows (row_bytes apart, each after its hd values) -> out[0, n), and
+  // zeros up to the next 16: gathered 16 at a time (two scalar loads and stores a key were ~10 % of attend_i8)
+  static void gather_scales(const uint8_t* rows, int64_t row_bytes, int64_t n, int64_t hd, float* out) {
+    const __m512i at = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
+        _mm512_set1_epi32(static_cast<int32_t>(hd)));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      _mm512_store_ps(out + j, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, rows + j * row_bytes, 1));
+    }
+  }
+
+  // One chunk of a row's own int8 cache (n <= OWN_KEYS keys at K and V, row_bytes apart) merged into the running
+  // state of R < WIDE_ROWS query rows, in integers (see QueryI8); the lines at K_next / V_next prefetched meanwhile
+  void attend_i8(Rows& rows, int64_t R, const QueryI8* qs, const uint8_t* K, const uint8_t* V, int64_t row_bytes,
+                 int64_t n, float* p, int64_t ldp, uint8_t* wq, bool prior, const uint8_t* K_next,
+                 const uint8_t* V_next) const {
+    const int NG = static_cast<int>(hd_ / 64);
+    alignas(64) float sk[OWN_KEYS], sv[OWN_KEYS];  // the rows' scales, zero past n
+    gather_scales(K, row_bytes, n, hd_, sk);
+    gather_scales(V, row_bytes, n, hd_, sv);
+    const int64_t blocks = (n + 15) / 16, lines = (n * row_bytes + 63) / 64;
+    const LinePrefetch pk{K_next, lines, blocks}, pv{V_next, lines, blocks};
+    I8_SCORES[NG - 1][R - 1](qs, K, row_bytes, n, sk, rows.bias.data(), p, ldp, pk, pv);
+    for (int64_t r = 0; r < R; ++r) softmax_row(rows, r, p + r * ldp, n, prior);
+    // the weights p_j s_j of each row as 16 bits of their maximum, two u8 digits (wq: [R][2][ldw] bytes)
+    const int64_t ldw = OWN_KEYS + 4;
+    float wstep[WIDE_ROWS];
+    for (int64_t r = 0; r < R; ++r) {  // 16 weights a vector; those past n are zero (sv is)
+      float* pr = p + r * ldp;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(pr + j), _mm512_load_ps(sv + j));
+        _mm512_storeu_ps(pr + j, w);
+        vmax = _mm512_max_ps(vmax, w);
+      }
+      const float wmax = _mm512_reduce_max_ps(vmax);
+      wstep[r] = wmax / 65535.0f;
+      const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 65535.0f / wmax : 0.0f);
+      uint8_t *hi = wq + 2 * r * ldw, *lo = hi + ldw;
+      for (int64_t j = 0; j < n; j += 16) {  // rounded to nearest even, as nearbyint
+        const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pr + j), inv)),
+                                           _mm512_set1_epi32(65535));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + j), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + j),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+      }
+    }
+    __m512i sums[WIDE_ROWS][4];  // one 64-value group's sums, 4 registers a row (see i8_weigh)
+    for (int g = 0; g < NG; ++g) {
+      for (int h = 0; h < 2; ++h)
+        for (int64_t r0 = 0; r0 < R; r0 += I8_WEIGH_ROWS) {
+          const int64_t rc = std::min<int64_t>(I8_WEIGH_ROWS, R - r0);
+          I8_WEIGH[h][rc - 1](wq + 2 * r0 * ldw, wq + (2 * r0 + 1) * ldw, 2 * ldw, V + 64 * g, row_bytes, n,
+                              sums + r0);
+        }
+      for (int64_t r = 0; r < R; ++r) i8_finish(sums[r], wstep[r], rows.alpha[r], prior, rows.o[r] + 64 * g);
+    }
+  }
+#endif
 
 #ifdef __AVX512F__
   // o[r] = alpha[r] * o[r] (or 0) + sum_j p[r][j] q_j for RC rows, q_j the int8 row j widened in registers
@@ -2505,6 +2748,7 @@ class NativeDecoder {
   std::string act_;
   double eps_, scale_, softcap_ = 0.0;
   bool int8_x_ = false;
+  bool int8_kv_dots_ = HAVE_I8_KV_DOTS;
   std::vector<float> zeros_ = std::vector<float>(std::max(OWN_KEYS, SEG_KEYS), 0.0f);  // a bias that adds nothing
   std::vector<Layer> layers_;
   torch::Tensor norm_w_, norm_b_, head_;
@@ -2534,6 +2778,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_local", &NativeDecoder::set_local)
       .def("set_softcap", &NativeDecoder::set_softcap)
       .def("set_int8_activations", &NativeDecoder::set_int8_activations)
+      .def("set_int8_kv_dots", &NativeDecoder::set_int8_kv_dots)
+      .def("int8_kv_dots", &NativeDecoder::int8_kv_dots)
       .def("num_layers", &NativeDecoder::num_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
       .def("profile", &NativeDecoder::profile)

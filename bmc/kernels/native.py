@@ -34,7 +34,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 
 
 def native_module() -> Any:
-    return build("bmc_cpu_decode_v62", _SOURCE_FILE, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v63", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:
@@ -81,8 +81,22 @@ class NativeDecoders:
             return None
         entry = self._built.get(id(layers))
         if entry is None or entry[0] is not layers:
-            entry = self._built[id(layers)] = (layers, make())
+            entry = self._built[id(layers)] = (layers, with_env_settings(make()))
         return entry[1]
+
+
+def int8_kv_dots_enabled() -> bool:
+    """Whether an int8 KV cache is attended in integers (VNNI dot products on the stored bytes, cpu_decode.cpp's
+    attend_i8: a bound ~2^-16 of what it rounds, beside int8 rows' 2^-8), where the CPU can; `BMC_INT8_KV_DOTS=0`
+    widens the rows to float32 first instead (the A/B of the two)."""
+    return os.environ.get("BMC_INT8_KV_DOTS", "1") != "0"
+
+
+def with_env_settings(dec: Any) -> Any:
+    """A freshly built decoder with the process's settings applied (None passes through)."""
+    if dec is not None and not int8_kv_dots_enabled():
+        dec.set_int8_kv_dots(False)
+    return dec
 
 
 def attention_decoder(heads: int, kv_heads: int, head_dim: int) -> Any:
@@ -91,8 +105,8 @@ def attention_decoder(heads: int, kv_heads: int, head_dim: int) -> Any:
     mod = native_module()
     if mod is None:
         return None
-    return mod.NativeDecoder(heads * head_dim, heads, kv_heads, head_dim, 1, True, True, "silu", 1e-5,
-                             head_dim**-0.5)
+    return with_env_settings(mod.NativeDecoder(heads * head_dim, heads, kv_heads, head_dim, 1, True, True, "silu",
+                                               1e-5, head_dim**-0.5))
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:
