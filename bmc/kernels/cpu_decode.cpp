@@ -2245,8 +2245,9 @@ class NativeDecoder {
 #if HAVE_I8_KV_DOTS
   // Integer attention over an int8 cache (int8_kv_dots): a chunk's scores and its weighted values as VNNI u8 x s8
   // dot products (vpdpbusd, 64 products an instruction) on the stored bytes, where the widening path converts
-  // every key and value to float32 and spends 16 FMAs on each 16 products. Measured on the 2-core EPYC (AVX-512),
-  // default model, batch 8 at 8K context: see docs/performance.md ("int8 KV").
+  // every key and value to float32 and spends 16 FMAs on each 16 products. Measured on the 2-core EPYC (AVX-512,
+  // Zen 4), SmolLM2's heads, batch 8 at 8K context, 30 layers: attention 21.7 against 43.4 ms widened (float32
+  // 48.7); with the KV in cache 7.1-7.4 against 12.4-13 ns of thread time per (row, KV head, key).
   // The bound it adds to int8 KV's own (a row is within half a step of its values): each query row is split into
   // two int8 digits, q ~ e (256 hi + lo) with |256 hi + lo| <= 32639 (e = max|q| / 32639, so a score moves by at
   // most e/2 * sum_d |k_d|), and each chunk's weights p_j s_j (s_j the value row's scale) are rounded to 16 bits
