@@ -2251,6 +2251,8 @@ class NativeDecoder {
   // most e/2 * sum_d |k_d|), and each chunk's weights p_j s_j (s_j the value row's scale) are rounded to 16 bits
   // of their chunk maximum w (two u8 digits; a weight moves by at most w / 131070). Both are ~2^-16 of what they
   // round, against int8 rows' 2^-8: the int8 cache's logits move by what its rows move them (tests/test_kv_dtype).
+  // The mask of a 16-lane vector's first min(n, 16) lanes (n >= 1): a block's keys left before a chunk's end
+  static __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
   struct QueryI8 {  // one query row as two int8 digits
     alignas(64) int8_t hi[128];
     alignas(64) int8_t lo[128];
@@ -2328,7 +2330,7 @@ class NativeDecoder {
           }
         }
       }
-      const __mmask16 live = n - s >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - s)) - 1);
+      const __mmask16 live = first_lanes(n - s);
       const __m512 scales = _mm512_maskz_loadu_ps(live, sk + s);
       for (int r = 0; r < RC; ++r) {
         const __m512i dots = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]),
@@ -2406,7 +2408,7 @@ class NativeDecoder {
                            _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
         _mm512_set1_epi32(static_cast<int32_t>(hd)));
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 live = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __mmask16 live = first_lanes(n - j);
       _mm512_store_ps(out + j, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, rows + j * row_bytes, 1));
     }
   }
