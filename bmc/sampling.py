@@ -1,12 +1,25 @@
-"""Next-token selection: greedy, temperature, top-k, top-p, with a seeded generator."""
+"""Next-token selection: greedy, temperature, top-k, top-p, min-p, with a seeded generator.
+
+Values are checked as the kernels see them, in float32: a temperature that rounds to 0 there is refused (0 is
+greedy; anything above it is a distribution), and the most likely token always survives top-p and min-p, so no
+value in range can mask every token. A sampled id is checked against the vocabulary before anyone feeds it back."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
+from .errors import BmcError, InvalidRequestError
 from .kernels.native import argmax
+
+
+class SamplingError(BmcError):
+    """The sampler produced something that is not a token id (non-finite logits): the request fails, alone."""
+
+
+def _float32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -15,14 +28,21 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    min_p: float | None = None  # drop tokens whose probability is below min_p x the most likely one's
 
     def __post_init__(self) -> None:
-        if self.temperature is None or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        t = self.temperature
+        if t is None or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if t > 0 and _float32(t) == 0.0:
+            raise InvalidRequestError(f"temperature {t} is 0 in float32, where sampling runs: use 0 for greedy or a "
+                                      f"value >= {torch.finfo(torch.float32).tiny}")
         if self.top_k is not None and self.top_k < 1:
             raise InvalidRequestError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -40,7 +60,9 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampling draws from ([B, V] float32 logits -> probabilities)."""
         p = self.params
-        logits = logits / p.temperature
+        # the largest logit becomes 0 before the division: any temperature > 0 in float32 then leaves it finite
+        # (a tiny one sends the others to -inf, which is the limit it asks for), where x / t alone overflows
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / p.temperature
         if p.top_k is not None and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,15 +71,28 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop_sorted = mass_before >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+            drop_sorted[..., 0] = False  # and the most likely token, whatever top_p rounds to in float32
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-        return logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        if p.min_p is not None and p.min_p > 0.0:  # the most likely token always passes (its ratio is 1 >= min_p)
+            floor = probs.amax(dim=-1, keepdim=True) * p.min_p
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, V] logits -> [B] token ids."""
-        if self.params.greedy:
-            return argmax(logits)
-        return draw(self.probs(logits), self.generator)
+        """[B, V] logits -> [B] token ids, each checked to be one."""
+        ids = argmax(logits) if self.params.greedy else draw(self.probs(logits), self.generator)
+        return check_token_ids(ids, logits.shape[-1])
+
+
+def check_token_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """ids, if every one is in [0, vocab); else SamplingError (an id out of range would reach the embedding)."""
+    if ids.numel() and not bool(((ids >= 0) & (ids < vocab)).all()):
+        raise SamplingError(f"the sampler produced token ids outside [0, {vocab}) (non-finite logits?): "
+                            f"{ids.tolist()}")
+    return ids
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

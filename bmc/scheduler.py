@@ -39,7 +39,7 @@ from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
-from .sampling import Sampler
+from .sampling import Sampler, check_token_ids
 from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
@@ -50,6 +50,10 @@ SERVED_DRAFTERS = ("ngram",)  # drafters without per-row state beyond the tokens
 
 class QueueFullError(BmcError):
     """The waiting queue is at its limit (the server answers 503 with Retry-After)."""
+
+
+class EngineStoppedError(BmcError):
+    """The scheduler was closed (its engine thread died): it takes no more requests."""
 
 
 @dataclass
@@ -159,6 +163,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
         self._inbox: collections.deque[Request] = collections.deque()
+        self._requests: dict[int, Request] = {}  # every request added and not done, wherever it is: fail_all and
+        # close() answer each of them, also one that has left every list mid-step
+        self.closed: BaseException | None = None
         self._lock = threading.Lock()
         self.wakeup = threading.Event()  # set when work arrives, for an engine thread that sleeps while idle
 
@@ -173,9 +180,12 @@ class Scheduler:
         if request.num_samples > self.max_num_seqs:
             raise InvalidRequestError(f"n={request.num_samples} exceeds the server's max_num_seqs={self.max_num_seqs}")
         with self._lock:
+            if self.closed is not None:
+                raise EngineStoppedError(f"the engine has stopped ({type(self.closed).__name__}: {self.closed})")
             if self.max_queue is not None and self.num_waiting - self.free_seats >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
             self._inbox.append(request)
+            self._requests[id(request)] = request
         self.wakeup.set()
 
     def abort(self, request: Request) -> None:
@@ -209,18 +219,28 @@ class Scheduler:
         return self.cache.nbytes + self.cache.spare_nbytes + own
 
     def fail_all(self, error: BaseException) -> None:
-        """An unexpected error outside any one request: every request in the scheduler fails with it, the batch
-        cache is emptied, and the scheduler takes new requests again."""
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-        live = [*self.waiting, *(p.request for p in self.prefilling), *(p.request for p, _ in self.joining),
-                *(r.request for r in self.live_rows)]
+        """An unexpected error outside any one request: every request not done fails with it (each answered before
+        any state is touched), the batch cache is emptied, and the scheduler takes new requests again."""
+        self.fail_requests(error)
         self.waiting.clear()
         self.prefilling, self.joining, self.rows = [], [], []
-        self.cache.regroup([])
-        for req in {id(r): r for r in live}.values():
+        with torch.inference_mode():
+            self.cache.regroup([])
+
+    def fail_requests(self, error: BaseException) -> None:
+        """Every request added and not done fails with `error`; nothing else is touched (safe from any thread once
+        the engine thread is gone)."""
+        with self._lock:
+            self._inbox.clear()
+            requests = list(self._requests.values())
+        for req in requests:
             self._fail(req, error)
+
+    def close(self, error: BaseException) -> None:
+        """The engine thread is gone: refuse new requests and answer every one in flight with `error`."""
+        with self._lock:
+            self.closed = error
+        self.fail_requests(error)
 
     @property
     def live_rows(self) -> list[_Row]:
@@ -522,7 +542,8 @@ class Scheduler:
 
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[_Row], first: bool = False) -> None:
         """Next token of every row: greedy rows by one argmax, each sampling request by its own generator over its
-        own rows (in sample order, as generate() alone draws them); then stop checks and emission."""
+        own rows (in sample order, as generate() alone draws them); then stop checks and emission. A request whose
+        sampling fails (an id out of range, non-finite logits) fails alone: its rows leave at the next step."""
         groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             groups.setdefault(id(row.request), []).append(i)
@@ -531,26 +552,37 @@ class Scheduler:
         if greedy:
             every = len(greedy) == len(rows)  # the usual case: no copy of the logits
             picked = argmax(logits if every else logits.index_select(0, torch.tensor(greedy, device=logits.device)))
-            picked = picked.tolist()
-            for i, t in zip(greedy, picked):
+            for i, t in zip(greedy, picked.tolist()):
                 ids[i] = t
+        vocab = int(logits.shape[-1])
         for idx in groups.values():
             req = rows[idx[0]].request
-            if not req.sampler.params.greedy:
-                picked = req.sampler(logits.index_select(0, torch.tensor(idx, device=logits.device))).tolist()
-                for i, t in zip(idx, picked):
-                    ids[i] = t
-        logprobs = {}
-        want = [i for i, row in enumerate(rows) if row.request.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits.index_select(0, torch.tensor(want, device=logits.device)).float(), dim=-1)
-            for j, i in enumerate(want):
-                k = rows[i].request.logprobs
-                top = torch.topk(lp[j], k) if k else None
-                logprobs[i] = (float(lp[j, ids[i]]),
-                               list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
-        for i, row in enumerate(rows):
-            self._emit(row, ids[i], first, logprobs.get(i))
+            try:
+                if not req.sampler.params.greedy:
+                    picked = req.sampler(logits.index_select(0, torch.tensor(idx, device=logits.device))).tolist()
+                    for i, t in zip(idx, picked):
+                        ids[i] = t
+                check_token_ids(torch.tensor([ids[i] for i in idx]), vocab)
+                logprobs = self._logprobs(logits, idx, ids, req.logprobs)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            for i in idx:
+                self._emit(rows[i], ids[i], first, logprobs.get(i))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, idx: list[int], ids: list[int], k: int | None
+                  ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """(the chosen token's logprob, the top k alternatives) of rows idx, when the request asked for them."""
+        if k is None:
+            return {}
+        lp = torch.log_softmax(logits.index_select(0, torch.tensor(idx, device=logits.device)).float(), dim=-1)
+        out = {}
+        for j, i in enumerate(idx):
+            top = torch.topk(lp[j], k) if k else None
+            out[i] = (float(lp[j, ids[i]]), list(zip(top.indices.tolist(), top.values.tolist())) if top is not None
+                      else [])
+        return out
 
     def _emit(self, row: _Row, tid: int, first: bool, logprob: tuple[float, list] | None) -> None:
         req = row.request
@@ -585,11 +617,13 @@ class Scheduler:
     def _finish_request(self, req: Request, reason: str) -> None:
         if not req.done:
             req.done = True
+            self._requests.pop(id(req), None)
             self.counters.finished[reason] += 1
 
     def _fail(self, req: Request, error: BaseException) -> None:
         if not req.done:
             req.done = True
+            self._requests.pop(id(req), None)
             self.counters.finished["error"] += 1
             req.emit(error)
 

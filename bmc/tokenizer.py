@@ -35,7 +35,9 @@ class Tokenizer:
         if self.is_sentencepiece:
             ids = list(self.backend.EncodeAsIds(text))
         else:
-            ids = list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+            # encode_batch releases the GIL while it works, encode does not for all of it: a long prompt tokenized
+            # on a server's worker thread would otherwise stall its event loop
+            ids = list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

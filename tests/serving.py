@@ -14,15 +14,15 @@ import httpx
 from bmc.ports import free_port
 
 
-
 class ServerProcess:
-    def __init__(self, args: Sequence[str], *, startup_timeout: float = 120.0) -> None:
+    def __init__(self, args: Sequence[str], *, startup_timeout: float = 120.0,
+                 module: Sequence[str] = ("bmc.cli.serve",)) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/bmc-serve-test-{self.port}.log"
         self.log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bmc.cli.serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", *module, "--port", str(self.port),
                                       "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env)
         self.health_codes: list[int] = []

@@ -149,7 +149,7 @@ def test_bad_requests_get_openai_errors(server, what, path, body, status):
     r = httpx.post(server.url + path, content=raw, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"] and err["code"] == status
+    assert err["message"] and err["type"] and (err["code"] is None or isinstance(err["code"], str))
 
 
 def test_malformed_json_auth_and_routes(server, client):
@@ -213,13 +213,15 @@ def test_full_queue_answers_503_and_sigterm_drains(tiny_dir):
         t.start()
         assert srv.wait_metric("bmc:num_requests_running", 1) == 1
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["code"] == 503
+        assert r.status_code == 503 and r.headers.get("retry-after")
+        assert r.json()["error"]["code"] == "service_unavailable"
         code = srv.terminate(60)  # the running stream finishes, then the process exits 0
         t.join(60)
         assert code == 0, srv.output()
         data = [x for x in lines if x.startswith("data: ")]
-        assert data[-1] == "data: [DONE]" and len(data) == 2001
-        assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert data[-1] == "data: [DONE]" and len(data) == 2002  # 2000 tokens, the finish chunk, [DONE]
+        last = json.loads(data[-2][6:])["choices"][0]
+        assert last["finish_reason"] == "length" and last["text"] == "" and last["logprobs"] is None
     finally:
         srv.stop()
 

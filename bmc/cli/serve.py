@@ -13,13 +13,16 @@ import torch
 
 from ..errors import BmcError
 from ..kv import KV_STRATEGIES
+from ..server.limits import DEFAULT_MAX_BODY_BYTES
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-serve", description=__doc__)
     p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the model file's name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="one or more names clients may pass as `model` (e.g. the name a client sends by default); "
+                   "the first is the one reported (default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=8, help="rows decoded together at most (default 8)")
@@ -30,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for a row at most; more are answered 503 with Retry-After (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("BMC_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $BMC_API_KEY; /health is open)")
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="origins a browser may call the API from (CORS), e.g. http://localhost:3000, or '*' "
+                   "(default: none, CORS off)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"request bodies larger than this get a 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
@@ -82,6 +90,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("r", "T"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name} must be >= 1")
+    if args.max_body_bytes < 1:
+        fail(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.served_model_name is not None and not all(args.served_model_name):
+        fail("--served-model-name: names must be non-empty")
     if args.timeout_graceful_shutdown < 0:
         fail("--timeout-graceful-shutdown must be >= 0")
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
@@ -143,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             core_sets = core_sets_for(instances, args.cpus)
         except (ValueError, OSError) as e:
             fail(str(e))
-        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None)
+        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None,
+                               allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as below: a drained router exits 0
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -162,9 +175,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if bound is not None:
             logging.getLogger("bmc.serve").info("memory bound to NUMA node(s) %s", bound)
     torch.set_num_threads(args.threads or physical_cores())
-    opts = ServeOptions(model=args.model, served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+    opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-                        api_key=args.api_key or None, kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype,
+                        api_key=args.api_key or None, allowed_origins=args.allowed_origins,
+                        max_body_bytes=args.max_body_bytes, kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype,
                         dtype=args.dtype,
                         speculative=args.speculative, tree=args.tree, attention=args.attention,
                         spec_max_tokens=args.spec_max_tokens,
@@ -181,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server.should_exit = True
 
     state.on_load_error = stop
+    state.on_engine_death = stop  # every request in flight has its answer; exit non-zero for a supervisor
     # uvicorn drains on SIGTERM, then restores the handler it found and raises the signal again; with this no-op
     # handler found, a drained server exits 0 (a service manager's clean stop) instead of dying of the signal
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -189,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(f"could not load the model: {state.load_error}")
     if not server.started:
         sys.exit(1)  # uvicorn said why (e.g. the port is taken)
+    if state.engine is not None and state.engine.error is not None:
+        sys.exit(f"bmc-serve: the engine thread died ({type(state.engine.error).__name__}: {state.engine.error}); "
+                 "exiting for a restart")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """bmc-serve's FastAPI app: OpenAI routes (completions, chat completions, models), SSE streaming, /health and
 /metrics over the continuous-batching scheduler. No model code here: the scheduler runs on its own thread
-(server/engine.py) and this module only translates between HTTP and its requests."""
+(server/engine.py) and this module only translates between HTTP and its requests.
+
+What a client sends cannot stop the engine: bodies are checked by the pydantic models in protocol.py (every
+refusal a 4xx with an OpenAI error object, counted in bmc:request_errors), tokenized off the event loop, and a
+request that fails inside the engine fails alone. If the engine thread dies anyway (a bug), /health turns 503,
+every request in flight is answered, and the process exits non-zero for its supervisor (or the router) to restart."""
 from __future__ import annotations
 
 import asyncio
@@ -13,33 +18,40 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..attention import AttentionOptions, SparQOptions
 from ..engine import GenerationConfig
-from ..errors import BmcError, InvalidRequestError
+from ..errors import InvalidRequestError
 from ..models import Model
-from ..scheduler import QueueFullError, Scheduler, TokenOutput
+from ..scheduler import EngineStoppedError, QueueFullError, Scheduler, TokenOutput
 from .engine import EngineThread, RequestGroup
+from .gate import RequestGate
 from .metrics import ServerMetrics
-from .protocol import APIError, ParsedRequest, bad, parse_request
+from .protocol import (CHAT_RESPONSES, COMPLETION_RESPONSES, ERRORS, APIError, ChatCompletionRequest,
+                       CompletionRequest, ModelCard, ModelList, ParsedRequest, parse_request, validation_message)
 
 log = logging.getLogger("bmc.server")
+from .limits import DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass
 class ServeOptions:
     model: str | None = None  # HF directory or GGUF file; None = the embedded default model
-    served_model_name: str | None = None
+    served_model_names: list[str] | None = None  # names clients may pass as `model`; the first is reported
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
     max_queue: int | None = None
     api_key: str | None = None
+    allowed_origins: list[str] | None = None  # CORS: origins browsers may call from (None = CORS off)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kv: str = "bmc"
     kv_dtype: str = "auto"
     r: int | None = None
@@ -72,9 +84,14 @@ class ServerState:
         self.engine: EngineThread | None = None
         self.load_error: BaseException | None = None
         self.on_load_error = lambda: None  # the CLI stops the server: a server that cannot load should not run
-        self.name = opts.served_model_name or "bmc"
+        self.on_engine_death: Callable[[], None] = lambda: None  # the CLI stops the server and exits non-zero
+        self.names = list(opts.served_model_names or ["bmc"])
         self.metrics: ServerMetrics | None = None
         self.created = int(time.time())
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
 
     def load(self) -> None:
         from .. import load
@@ -83,7 +100,7 @@ class ServerState:
             o = self.opts
             model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
                          activations=o.activations)
-            self.name = o.served_model_name or default_served_name(model.path)
+            self.names = list(o.served_model_names or [default_served_name(model.path)])
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
                                   tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
@@ -96,14 +113,15 @@ class ServerState:
             self.engine = EngineThread(scheduler)
             step_histogram = metrics.step.labels(self.name)
             self.engine.on_step = step_histogram.observe
+            self.engine.on_death = lambda error: self.on_engine_death()
             self.engine.start()
             # The load leaves ~200k long-lived Python objects (vocabulary, merges, modules); a full collection
             # walks them all (~80 ms here) and stalls every stream while it holds the GIL. Frozen, they are skipped.
             gc.collect()
             gc.freeze()
             self.model, self.scheduler, self.metrics = model, scheduler, metrics
-            log.info("model %s loaded: %s layers, context %d; serving as %r", model.path, model.config.num_layers,
-                     model.max_context, self.name)
+            log.info("model %s loaded: %s layers, context %d; serving as %s", model.path, model.config.num_layers,
+                     model.max_context, ", ".join(map(repr, self.names)))
         except BaseException as e:
             self.load_error = e
             log.error("could not load the model: %s", e)
@@ -119,9 +137,22 @@ class ServerState:
                            else "the engine is not running", headers={"Retry-After": "1"})
         return self.model, self.scheduler, self.metrics  # type: ignore[return-value]
 
+    def count_error(self, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(self.name, str(status)).inc()
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read by then, so the next ASGI message is the disconnect);
+    raced against a non-streamed generation, as vLLM's with_cancellation does."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def build_app(opts: ServeOptions) -> FastAPI:
@@ -133,26 +164,38 @@ def build_app(opts: ServeOptions) -> FastAPI:
         yield
         state.shutdown()
 
-    app = FastAPI(title="bmc-serve", lifespan=lifespan)
+    app = FastAPI(title="bmc-serve", lifespan=lifespan,
+                  strict_content_type=False)  # no Content-Type: read as JSON (RequestGate refuses other types)
     app.state.bmc = state
+    app.add_middleware(RequestGate, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
+                       on_error=state.count_error)
+    if opts.allowed_origins:  # outermost: a preflight is answered before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=opts.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+
+    def error_response(e: APIError) -> JSONResponse:
+        state.count_error(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        if state.metrics is not None:
-            state.metrics.errors.labels(state.name, str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        message = ("the request body could not be read as JSON (nested too deep, or a number too long?)"
+                   if e.status_code == 400 else str(e.detail))
+        return error_response(APIError(e.status_code, message, headers=dict(e.headers or {})))
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if opts.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {opts.api_key}":
-                return JSONResponse(APIError(401, "invalid or missing API key (Authorization: Bearer ...)").body(),
-                                    status_code=401)
-        return await call_next(request)
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(e.errors()))
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error answering %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -167,58 +210,61 @@ def build_app(opts: ServeOptions) -> FastAPI:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    def card(name: str) -> dict[str, Any]:
         model, scheduler, _ = state.require_ready()
-        return JSONResponse({"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
-                                                         "owned_by": "bmc", "max_model_len": model.max_context,
-                                                         "kv_cache_dtype": scheduler.cache.format.name}]})
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "bmc",
+                "max_model_len": model.max_context, "kv_cache_dtype": scheduler.cache.format.name}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, chat=False)
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [card(name) for name in state.names]})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, chat=True)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def model_card(model_id: str) -> JSONResponse:
+        if model_id not in state.names:
+            state.require_ready()
+            raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
+        return JSONResponse(card(model_id))
 
-    async def serve(request: Request, chat: bool) -> Response:
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serve(body, request)
+
+    @app.post("/v1/chat/completions", responses=CHAT_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve(body, request)
+
+    async def serve(body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         model, scheduler, metrics = state.require_ready()
         arrival = time.monotonic()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON: {e}") from None
-        try:
-            parsed = parse_request(body, model, state.name, chat=chat, max_num_seqs=opts.max_num_seqs,
-                                   server_gen=GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T,
-                                                               kv_dtype=opts.kv_dtype))
-        except BmcError as e:  # a tokenizer or prompt check below the protocol layer
-            raise bad(str(e)) from None
+        server_gen = GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T, kv_dtype=opts.kv_dtype)
+        # tokenizing (and rendering a chat template) takes ~1 ms per kB: off the event loop, so a long prompt does
+        # not stall /health and the other streams' writes
+        parsed = await asyncio.to_thread(parse_request, body, model, state.names, max_num_seqs=opts.max_num_seqs,
+                                         server_gen=server_gen)
         group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
             group.submit(parsed.prompts, parsed.gen, parsed.logprobs)
-        except QueueFullError as e:
+        except (QueueFullError, EngineStoppedError) as e:
             raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
         except InvalidRequestError as e:
-            raise bad(str(e)) from None
-        run = Run(group, parsed, model, state.name, metrics, arrival)
+            raise APIError(400, str(e)) from None
+        run = Run(group, parsed, model, metrics, arrival)
         if parsed.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.ensure_future(run.collect())
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            while True:  # race the generation against the client leaving (vLLM's with_cancellation)
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return JSONResponse(task.result())
-                if await request.is_disconnected():
-                    task.cancel()
-                    group.abort()
-                    return Response(status_code=499)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return JSONResponse(task.result())
+            group.abort()  # the client left: its rows are freed at the next step
+            return Response(status_code=499)
         finally:
-            if not task.done():
-                task.cancel()
+            for t in (task, gone):
+                if not t.done():
+                    t.cancel()
             group.abort()
 
     return app
@@ -227,9 +273,10 @@ def build_app(opts: ServeOptions) -> FastAPI:
 class Run:
     """The outputs of one HTTP request as they arrive: its choices' text, token counts and metrics."""
 
-    def __init__(self, group: RequestGroup, parsed: ParsedRequest, model: Model, name: str, metrics: ServerMetrics,
+    def __init__(self, group: RequestGroup, parsed: ParsedRequest, model: Model, metrics: ServerMetrics,
                  arrival: float) -> None:
-        self.group, self.p, self.model, self.name, self.metrics = group, parsed, model, name, metrics
+        self.group, self.p, self.model, self.metrics = group, parsed, model, metrics
+        self.name = parsed.model_name  # answered as `model`: the name the client used
         self.arrival, self.created = arrival, int(time.time())
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.n = parsed.gen.num_samples
@@ -248,7 +295,7 @@ class Run:
 
     async def outputs(self) -> AsyncIterator[tuple[int, TokenOutput]]:
         """(choice index, output) until every choice finished; raises the request's error if it failed."""
-        m, label = self.metrics, self.name
+        m, label = self.metrics, self.metrics.model_name
         while len(self.finished) < self.total:
             prompt_index, out = await self.group.queue.get()
             if isinstance(out, BaseException):
@@ -331,6 +378,8 @@ class Run:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _stream_event(self, index: int, out: TokenOutput, offsets: dict[int, int]) -> str:
+        """The token's chunk; a last token's finish_reason follows in a chunk of its own with an empty delta, as
+        OpenAI and llama-server send it (a client that stops reading at finish_reason keeps the last token)."""
         lp = None
         if self.p.logprobs is not None:
             if self.p.chat:
@@ -339,12 +388,20 @@ class Run:
                 lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                 self._add_completion_logprob(lp, out, offsets.get(index, 0))
         offsets[index] = offsets.get(index, 0) + len(out.text)
-        c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": out.finish_reason}
+        events = []
+        if out.text or lp is not None:
+            events.append(self._chunk([self._choice(index, out.text, lp, None)]))
+        if out.finish_reason is not None:
+            events.append(self._chunk([self._choice(index, "", None, out.finish_reason)]))
+        return "".join(events)
+
+    def _choice(self, index: int, text: str, lp: Any, finish_reason: str | None) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": finish_reason}
         if self.p.chat:
-            c["delta"] = {"content": out.text} if out.text else {}
+            c["delta"] = {"content": text} if text else {}
         else:
-            c["text"] = out.text
-        return self._chunk([c])
+            c["text"] = text
+        return c
 
     async def sse(self) -> AsyncIterator[str]:
         """data: chunks, an error event if the request fails, a usage chunk if asked, then data: [DONE]. A client

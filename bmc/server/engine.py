@@ -52,6 +52,8 @@ class EngineThread:
         self.scheduler = scheduler
         self.mailbox = Mailbox()
         self.on_step: Callable[[float], None] = lambda seconds: None  # the server's step-time histogram
+        self.on_death: Callable[[BaseException], None] = lambda error: None  # the server exits non-zero
+        self.error: BaseException | None = None  # why the thread died, if it did
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="bmc-engine", daemon=True)
 
@@ -60,7 +62,7 @@ class EngineThread:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.error is None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -69,6 +71,18 @@ class EngineThread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug: no request may wait forever, and a supervisor must see the death
+            self.error = e
+            log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=True)
+            try:
+                self.scheduler.close(e)
+                self.mailbox.flush()
+            finally:
+                self.on_death(e)
+
+    def _loop(self) -> None:
         s = self.scheduler
         while not self._stopping:
             if not s.has_work():
@@ -80,7 +94,7 @@ class EngineThread:
                 s.step()
             except Exception as e:  # outside any one request: fail those in flight, keep serving
                 log.exception("engine step failed")
-                s.fail_all(e)
+                s.fail_all(e)  # if this raises too, the thread dies (above)
             self.mailbox.flush()
             took = time.perf_counter() - t0
             self.on_step(took)

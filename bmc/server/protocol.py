@@ -1,10 +1,13 @@
-"""OpenAI request bodies -> bmc requests, with the checks a user of vLLM or the OpenAI API expects: every field is
-type- and range-checked, and what bmc does not implement is refused by name (never silently ignored)."""
+"""OpenAI request and response bodies as pydantic models (so /openapi.json documents them), and the conversion of a
+checked request into bmc's: every field is type- and range-checked (strictly: "1" is not a number, true is not an
+integer), unknown fields are refused by name, and what bmc does not implement is refused unless it is set to its
+no-op value. Nothing here silently ignores a field that would change the answer."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine import GenerationConfig, encode_prompts
 from ..errors import BmcError
@@ -12,26 +15,239 @@ from ..models import Model
 from ..sampling import SamplingParams
 
 MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions (chat runs to the context)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               503: "service_unavailable"}
+ERROR_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+               415: "unsupported_media_type", 500: "internal_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: status code and {"error": {"message", "type", "param", "code"}}."""
+    """An error answered as OpenAI does: status code and {"error": {"message", "type", "param", "code"}}, the code a
+    string or null."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "internal_server_error")
+        self.kind = kind or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.code = code or ERROR_CODES.get(status)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# ---- request bodies -----------------------------------------------------------------------------------------------
+def _first_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON allows "\\ud83d"; no tokenizer does)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _first_surrogate(k, path) or _first_surrogate(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _first_surrogate(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _first_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not valid text "
+                             "(a character cut in half?)")
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+Stop = Union[str, list[str], None]
+Seed = Field(None, ge=-(2**63), le=2**64 - 1)
+
+
+class _Sampling(_Body):
+    """Fields common to both routes."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1.0")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Seed
+    n: int | None = Field(None, ge=1)
+    stop: Stop = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None
+    # set to anything but their no-op value, these are refused by name (bmc does not implement them)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # llama-server's prompt cache switch: a hint with no effect on the tokens (bmc keeps no prompt cache yet)
+    cache_prompt: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        description="a string, a list of token ids, or a list of either (one completion each)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # accepted at their no-op values only
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    # no effect on the tokens
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+
+# ---- response bodies (documentation and Schemathesis' response checks) ------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    kv_cache_dtype: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": d} for s, d in (
+    (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"), (413, "body too large"),
+    (415, "not JSON"), (500, "the request failed inside the engine"), (503, "loading, engine stopped or queue full"))}
+COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"model": CompletionResponse, "content": SSE}, **ERRORS}
+CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"model": ChatCompletionResponse, "content": SSE}, **ERRORS}
+
+
+# ---- a checked body -> bmc's request ------------------------------------------------------------------------------
 @dataclass
 class ParsedRequest:
     prompts: list[list[int]]  # token ids of each prompt (several only for /v1/completions with a list of prompts)
@@ -40,109 +256,64 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top alternatives per token to report (0 = the chosen token's only); None = no logprobs
     chat: bool
+    model_name: str  # the served name the client asked for (answered back as `model`)
 
 
-def _number(body: dict, name: str, default: float | None, lo: float, hi: float, *, lo_open: bool = False
-            ) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(f"{name} must be a finite number, got {v!r}", name)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
-
-
-def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(f"{name} must be an integer, got {v!r}", name)
-    if v < lo or (hi is not None and v > hi):
-        raise bad(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}", name)
-    return v
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {v!r}", name)
-    return v
-
-
-def _refuse_unimplemented(body: dict, chat: bool) -> None:
+def _refuse_unimplemented(body: _Sampling) -> None:
     """Fields with an effect bmc does not implement: refused when set to anything but their no-op value."""
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        neutral = 1.0 if name == "repetition_penalty" else 0.0
-        if body.get(name) not in (None, neutral):
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(body, name) not in (None, neutral):
             raise bad(f"{name} is not supported by bmc-serve (only {neutral})", name)
-    if body.get("logit_bias"):
+    if body.logit_bias:
         raise bad("logit_bias is not supported by bmc-serve", "logit_bias")
-    if not chat:
-        if body.get("echo"):
+    if isinstance(body, CompletionRequest):
+        if body.echo:
             raise bad("echo is not supported by bmc-serve", "echo")
-        if body.get("suffix"):
+        if body.suffix:
             raise bad("suffix is not supported by bmc-serve", "suffix")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != body.get("n", 1):
+        if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad("best_of other than n is not supported by bmc-serve", "best_of")
-    if chat and body.get("tools"):
-        raise bad("tools (function calling) are not supported by bmc-serve", "tools")
-    if chat and body.get("response_format") not in (None, {"type": "text"}):
+        return
+    assert isinstance(body, ChatCompletionRequest)
+    if body.tools or body.functions:
+        name = "tools" if body.tools else "functions"
+        raise bad(f"{name} (function calling) are not supported by bmc-serve", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none", "auto"):
+            raise bad(f"{name} is not supported by bmc-serve (no tools)", name)
+    if body.response_format not in (None, {"type": "text"}):
         raise bad("response_format other than text is not supported by bmc-serve", "response_format")
+    if body.modalities not in (None, ["text"]):
+        raise bad("modalities other than [\"text\"] are not supported by bmc-serve", "modalities")
 
 
-def _prompts(body: dict, model: Model) -> list[list[int]]:
-    p = body.get("prompt")
-    if p is None:
-        raise bad("prompt is required", "prompt")
-    vocab = model.config.vocab_size
-    if isinstance(p, str):
-        items: list = [p]
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        items = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        items = p
-    else:
+def _prompts(body: CompletionRequest, model: Model) -> list[list[int]]:
+    p = body.prompt
+    items: list = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not items:
         raise bad("prompt must be a non-empty string, a list of token ids, or a list of those", "prompt")
+    vocab = model.config.vocab_size
     out = []
     for i, x in enumerate(items):
+        if not x:
+            raise bad(f"prompt {i} is empty", "prompt")
         if isinstance(x, str):
-            if not x:
-                raise bad(f"prompt {i} is empty", "prompt")
             out.append(encode_prompts(model, [x], chat=False)[0])
         else:
-            if not x or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
-                raise bad(f"prompt {i} must be a non-empty list of token ids", "prompt")
             if not all(0 <= t < vocab for t in x):
                 raise bad(f"prompt {i} has token ids outside [0, {vocab})", "prompt")
             out.append(list(x))
     return out
 
 
-def _chat_prompt(body: dict, model: Model) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+def _chat_prompt(body: ChatCompletionRequest, model: Model) -> list[int]:
     clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string role", "messages")
-        if m["role"] not in ("system", "user", "assistant", "developer"):
-            raise bad(f"messages[{i}].role {m['role']!r} is not supported (system, user, assistant)", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(c["text"] for c in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string", "messages")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    for m in body.messages:
+        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        clean.append(message)
     if model.tokenizer is None:
         raise bad("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
@@ -152,57 +323,72 @@ def _chat_prompt(body: dict, model: Model) -> list[int]:
     return encode_prompts(model, [text], chat=False)[0]
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    s = body.get("stop")
-    if s is None:
-        return ()
-    stops = [s] if isinstance(s, str) else s
-    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-        raise bad("stop must be a non-empty string or a list of them", "stop")
-    return tuple(stops)
-
-
-def parse_request(body: Any, model: Model, served_name: str, *, chat: bool, max_num_seqs: int,
-                  server_gen: GenerationConfig) -> ParsedRequest:
-    """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    name = body.get("model")
-    if name is not None and name != served_name:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves `{served_name}`)", param="model",
-                       kind="not_found_error")
-    _refuse_unimplemented(body, chat)
-    prompts = [_chat_prompt(body, model)] if chat else _prompts(body, model)
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)):
-        raise bad("stream_options is only allowed with stream=true, as an object", "stream_options")
-    include_usage = _bool(options or {}, "include_usage", False)
-    if chat:
-        logprobs = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) if _bool(body, "logprobs", False) else None
-        if body.get("top_logprobs") is not None and logprobs is None:
+def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model, served_names: list[str], *,
+                  max_num_seqs: int, server_gen: GenerationConfig) -> ParsedRequest:
+    """A checked body -> token ids and a GenerationConfig; raises APIError. Tokenizes: call it off the event loop."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if body.model is not None and body.model not in served_names:
+        raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+                       f"{', '.join(f'`{n}`' for n in served_names)})", param="model", code="model_not_found")
+    _refuse_unimplemented(body)
+    if not body.stream and body.stream_options is not None:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
             raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
     else:
-        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    n = _int(body, "n", 1, 1, max_num_seqs)
-    max_tokens = _int(body, "max_completion_tokens", None, 1) if chat else None
-    max_tokens = max_tokens or _int(body, "max_tokens", None, 1)
+        logprobs = body.logprobs
+        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    n = body.n or 1
+    if n > max_num_seqs:
+        raise bad(f"n={n} exceeds the server's --max-num-seqs={max_num_seqs}", "n")
+    try:
+        prompts = [_chat_prompt(body, model)] if isinstance(body, ChatCompletionRequest) else _prompts(body, model)
+    except BmcError as e:  # the tokenizer's own checks
+        raise bad(str(e), "messages" if chat else "prompt") from None
     longest = max(len(p) for p in prompts)
     room = model.max_context - longest
     if room < 1 or (max_tokens is not None and max_tokens > room):
         raise bad(f"the prompt has {longest} tokens; with max_tokens={max_tokens or 1} that is beyond the model's "
                   f"context of {model.max_context}", "max_tokens" if room >= 1 else "prompt")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", None, 0.0, 1.0, lo_open=True)
-    top_k = _int(body, "top_k", None, -1)
-    seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if not all(stops):
+        raise bad("stop strings must be non-empty", "stop")
+    temperature = 1.0 if body.temperature is None else body.temperature
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k if top_k and top_k > 0 else None,
-                                  top_p=top_p if top_p is not None and top_p < 1.0 else None,
-                                  seed=seed % 2**63 if seed is not None else None)
-        gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=_stop(body),
-                               ignore_eos=_bool(body, "ignore_eos", False), kv=server_gen.kv, r=server_gen.r,
-                               T=server_gen.T, kv_dtype=server_gen.kv_dtype)
+        sampling = SamplingParams(temperature=temperature, top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+                                  top_p=body.top_p if body.top_p is not None and body.top_p < 1.0 else None,
+                                  min_p=body.min_p or None, seed=body.seed % 2**63 if body.seed is not None else None)
+        gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=tuple(stops),
+                               ignore_eos=bool(body.ignore_eos), kv=server_gen.kv, r=server_gen.r, T=server_gen.T,
+                               kv_dtype=server_gen.kv_dtype)
     except BmcError as e:
         raise bad(str(e)) from None
-    return ParsedRequest(prompts, gen, stream, include_usage, logprobs, chat)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ParsedRequest(prompts, gen, bool(body.stream), include_usage, logprobs, chat,
+                         body.model if body.model is not None else served_names[0])
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """FastAPI's validation errors -> one OpenAI-style message naming the field, and the param."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    if kind == "extra_forbidden":
+        name = ".".join(loc)
+        return f"unknown field `{name}`: bmc-serve does not implement it", name
+    if not loc:
+        msg = str(e.get("msg", "invalid body"))
+        return ("the request body must be a JSON object" if kind in ("dict_type", "model_type") else
+                msg.removeprefix("Value error, ")), None
+    field = loc[0]
+    if field == "prompt":
+        return "prompt must be a non-empty string, a list of token ids, or a list of those", field
+    if field == "stop":
+        return "stop must be a string or a list of strings", field
+    readable = [x for x in loc if not any(c in x for c in "[]|") and x not in ("str", "list", "int")]
+    return f"{'.'.join(readable)}: {e.get('msg', 'invalid value')}", field

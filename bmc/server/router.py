@@ -27,8 +27,14 @@ from typing import Any, AsyncIterator, Sequence
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from ..ports import free_port
+from .gate import RequestGate
+from .limits import DEFAULT_MAX_BODY_BYTES
+from .protocol import APIError
 
 log = logging.getLogger("bmc.router")
 
@@ -168,8 +174,7 @@ class Router:
             except httpx.HTTPError as e:  # the instance died mid-response
                 msg = f"engine instance {inst.index} failed while answering ({type(e).__name__}); retry the request"
                 if content_type.startswith("text/event-stream"):
-                    yield ("data: " + json.dumps({"error": {"message": msg, "type": "server_error", "code": 502}})
-                           + "\n\n").encode()
+                    yield ("data: " + json.dumps(APIError(502, msg).body()) + "\n\n").encode()
             finally:
                 inst.outstanding.pop(key, None)
                 await upstream.aclose()
@@ -237,12 +242,14 @@ class Router:
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status, headers=headers)
+    return JSONResponse(APIError(status, message).body(), status_code=status, headers=headers)
 
 
-def build_router_app(core_sets: Sequence[Sequence[int]], argv: Sequence[str], api_key: str | None) -> FastAPI:
+def build_router_app(core_sets: Sequence[Sequence[int]], argv: Sequence[str], api_key: str | None, *,
+                     allowed_origins: Sequence[str] | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The instances check every request themselves; the router checks what it must before it buffers a body
+    (its size, the key, the content type) and answers CORS preflights."""
     router = Router(core_sets, argv, api_key)
 
     @asynccontextmanager
@@ -255,8 +262,16 @@ def build_router_app(core_sets: Sequence[Sequence[int]], argv: Sequence[str], ap
         await asyncio.get_running_loop().run_in_executor(None, router.stop)
         await router.client.aclose()
 
-    app = FastAPI(title="bmc-serve (router)", lifespan=lifespan)
+    app = FastAPI(title="bmc-serve (router)", lifespan=lifespan, strict_content_type=False)
     app.state.router = router
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(e.status_code, str(e.detail), dict(e.headers or {}))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -268,12 +283,13 @@ def build_router_app(core_sets: Sequence[Sequence[int]], argv: Sequence[str], ap
         return Response(await router.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
+    @app.get("/v1/models/{model_id:path}")
     async def models(request: Request) -> Response:
         inst = router.pick()
         if inst is None:
             return error(503, "no engine instance is ready", {"Retry-After": "1"})
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        r = await router.client.get(inst.url + "/v1/models", headers=headers)
+        r = await router.client.get(inst.url + request.url.path, headers=headers)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     @app.post("/v1/completions")
