@@ -120,14 +120,14 @@ def _load_tensor_parallel(path: str | None, tp: int, *, dtype: str | torch.dtype
 
 
 def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
-            num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
+            min_p: float | None, num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
             ignore_eos: bool, attention: str, speculative: str = "off", tree: str = "dynamic:4x6",
             spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None, sparq_k: int = 128,
             window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> GenerationConfig:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p),
         num_samples=num_samples, stop=stops, ignore_eos=ignore_eos, kv=kv, r=r, T=T, attention=attention,
         speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
         attention_options=AttentionOptions(SparQOptions(r=sparq_r, k=sparq_k), window_k=window_k),
@@ -135,15 +135,15 @@ def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: f
 
 
 def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, num_samples: int = 1,
-           stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, min_p: float | None = None,
+           num_samples: int = 1, stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
            ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
            tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
            sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> TokenStream:
     """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
     if not isinstance(model, Model):
         raise InvalidRequestError("stream() runs on a model in this process; with tp > 1 use generate()")
-    gen = _config(max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop, kv, r, T, ignore_eos, attention,
+    gen = _config(max_new_tokens, temperature, top_k, top_p, seed, min_p, num_samples, stop, kv, r, T, ignore_eos, attention,
                   speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs, kv_dtype)
     if stop and model.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none")
@@ -151,8 +151,8 @@ def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: 
 
 
 def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, num_samples: int = 1,
-             stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, min_p: float | None = None,
+             num_samples: int = 1, stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
              ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
              tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
              sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> Completions:
@@ -173,12 +173,12 @@ def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature
 
     if isinstance(model, TensorParallelModel):
         return model.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T,
+                              top_p=top_p, seed=seed, min_p=min_p, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T,
                               ignore_eos=ignore_eos, chat=chat, attention=attention, speculative=speculative,
                               tree=tree, spec_grow=spec_grow, share_prefix=share_prefix, sparq_r=sparq_r,
                               sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
     s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               seed=seed, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
+               seed=seed, min_p=min_p, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
                attention=attention, speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
                sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
     by_row: dict[tuple[int, int], Completion] = {}

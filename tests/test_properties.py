@@ -109,3 +109,52 @@ def test_a_kv_cache_beyond_memory_is_refused_before_allocating(model):
 
     with pytest.raises(InvalidRequestError, match="GiB of KV cache"):
         bmc.generate(model, [[5, 17, 33]], max_new_tokens=2, num_samples=10**9)
+
+
+# Sampling values at float32's edges: what a client can send that the kernels see rounded (denormals, values that
+# round to 0, huge ones). Each either is refused with InvalidRequestError or samples a token the distribution gives
+# weight to; never an id out of the vocabulary, never NaN.
+FLOAT32_EDGES = st.one_of(
+    st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 1e-46, 1.4e-45, 1e-40, 1.1754943e-38, 1e-30, 1e-7, 0.5, 1.0, 2.0,
+                     3.4e38, 1e308]),
+    st.floats(min_value=0.0, max_value=2.0, allow_subnormal=True),
+    st.floats(min_value=0.0, max_value=1e-30, allow_subnormal=True))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(temperature=FLOAT32_EDGES, top_p=st.one_of(st.none(), FLOAT32_EDGES), min_p=st.one_of(st.none(), FLOAT32_EDGES),
+       top_k=st.one_of(st.none(), st.integers(1, 10**6)), scale=st.sampled_from([1.0, 1e4, 1e30, 1e37]))
+def test_sampler_at_float32_edges_gives_a_token_or_a_typed_error(temperature, top_p, min_p, top_k, scale):
+    import torch
+
+    from bmc.sampling import Sampler, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
+    except bmc.InvalidRequestError as e:
+        assert str(e)
+        return
+    logits = torch.randn(4, 97, generator=torch.Generator().manual_seed(0)) * scale
+    sampler = Sampler(params, torch.device("cpu"))
+    ids = sampler(logits)
+    assert ids.shape == (4,) and bool(((ids >= 0) & (ids < 97)).all())
+    if not params.greedy:
+        probs = sampler.probs(logits)
+        assert not bool(probs.isnan().any())
+        assert bool((probs.gather(1, ids[:, None]) > 0).all())  # never a token the distribution excludes
+        broken = logits.clone()
+        broken[0, 5] = float("nan")  # a model's non-finite logits: the request fails with a typed error
+        with pytest.raises(BmcError, match="outside"):
+            sampler(broken)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(temperature=FLOAT32_EDGES, top_p=st.one_of(st.none(), FLOAT32_EDGES), min_p=st.one_of(st.none(), FLOAT32_EDGES))
+def test_generate_at_float32_edges(model, temperature, top_p, min_p):
+    try:
+        out = bmc.generate(model, [[5, 17, 33]], max_new_tokens=4, temperature=temperature, top_p=top_p, min_p=min_p,
+                           seed=1, ignore_eos=True)
+    except bmc.InvalidRequestError as e:
+        assert "float32" in str(e) or "must be" in str(e)
+        return
+    assert len(out[0].token_ids) == 4 and all(0 <= t < model.config.vocab_size for t in out[0].token_ids)

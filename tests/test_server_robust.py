@@ -296,3 +296,30 @@ def test_an_engine_thread_that_dies_answers_everyone_and_exits_non_zero(tiny_dir
         assert "engine thread died" in srv.output()
     finally:
         srv.stop()
+
+
+def test_hypothesis_sampling_values_through_the_server(server):
+    """Sampling values across float32's edges, sent as a client sends them: a 200 with a finished choice or a 400
+    naming the field, never a 5xx; the server is healthy after each."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    edges = st.one_of(st.sampled_from([0.0, 5e-324, 1e-300, 1e-46, 1.4e-45, 1e-40, 1.1754943e-38, 1e-7, 1.0, 2.0]),
+                      st.floats(0.0, 2.0, allow_subnormal=True), st.floats(0.0, 1e-30, allow_subnormal=True))
+
+    @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(temperature=edges, top_p=st.one_of(st.none(), edges), min_p=st.one_of(st.none(), edges),
+           top_k=st.one_of(st.none(), st.integers(-1, 10**20)), logprobs=st.one_of(st.none(), st.integers(0, 5)))
+    def check(temperature, top_p, min_p, top_k, logprobs):
+        body = {"prompt": "0", "max_tokens": 2, "temperature": temperature, "top_p": top_p, "min_p": min_p,
+                "top_k": top_k, "logprobs": logprobs}
+        r = post(server, "/v1/completions", {k: v for k, v in body.items() if v is not None})
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        else:
+            assert r.json()["error"]["param"] in ("temperature", "top_p", "min_p", "top_k")
+
+    check()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200

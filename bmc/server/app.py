@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -197,14 +197,15 @@ def build_app(opts: ServeOptions) -> FastAPI:
         log.exception("unhandled error answering %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "loading, or the engine stopped"}})
     async def health() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ok"})
         status = "loading" if state.engine is None and state.load_error is None else "error"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         if state.metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)

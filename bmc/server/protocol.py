@@ -5,7 +5,7 @@ no-op value. Nothing here silently ignores a field that would change the answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -81,8 +81,13 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-Stop = Union[str, list[str], None]
-Seed = Field(None, ge=-(2**63), le=2**64 - 1)
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+Stop = Union[NonEmpty, list[NonEmpty], None]
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # json_object / json_schema: not implemented (refused by name)
 
 
 class _Sampling(_Body):
@@ -94,7 +99,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Seed
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     n: int | None = Field(None, ge=1)
     stop: Stop = None
     stream: bool | None = None
@@ -111,12 +116,13 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+    prompt: Union[NonEmpty, TokenIds, Annotated[list[NonEmpty], Field(min_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1)]] = Field(
         description="a string, a list of token ids, or a list of either (one completion each)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, description="only equal to n")
 
 
 class TextPart(_Strict):
@@ -136,13 +142,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # accepted at their no-op values only
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: Union[str, dict[str, Any], None] = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    functions: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    function_call: Literal["none", "auto"] | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
     # no effect on the tokens
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -239,7 +245,9 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# each server-sent event: `data: {chunk JSON}` (then `data: [DONE]`)
+SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse, "description": d} for s, d in (
     (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"), (413, "body too large"),
     (415, "not JSON"), (500, "the request failed inside the engine"), (503, "loading, engine stopped or queue full"))}
@@ -274,17 +282,6 @@ def _refuse_unimplemented(body: _Sampling) -> None:
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad("best_of other than n is not supported by bmc-serve", "best_of")
         return
-    assert isinstance(body, ChatCompletionRequest)
-    if body.tools or body.functions:
-        name = "tools" if body.tools else "functions"
-        raise bad(f"{name} (function calling) are not supported by bmc-serve", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none", "auto"):
-            raise bad(f"{name} is not supported by bmc-serve (no tools)", name)
-    if body.response_format not in (None, {"type": "text"}):
-        raise bad("response_format other than text is not supported by bmc-serve", "response_format")
-    if body.modalities not in (None, ["text"]):
-        raise bad("modalities other than [\"text\"] are not supported by bmc-serve", "modalities")
 
 
 def _prompts(body: CompletionRequest, model: Model) -> list[list[int]]:
@@ -364,11 +361,22 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
         gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=tuple(stops),
                                ignore_eos=bool(body.ignore_eos), kv=server_gen.kv, r=server_gen.r, T=server_gen.T,
                                kv_dtype=server_gen.kv_dtype)
-    except BmcError as e:
-        raise bad(str(e)) from None
+    except BmcError as e:  # SamplingParams' float32 checks name their field first
+        field = str(e).split(" ", 1)[0]
+        raise bad(str(e), field if field in type(body).model_fields else None) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ParsedRequest(prompts, gen, bool(body.stream), include_usage, logprobs, chat,
                          body.model if body.model is not None else served_names[0])
+
+
+UNSUPPORTED = {
+    "tools": "tools (function calling) are not supported by bmc-serve",
+    "functions": "functions (function calling) are not supported by bmc-serve",
+    "tool_choice": "tool_choice other than none/auto is not supported by bmc-serve (no tools)",
+    "function_call": "function_call other than none/auto is not supported by bmc-serve (no tools)",
+    "response_format": "response_format other than {\"type\": \"text\"} is not supported by bmc-serve",
+    "modalities": "modalities other than [\"text\"] are not supported by bmc-serve",
+}
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -386,6 +394,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return ("the request body must be a JSON object" if kind in ("dict_type", "model_type") else
                 msg.removeprefix("Value error, ")), None
     field = loc[0]
+    if field in UNSUPPORTED:
+        return UNSUPPORTED[field], field
     if field == "prompt":
         return "prompt must be a non-empty string, a list of token ids, or a list of those", field
     if field == "stop":
