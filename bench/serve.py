@@ -78,6 +78,12 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
                 data = json.loads(line[6:])
                 if not data.get("choices"):
                     continue
+                choice = data["choices"][0]
+                if choice.get("finish_reason") is not None and not choice.get("text"):
+                    # the closing chunk with no text (OpenAI's shape; bmc, llama-server and vLLM send it): no token
+                    if choice["finish_reason"] == "length":
+                        res.output_tokens = max_tokens
+                    continue
                 now = time.perf_counter()
                 res.chunk_at.append(now)
                 if chunks == 0:
