@@ -39,7 +39,7 @@ from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
-from .sampling import Sampler, check_token_ids
+from .sampling import Sampler, SamplingError
 from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
@@ -562,7 +562,8 @@ class Scheduler:
                     picked = req.sampler(logits.index_select(0, torch.tensor(idx, device=logits.device))).tolist()
                     for i, t in zip(idx, picked):
                         ids[i] = t
-                check_token_ids(torch.tensor([ids[i] for i in idx]), vocab)
+                if not all(0 <= ids[i] < vocab for i in idx):  # the argmax of non-finite logits
+                    raise SamplingError(f"the step produced token ids outside [0, {vocab}): {[ids[i] for i in idx]}")
                 logprobs = self._logprobs(logits, idx, ids, req.logprobs)
             except Exception as e:
                 self._fail(req, e)

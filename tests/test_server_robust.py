@@ -128,6 +128,8 @@ BAD_BODIES = [
     ("string for a number", '{"prompt": "hi", "temperature": "0.5"}', "application/json", 400, "temperature"),
     ("bool for an integer", '{"prompt": "hi", "max_tokens": true}', "application/json", 400, "max_tokens"),
     ("infinity", '{"prompt": "hi", "temperature": Infinity}', "application/json", 400, "finite"),
+    ("too many stop strings", json.dumps({"prompt": "hi", "stop": ["x"] * 65}), "application/json", 400, "stop"),
+    ("too many prompts", json.dumps({"prompt": ["hi"] * 1025}), "application/json", 400, "prompt"),
 ]
 
 

@@ -83,7 +83,9 @@ class StreamOptions(_Strict):
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
-Stop = Union[NonEmpty, list[NonEmpty], None]
+MAX_STOPS = 64  # each is checked after every token: thousands would slow every stream of the batch
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each queued as a request of its own)
+Stop = Union[NonEmpty, Annotated[list[NonEmpty], Field(max_length=MAX_STOPS)], None]
 
 
 class ResponseFormat(_Strict):
@@ -116,8 +118,8 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[NonEmpty, TokenIds, Annotated[list[NonEmpty], Field(min_length=1)],
-                  Annotated[list[TokenIds], Field(min_length=1)]] = Field(
+    prompt: Union[NonEmpty, TokenIds, Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
         description="a string, a list of token ids, or a list of either (one completion each)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
@@ -397,8 +399,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if field in UNSUPPORTED:
         return UNSUPPORTED[field], field
     if field == "prompt":
-        return "prompt must be a non-empty string, a list of token ids, or a list of those", field
+        return (f"prompt must be a non-empty string, a list of token ids, or a list of at most {MAX_PROMPTS} of "
+                "those", field)
     if field == "stop":
-        return "stop must be a string or a list of strings", field
+        return f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", field
     readable = [x for x in loc if not any(c in x for c in "[]|") and x not in ("str", "list", "int")]
     return f"{'.'.join(readable)}: {e.get('msg', 'invalid value')}", field
