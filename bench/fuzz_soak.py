@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,7 +50,7 @@ def main() -> None:
     import openai
 
     import bmc
-    from tests.serving import ServerProcess
+    from tests.serving import ServerProcess, schemathesis_command
 
     model_path = args.model
     if model_path is None:
@@ -97,14 +95,11 @@ def main() -> None:
 
     threads = [threading.Thread(target=stream_loop, args=(prompts[i % len(prompts)],)) for i in range(args.streams)]
     threads.append(threading.Thread(target=issue_loop))
-    st = shutil.which("st", path=os.path.dirname(sys.executable)) or "st"
     start = time.monotonic()
     for t in threads:
         t.start()
-    fuzz = subprocess.Popen([st, "run", f"{srv.url}/openapi.json", "-H", f"Authorization: Bearer {key}",
-                             "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--workers", "2",
-                             "--request-timeout", "300", "--max-time", str(seconds)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fuzz = subprocess.Popen(schemathesis_command(srv.url, seconds, key, workers=2), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     reader = threading.Thread(target=lambda: setattr(fuzz, "output", fuzz.stdout.read()))
     reader.start()
     while fuzz.poll() is None:
@@ -133,6 +128,7 @@ def main() -> None:
     result["ok"] = ok
     path = Path(args.out or ROOT / "bench/results/cpu" / f"fuzz-soak-{platform.node() or 'host'}.json")
     path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".schemathesis.txt").write_text(out)  # failures with their reproducing curl commands
     plot(result, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "streams_ok_over_time"}, indent=1))
     sys.exit(0 if ok else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,3 +81,22 @@ class ServerProcess:
             if got == value or time.monotonic() > deadline:
                 return got
             time.sleep(0.05)
+
+
+# Every Schemathesis check but positive_data_acceptance (a schema cannot say what depends on the loaded model: a
+# prompt over its context, token ids beyond its vocabulary) and the response-time limit `--checks all` would add.
+SCHEMATHESIS_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
+                       "response_headers_conformance,response_schema_conformance,negative_data_rejection,"
+                       "missing_required_header,unsupported_method,allow_header_conformance,use_after_free,"
+                       "ensure_resource_availability,ignored_auth")
+
+
+def schemathesis_command(url: str, seconds: int, key: str, *, workers: int, max_examples: int | None = None
+                         ) -> list[str]:
+    """`st run` against a server's own /openapi.json for at most `seconds`."""
+    st = shutil.which("st", path=os.path.dirname(sys.executable)) or shutil.which("st")
+    if st is None:
+        raise RuntimeError("schemathesis is not installed (scripts/setup.sh --test)")
+    cmd = [st, "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {key}", "--checks", SCHEMATHESIS_CHECKS,
+           "--workers", str(workers), "--request-timeout", "300", "--max-time", str(seconds)]
+    return cmd + (["--max-examples", str(max_examples)] if max_examples is not None else [])

@@ -3,13 +3,12 @@ every response as documented (status, content type, body and SSE schema), and ev
 tokens alone. Bounded in time (FUZZ_SECONDS); bench/fuzz_soak.py runs the same for as long as asked.
 
 positive_data_acceptance is left out: a schema cannot say what depends on the loaded model (a prompt longer than its
-context, token ids beyond its vocabulary, n above --max-num-seqs), and those are refused with a 400 on purpose."""
+context, token ids beyond its vocabulary, n above --max-num-seqs), and those are refused with a 400 on purpose. So is the 10 s response-time limit that `--checks all` adds: a request may
+ask for thousands of tokens, and speed is measured in benchmarks, not asserted in tests."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 import bmc
 
 from .conftest import make_llama, transformers  # noqa: F401
-from .serving import ServerProcess
+from .serving import ServerProcess, schemathesis_command
 
 openai = pytest.importorskip("openai", reason="the fuzz test drives bmc-serve with the openai client")
 pytest.importorskip("schemathesis", reason="the fuzz test runs Schemathesis (the test extra)")
@@ -25,14 +24,6 @@ pytest.importorskip("schemathesis", reason="the fuzz test runs Schemathesis (the
 FUZZ_SECONDS = int(os.environ.get("BMC_FUZZ_SECONDS", "45"))
 KEY = "fuzz-key"
 PROMPTS = ["the quick brown fox", "hello world, hello", "a balanced cache allocates"]
-
-
-def schemathesis_command(url: str, seconds: int, key: str) -> list[str]:
-    st = shutil.which("st", path=os.path.dirname(sys.executable)) or shutil.which("schemathesis")
-    assert st is not None, "schemathesis is installed but its command is not found"
-    return [st, "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {key}", "--checks", "all",
-            "--exclude-checks", "positive_data_acceptance", "--workers", "1", "--request-timeout", "120",
-            "--max-time", str(seconds), "--max-examples", "50"]
 
 
 def test_schemathesis_finds_nothing_while_streams_decode_exactly(tmp_path):
@@ -61,7 +52,8 @@ def test_schemathesis_finds_nothing_while_streams_decode_exactly(tmp_path):
         for t in threads:
             t.start()
         try:
-            fuzz = subprocess.run(schemathesis_command(srv.url, FUZZ_SECONDS, KEY), capture_output=True, text=True,
+            fuzz = subprocess.run(schemathesis_command(srv.url, FUZZ_SECONDS, KEY, workers=1, max_examples=50),
+                                  capture_output=True, text=True,
                                   timeout=FUZZ_SECONDS + 300)
         finally:
             stop.set()
