@@ -39,6 +39,7 @@ from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingError
 from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
 from .spec.decode import SpeculativeStep
@@ -78,11 +79,14 @@ class Request:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: list[int], gen: GenerationConfig, emit: Emit, *, logprobs: int | None = None,
-                 request_id: str | None = None, device: torch.device | str = "cpu") -> None:
+                 request_id: str | None = None, device: torch.device | str = "cpu", cache_salt: str | None = None,
+                 cache_prompt: bool = True) -> None:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         self.request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.prompt_ids, self.gen, self.emit, self.logprobs = prompt_ids, gen, emit, logprobs
+        self.cache_salt, self.cache_prompt = cache_salt, cache_prompt  # prefix cache: its tenant; False = opt out
+        self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
         self.sampler = Sampler(gen.sampling, torch.device(device))
         self.arrival = time.monotonic()
         self.admitted_at: float | None = None  # left the waiting queue (queue time = admitted_at - arrival)
@@ -124,6 +128,7 @@ class SchedulerCounters:
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
     relongs: int = 0  # rows whose KV was recomputed at longrope's switch
+    cached_prompt_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -132,7 +137,8 @@ class Scheduler:
                  max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
                  kv_dtype: str = "auto",
                  attention: str = "dense", attention_options: AttentionOptions | None = None,
-                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24) -> None:
+                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24,
+                 prefix_cache_bytes: int = 0) -> None:
         if max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens <= max_num_seqs:
@@ -151,6 +157,10 @@ class Scheduler:
         self.cache.keep_spare = True  # joins and leaves copy into the last buffer (and growth too on CUDA): no fresh pages
         self.cache.regroup([])
         self.decode_attention = served_attention(model, self.cache, attention, options)
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache_off = prefix_cache_unsupported(model) if prefix_cache_bytes > 0 else "off"
+        if self.prefix_cache_off is None:
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name)
         self.spec = served_speculation(speculative, tree)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         if spec_max_tokens < 2:
@@ -461,7 +471,12 @@ class Scheduler:
             # stored in the batch cache's format (the server's --kv-dtype), whatever the request's own config says
             gen = dataclasses.replace(req.gen, kv_dtype=self.cache.format.name)
             cache = make_cache(self.model, gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
-            self.prefilling.append(_Prefill(req, cache))
+            done = 0
+            if self.prefix_cache is not None and req.cache_prompt:  # a hit: those columns copied, not prefilled
+                done = self.prefix_cache.seed(cache, self.prefix_cache.match(req.prompt_ids, req.cache_salt))
+                req.cached_tokens = done
+                self.counters.cached_prompt_tokens += done
+            self.prefilling.append(_Prefill(req, cache, done))
 
     def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:
         """The next chunk of each admitted prompt, oldest first, within what is left of the token budget."""
@@ -523,6 +538,8 @@ class Scheduler:
             return
         self.prefilling.remove(p)
         self.counters.prompt_tokens += len(req.prompt_ids)
+        if self.prefix_cache is not None and req.cache_prompt:
+            self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt)
         n = req.num_samples
         switch = longrope_switch(self.model.config)
         short = switch is not None and len(req.prompt_ids) <= switch
@@ -627,6 +644,17 @@ class Scheduler:
             self._requests.pop(id(req), None)
             self.counters.finished["error"] += 1
             req.emit(error)
+
+
+def prefix_cache_unsupported(model: Model) -> str | None:
+    """Why the prefix cache cannot serve this model (None: it can). A stored block is its tokens' KV at their
+    positions from 0: a sliding window's prefill cache may drop leading columns, and longrope rotates a prompt by
+    the factors its whole length picks."""
+    if model.config.sliding_window is not None:
+        return "a sliding-window model (its prompt caches drop columns that left the window)"
+    if longrope_switch(model.config) is not None:
+        return "longrope (a prompt's rotation depends on its whole length)"
+    return None
 
 
 def served_attention(model: Model, cache: KVCache, attention: str, options: AttentionOptions) -> AttentionFn:

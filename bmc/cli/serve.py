@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: none, CORS off)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"request bodies larger than this get a 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--prefix-cache-bytes", type=int, default=None,
+                   help="prompt KV kept across requests (the prefix cache), at most this many bytes, least recently "
+                   "used evicted first (default: 1/8 of the machine's memory, at most 4 GiB)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="keep no prompt KV across requests: every prompt is prefilled whole")
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
@@ -90,6 +95,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("r", "T"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name} must be >= 1")
+    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
+        fail(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
     if args.max_body_bytes < 1:
         fail(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.served_model_name is not None and not all(args.served_model_name):
@@ -112,6 +119,11 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--spec-max-tokens must be >= 2 (a root and one draft), got {args.spec_max_tokens}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
         fail(f"--instances must be a number >= 1 or 'auto', got {args.instances!r}")
+
+
+def default_prefix_cache_bytes() -> int:
+    """1/8 of physical memory, at most 4 GiB (split between --instances)."""
+    return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8, 4 << 30)
 
 
 def instance_count(args: argparse.Namespace) -> int:
@@ -155,7 +167,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             core_sets = core_sets_for(instances, args.cpus)
         except (ValueError, OSError) as e:
             fail(str(e))
-        app = build_router_app(core_sets, router_argv(sys.argv[1:] if argv is None else argv), args.api_key or None,
+        instance_argv = router_argv(sys.argv[1:] if argv is None else argv)
+        if args.prefix_cache_bytes is None:  # the default budget is the machine's: split it between the instances
+            instance_argv += ["--prefix-cache-bytes", str(default_prefix_cache_bytes() // instances)]
+        app = build_router_app(core_sets, instance_argv, args.api_key or None,
                                allowed_origins=args.allowed_origins, max_body_bytes=args.max_body_bytes)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as below: a drained router exits 0
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -178,7 +193,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins,
-                        max_body_bytes=args.max_body_bytes, kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype,
+                        max_body_bytes=args.max_body_bytes, kv=args.kv,
+                        prefix_cache_bytes=0 if args.no_prefix_cache else (
+                            args.prefix_cache_bytes if args.prefix_cache_bytes is not None
+                            else default_prefix_cache_bytes()), r=args.r, T=args.T, kv_dtype=args.kv_dtype,
                         dtype=args.dtype,
                         speculative=args.speculative, tree=args.tree, attention=args.attention,
                         spec_max_tokens=args.spec_max_tokens,

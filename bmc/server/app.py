@@ -67,6 +67,7 @@ class ServeOptions:
     attention: str = "dense"  # or "sparq" (approximate decode attention)
     sparq_r: int | None = None
     sparq_k: int = 128
+    prefix_cache_bytes: int = 0  # prompt KV kept across requests under this budget (0 = no prefix cache)
 
 
 def default_served_name(path: str) -> str:
@@ -104,12 +105,17 @@ class ServerState:
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
                                   tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
-                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)))
+                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)),
+                                  prefix_cache_bytes=o.prefix_cache_bytes)
+            if o.prefix_cache_bytes and scheduler.prefix_cache is None:
+                log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)
             metrics = ServerMetrics(self.name)
             metrics.bind(lambda: scheduler.num_running, lambda: scheduler.num_waiting, lambda: scheduler.kv_bytes,
                          lambda: scheduler.cache.batch_size)
             if scheduler.spec is not None:
                 metrics.bind_speculation(lambda: scheduler.spec.stats)
+            if scheduler.prefix_cache is not None:
+                metrics.bind_prefix_cache(scheduler.prefix_cache)
             self.engine = EngineThread(scheduler)
             step_histogram = metrics.step.labels(self.name)
             self.engine.on_step = step_histogram.observe
@@ -245,7 +251,8 @@ def build_app(opts: ServeOptions) -> FastAPI:
                                          server_gen=server_gen)
         group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
-            group.submit(parsed.prompts, parsed.gen, parsed.logprobs)
+            group.submit(parsed.prompts, parsed.gen, parsed.logprobs, cache_salt=parsed.cache_salt,
+                         cache_prompt=parsed.cache_prompt)
         except (QueueFullError, EngineStoppedError) as e:
             raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
         except InvalidRequestError as e:
@@ -289,10 +296,12 @@ class Run:
         self.prefilled: set[int] = set()
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.p.prompts)
+        cached = sum(req.cached_tokens for req in self.group.requests)
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # OpenAI's: found in the prefix cache
 
     async def outputs(self) -> AsyncIterator[tuple[int, TokenOutput]]:
         """(choice index, output) until every choice finished; raises the request's error if it failed."""

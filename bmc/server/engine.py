@@ -116,11 +116,13 @@ class RequestGroup:
             self.mailbox.post(self.loop, self.queue, (prompt_index, out))
         return emit
 
-    def submit(self, prompts: list[list[int]], gen: GenerationConfig, logprobs: int | None) -> None:
+    def submit(self, prompts: list[list[int]], gen: GenerationConfig, logprobs: int | None, *,
+               cache_salt: str | None = None, cache_prompt: bool = True) -> None:
         """Queue every prompt; if one is refused (queue full, too long) the ones already queued are aborted."""
         try:
             for i, ids in enumerate(prompts):
-                req = Request(ids, gen, self._emitter(i), logprobs=logprobs, device=self.scheduler.model.device)
+                req = Request(ids, gen, self._emitter(i), logprobs=logprobs, device=self.scheduler.model.device,
+                              cache_salt=cache_salt, cache_prompt=cache_prompt)
                 self.scheduler.add(req)
                 self.requests.append(req)
         except Exception:

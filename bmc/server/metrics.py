@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # seconds; vLLM's buckets, which cover a CPU's slower steps too
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -58,6 +58,10 @@ class ServerMetrics:
         """Speculative decoding's counters (vLLM's spec_decode names), read from the scheduler's SpecStats."""
         self.registry.register(_SpecCollector(self.model_name, stats))
 
+    def bind_prefix_cache(self, cache: Any) -> None:
+        """The prefix cache's counters (vLLM's names: tokens looked up and found) and the bytes it holds."""
+        self.registry.register(_PrefixCacheCollector(self.model_name, cache))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -76,3 +80,20 @@ class _SpecCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+
+
+class _PrefixCacheCollector:
+    def __init__(self, model_name: str, cache: Any) -> None:
+        self.model_name, self.cache = model_name, cache
+
+    def collect(self) -> Iterator[Any]:
+        s = self.cache.stats
+        for name, doc, value in (("bmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.queries),
+                                 ("bmc:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.hits)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        gauge = GaugeMetricFamily("bmc:prefix_cache_usage_bytes", "Bytes of prompt KV the prefix cache holds",
+                                  labels=["model_name"])
+        gauge.add_metric([self.model_name], self.cache.nbytes)
+        yield gauge

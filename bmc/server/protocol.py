@@ -113,8 +113,10 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # llama-server's prompt cache switch: a hint with no effect on the tokens (bmc keeps no prompt cache yet)
+    # the prefix cache: false opts this request out (llama-server's cache_prompt); requests share cached prompt
+    # KV only under the same cache_salt (vLLM's)
     cache_prompt: bool | None = None
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -169,10 +171,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -267,6 +274,8 @@ class ParsedRequest:
     logprobs: int | None  # top alternatives per token to report (0 = the chosen token's only); None = no logprobs
     chat: bool
     model_name: str  # the served name the client asked for (answered back as `model`)
+    cache_salt: str | None = None
+    cache_prompt: bool = True
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
@@ -368,7 +377,8 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
         raise bad(str(e), field if field in type(body).model_fields else None) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ParsedRequest(prompts, gen, bool(body.stream), include_usage, logprobs, chat,
-                         body.model if body.model is not None else served_names[0])
+                         body.model if body.model is not None else served_names[0], body.cache_salt,
+                         body.cache_prompt is not False)
 
 
 UNSUPPORTED = {

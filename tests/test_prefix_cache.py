@@ -1,0 +1,155 @@
+"""The prefix cache (bmc/prefix_cache.py) in the continuous-batching scheduler and through bmc-serve: every request,
+with a full hit, a partial hit or a miss, gives the tokens generate() gives it alone; salts never share; eviction
+keeps the bytes within the budget while requests that used the blocks still run; check_integrity after every step."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+import bmc
+from bmc.prefix_cache import BLOCK
+from bmc.scheduler import Scheduler
+
+from .conftest import make_llama, transformers  # noqa: F401
+from .serving import ServerProcess
+from .test_scheduler import alone, drive, request
+
+SYSTEM = [(7 * i + 3) % 300 + 5 for i in range(3 * BLOCK + 5)]  # a shared "system prompt" of 53 tokens
+
+
+def drive_checked(sched: Scheduler, arrivals, collectors=(), cancels=None) -> int:
+    step = drive(sched, arrivals, cancels, collectors=collectors)
+    assert sched.prefix_cache is not None
+    sched.prefix_cache.check_integrity()
+    return step
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["bmc", "upfront"])
+def test_hits_partial_hits_and_misses_equal_generate_alone(gqa_dir, kv, kv_dtype):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=24, kv=kv, r=4 if kv == "bmc" else None,
+                      kv_dtype=kv_dtype, prefix_cache_bytes=64 << 20)
+    prompts = [SYSTEM + [11, 12, 13], SYSTEM + [11, 12, 13], SYSTEM + [40, 41], SYSTEM[:20] + [9, 9, 9], [1, 2, 3],
+               SYSTEM + [11, 12, 13] + list(range(100, 140))]
+    lengths = [9, 9, 7, 5, 6, 8]
+    reqs = [request(p, n) for p, n in zip(prompts, lengths)]
+    # the first alone (it fills the cache), then the rest together: hits join while others decode
+    drive_checked(sched, {0: [reqs[0][0]]}, collectors=[reqs[0][1]])
+    drive_checked(sched, {0: [r for r, _ in reqs[1:4]], 3: [r for r, _ in reqs[4:]]}, collectors=[c for _, c in reqs])
+    for (req, col), p, n in zip(reqs, prompts, lengths):
+        assert col.error is None
+        assert col.tokens == {0: alone(model, p, n, kv_dtype=kv_dtype)}, p
+    cached = [req.cached_tokens for req, _ in reqs]
+    # a full hit leaves the last token to prefill: the blocks of the shared 53 tokens (3 blocks) are found
+    assert cached == [0, 3 * BLOCK, 3 * BLOCK, BLOCK, 0, 3 * BLOCK], cached
+    assert sched.counters.cached_prompt_tokens == sum(cached)
+    stats = sched.prefix_cache.stats
+    assert stats.hits == sum(cached) and stats.queries == sum(map(len, prompts))
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("llama-512"), "gqa", max_pos=512)
+
+
+def test_a_conversation_resent_whole_over_five_turns(long_dir):
+    """Each turn resends the whole history (a chat UI on the OpenAI API): turn k reuses turn k-1's prompt."""
+    model = bmc.load(str(long_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=32, prefix_cache_bytes=64 << 20)
+    history = list(SYSTEM)
+    rng = random.Random(0)
+    for turn in range(5):
+        history += [rng.randrange(5, 300) for _ in range(11)]  # the user's message
+        req, col = request(history, 6)
+        drive_checked(sched, {0: [req]}, collectors=[col])
+        assert col.tokens == {0: alone(model, history, 6)}, turn
+        if turn:
+            assert req.cached_tokens >= (len(history) - 17 - 1) // BLOCK * BLOCK  # all but the new part
+        history += col.tokens[0]  # the assistant's reply, resent next turn
+
+
+def test_salts_never_share_and_opting_out_neither_reads_nor_writes(gqa_dir):
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=32, prefix_cache_bytes=64 << 20)
+    a, col_a = request(SYSTEM + [1], 4)
+    a.cache_salt = "tenant-a"
+    drive_checked(sched, {0: [a]}, collectors=[col_a])
+    b, col_b = request(SYSTEM + [1], 4)
+    b.cache_salt = "tenant-b"
+    c, col_c = request(SYSTEM + [1], 4)
+    c.cache_salt = "tenant-a"
+    c.cache_prompt = False
+    drive_checked(sched, {0: [b, c]}, collectors=[col_b, col_c])
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 0, 0)
+    d, col_d = request(SYSTEM + [1], 4)
+    d.cache_salt = "tenant-b"
+    drive_checked(sched, {0: [d]}, collectors=[col_d])
+    assert d.cached_tokens == 3 * BLOCK
+    assert col_a.tokens == col_b.tokens == col_c.tokens == col_d.tokens == {0: alone(model, SYSTEM + [1], 4)}
+
+
+def test_eviction_within_budget_while_readers_run(gqa_dir):
+    """A budget of a few blocks: every insert evicts; requests that copied the evicted blocks still decode to
+    generate()'s tokens, and the bytes held never pass the budget."""
+    model = bmc.load(str(gqa_dir))
+    cfg = model.config
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * BLOCK * cfg.head_dim * 4
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=16, prefix_cache_bytes=5 * block_bytes)
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(5, 300) for _ in range(2 * BLOCK + 3)] for _ in range(4)]
+    prompts = [prefixes[i % 4] + [rng.randrange(5, 300) for _ in range(3)] for i in range(12)]
+    reqs = [request(p, 12) for p in prompts]
+    arrivals = {2 * i: [reqs[i][0]] for i in range(len(reqs))}
+    drive_checked(sched, arrivals, collectors=[c for _, c in reqs])
+    for (req, col), p in zip(reqs, prompts):
+        assert col.tokens == {0: alone(model, p, 12)}
+    pc = sched.prefix_cache
+    assert pc.nbytes <= 5 * block_bytes and pc.stats.evicted_blocks > 0 and pc.stats.hits > 0
+
+
+def test_models_it_cannot_serve_are_named(gqa_dir):
+    import dataclasses
+    import types
+
+    from bmc.scheduler import prefix_cache_unsupported
+
+    model = bmc.load(str(gqa_dir))
+    assert prefix_cache_unsupported(model) is None
+    windowed = types.SimpleNamespace(config=dataclasses.replace(model.config, sliding_window=8))  # as Mistral's
+    assert "sliding-window" in prefix_cache_unsupported(windowed)
+
+
+def test_server_reuses_a_resent_conversation(tmp_path):
+    """bmc-serve: a chat resent whole reads its history from the cache (usage.prompt_tokens_details.cached_tokens,
+    the metrics), the reply equals generate() alone, and --no-prefix-cache turns it off."""
+    tiny = make_llama(tmp_path / "tiny", "gqa", max_pos=1024)
+    model = bmc.load(str(tiny))
+    system = "You are a helpful assistant who answers in short sentences. " * 6
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "the quick brown fox"}]
+    for flags, expect_hit in (([], True), (["--no-prefix-cache"], False)):
+        srv = ServerProcess(["--model", str(tiny), "--max-num-seqs", "2", "--served-model-name", "tiny", *flags])
+        try:
+            first = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                               json={"messages": messages, "max_tokens": 8, "temperature": 0}).json()
+            convo = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                {"role": "user", "content": "and the lazy dog?"}]
+            second = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                                json={"messages": convo, "max_tokens": 8, "temperature": 0}).json()
+            text = model.tokenizer.apply_chat_template(convo, add_generation_prompt=True)
+            want = bmc.generate(model, [model.tokenizer.encode(text)], max_new_tokens=8)[0].text
+            assert second["choices"][0]["message"]["content"] == want
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if expect_hit:
+                # all but the block where the re-rendered template tokenizes differently from the first prompt
+                assert cached >= first["usage"]["prompt_tokens"] - 2 * BLOCK and cached % BLOCK == 0
+                assert srv.metric("bmc:prefix_cache_hits_total") == cached
+                assert 0 < srv.metric("bmc:prefix_cache_usage_bytes")
+            else:
+                assert cached == 0
+                with pytest.raises(KeyError):
+                    srv.metric("bmc:prefix_cache_hits_total")
+        finally:
+            srv.stop()
