@@ -5,34 +5,33 @@ matches regexes over a trained model's text. Ported, llama.cpp file: its tests -
   test_access_public_endpoint -> test_health_models_and_aliases (unlike llama-server, /v1/models needs the key
   and an unknown model name is a 404)
 - test_completion: test_completion, test_completion_stream, test_completion_with_openai_library,
-  test_completion_stream_with_openai_library, test_consistent_result_different_batch_size (61-token prompt, 32-token
-  prefill chunks) -> test_completion_equals_generate; test_completion_stream_vs_non_stream,
-  test_consistent_result_same_seed, test_cache_vs_nocache_prompt -> test_same_seed_same_text;
-  test_different_result_different_seed -> test_different_seeds; test_completion_with_tokens_input
-  -> test_token_id_prompts; test_completion_parallel_slots -> test_parallel_requests_equal_generate_alone;
-  test_n_probs, test_n_probs_stream -> test_completion_logprobs; test_cancel_request
-  -> test_client_leaving_stops_a_non_streamed_request; test_completion_stream_with_openai_library_stops
-  -> test_stop_strings; test_nocache_long_input_prompt -> test_beyond_the_context
-- test_ctx_shift: test_ctx_shift_disabled_long_prompt -> test_beyond_the_context; test_ctx_shift_disabled_short_prompt
-  (n_predict -1), test_ctx_shift_disabled_stream -> test_chat_without_max_tokens_runs_to_the_context_end
-- test_chat_completion: test_chat_completion, test_chat_completion_with_openai_library,
-  test_chat_completions_multiple_choices -> test_chat_equals_generate; test_chat_completion_stream
-  -> test_chat_stream_chunks; test_logprobs, test_logprobs_stream -> test_chat_logprobs; test_context_size_exceeded
-  (and _stream) -> test_beyond_the_context; test_invalid_chat_completion_req -> test_invalid_messages (less its
-  user/assistant/assistant case: the chat template's call); test_completion_with_response_format,
-  test_completion_with_json_schema, test_completion_with_grammar, test_logit_bias (and test_completion's)
-  -> test_llama_server_only_fields_are_refused_by_name (bmc implements none: a 400 naming the field)
+  test_completion_stream_with_openai_library, test_consistent_result_different_batch_size (61-token prompt in
+  32-token prefill chunks) -> test_completion_equals_generate; test_completion_stream_vs_non_stream,
+  test_consistent_result_same_seed, test_different_result_different_seed, test_cache_vs_nocache_prompt
+  -> test_seeds; test_completion_with_tokens_input -> test_token_id_prompts; test_completion_parallel_slots
+  -> test_parallel_requests_equal_generate_alone; test_n_probs, test_n_probs_stream -> test_completion_logprobs;
+  test_cancel_request -> test_client_leaving_stops_a_non_streamed_request; test_completion_stream_with_openai_
+  library_stops -> test_stop_strings; test_nocache_long_input_prompt -> test_beyond_the_context
+- test_ctx_shift: test_ctx_shift_disabled_long_prompt -> test_beyond_the_context; test_ctx_shift_disabled_short_
+  prompt (n_predict -1), test_ctx_shift_disabled_stream -> test_chat_without_max_tokens_runs_to_the_context_end
+- test_chat_completion: test_chat_completion, test_chat_completion_with_openai_library, test_chat_completions_
+  multiple_choices -> test_chat_equals_generate; test_chat_completion_stream -> test_chat_stream_chunks;
+  test_logprobs, test_logprobs_stream -> test_chat_logprobs; test_context_size_exceeded(_stream)
+  -> test_beyond_the_context; test_invalid_chat_completion_req (less user/assistant/assistant: the template's call),
+  test_completion_with_response_format, test_completion_with_json_schema, test_completion_with_grammar,
+  test_logit_bias (and test_completion's) -> test_bad_requests_get_a_400_naming_the_field (bmc has no grammar,
+  JSON output, logit_bias or n_predict: each refused by name)
 - test_ignore_eos -> test_ignore_eos; min_p (a llama-server field bmc supports, no test of its own) -> test_min_p
-- test_security: test_incorrect_api_key, test_correct_api_key, test_openai_library_correct_api_key -> test_api_key;
-  test_cors_options -> test_cors_preflight
+- test_security: test_incorrect_api_key, test_correct_api_key -> test_api_key (test_openai_library_correct_api_key:
+  every openai-client test here); test_cors_options -> test_cors_preflight
 Not ported (llama-server-only: bmc has no such route or field): /tokenize, /detokenize (test_tokenize), /props,
 /slots, /infill, /embedding, /rerank, lora, tool calls, grammar/JSON-schema output, /apply-template and __verbose
 prompts, assistant prefill, return_progress, timings, response_fields, n_probs/post_sampling_probs/return_tokens,
-the prompt cache and its metrics (bmc keeps none), context shift (bmc refuses), the web UI, X-Api-Key (Anthropic's
-header), media paths, host families, split-GGUF downloads, router and stream-resume tests.
+test_metrics (cache_n timings, llamacpp: metric names), context shift (bmc refuses), the web UI, X-Api-Key
+(Anthropic's header), media paths, host families, split-GGUF downloads, router and stream-resume tests.
 
-Ported and passing: 21 tests (45 cases); failing on a server deviation: test_beyond_the_context[messages] (1 case).
-Not applicable: the list above (llama-server endpoints and fields that bmc does not serve).
+Ported and passing: 19 tests (47 cases), and test_beyond_the_context[messages] failing on a server deviation (1
+case); not applicable: the list above (llama-server endpoints and fields that bmc does not serve).
 """
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ def post(server, path: str, body, headers=AUTH, timeout=60) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
 
 
-def sse(server, path: str, body) -> list[str]:
-    """The `data:` payloads of a streamed request, [DONE] included."""
+def sse(server, path: str, body) -> list[str]:  # the `data:` payloads, [DONE] included
     with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200, r.read()
         return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -97,7 +95,6 @@ def chat_want(model, messages, n: int | None, **kw):
 
 
 def openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    """The OpenAI error object of a refused request: message, type, param, and a code that is a string or null."""
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
@@ -136,27 +133,24 @@ def test_completion_equals_generate(client, model, prompt, n, stream):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(model.tokenizer.encode(prompt)), len(want.token_ids))
 
 
-def test_same_seed_same_text(client, model):
-    """Seed 42 at temperature 1: requests one after the other (cache_prompt on and off: a hint with no effect on the
-    tokens; streamed and not) and four side by side all give generate()'s text."""
-    def one(cache_prompt=None, stream=False) -> str:
-        extra = {} if cache_prompt is None else {"cache_prompt": cache_prompt}
-        r = client.completions.create(model="tiny", prompt=MEANING, max_tokens=16, temperature=1.0, seed=42,
+def test_seeds(client, model):
+    """Temperature 1, seed 42: requests one after the other (cache_prompt on and off: a hint with no effect on the
+    tokens; streamed and not) and four side by side all give generate()'s text; seeds 0-3 give four others."""
+    def one(seed=42, cache_prompt=None, stream=False) -> str:
+        extra = {"ignore_eos": True} if cache_prompt is None else {"ignore_eos": True, "cache_prompt": cache_prompt}
+        r = client.completions.create(model="tiny", prompt=MEANING, max_tokens=16, temperature=1.0, seed=seed,
                                       stream=stream, extra_body=extra)
         return "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
 
-    alone = [one(), one(True), one(False), one(stream=True)]
+    def want(seed: int) -> str:
+        return bmc.generate(model, [MEANING], max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)[0].text
+
+    alone = [one(), one(cache_prompt=True), one(cache_prompt=False), one(stream=True)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(one, [None] * 4, timeout=120))
-    assert alone + together == [bmc.generate(model, [MEANING], max_new_tokens=16, temperature=1.0, seed=42)[0].text] * 8
-
-
-def test_different_seeds(client, model):
-    kw = dict(temperature=1.0, extra_body={"ignore_eos": True})
-    texts = [client.completions.create(model="tiny", prompt=MEANING, max_tokens=16, seed=s, **kw).choices[0].text
-             for s in range(4)]
-    assert len(set(texts)) == 4 and texts == [bmc.generate(model, [MEANING], max_new_tokens=16, temperature=1.0,
-                                                           seed=s, ignore_eos=True)[0].text for s in range(4)]
+        together = list(pool.map(one, [42] * 4, timeout=120))
+    assert alone + together == [want(42)] * 8
+    others = [one(seed) for seed in range(4)]
+    assert others == [want(seed) for seed in range(4)] and len(set(others + [want(42)])) == 5
 
 
 def test_token_id_prompts(server, client, model):
@@ -174,7 +168,6 @@ def test_token_id_prompts(server, client, model):
 def test_parallel_requests_equal_generate_alone(server, client, model, n_requests):
     prompts = ["Write a very long book.", "Write another a poem.", "What is LLM?", "The sky is blue and I love it.",
                "Write another very long music lyrics.", "Write a very long joke."][:n_requests]
-
     with concurrent.futures.ThreadPoolExecutor(n_requests) as pool:
         got = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=1.0,
                                                                 seed=42).choices[0].text, prompts, timeout=120))
@@ -239,7 +232,13 @@ def test_beyond_the_context(server, path, body, field):
 
 
 def test_chat_without_max_tokens_runs_to_the_context_end(client, model):
-    messages = [{"role": "user", "content": "Hi how are you"}]
+    """No max_tokens on chat: generation runs until the context is full (a long prompt leaves ~40 tokens of room)."""
+    def n_tokens(reps: int) -> int:
+        tok = model.tokenizer
+        return len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi how are you " * reps}])))
+
+    reps = (CTX - 40 - n_tokens(0)) // (n_tokens(2) - n_tokens(1))
+    messages = [{"role": "user", "content": "Hi how are you " * reps}]
     text, finish, usage = "", None, None
     for chunk in client.chat.completions.create(model="tiny", messages=messages, temperature=0, stream=True,
                                                 stream_options={"include_usage": True},
@@ -308,25 +307,20 @@ def test_chat_logprobs(client, model, stream):
         assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-5  # greedy: the chosen token is the most likely
 
 
-INVALID_MESSAGES = [None, "string", [123], [{}], [{"role": 123}], [{"role": "system", "content": 123}],
-                    [{"role": "system", "content": "test"}, {}]]
+# test_invalid_chat_completion_req's messages, then llama-server's own fields and the response formats bmc lacks
+BAD_REQUESTS = [(CHAT, {"messages": m}, "messages") for m in (
+    None, "string", [123], [{}], [{"role": 123}], [{"role": "system", "content": 123}],
+    [{"role": "system", "content": "test"}, {}])] + [
+    (COMPLETIONS, {"n_predict": 8}, "n_predict"), (CHAT, {"grammar": 'root ::= "a"{5,5}'}, "grammar"),
+    (CHAT, {"json_schema": {"const": "42"}}, "json_schema"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "sound"}}, "response_format"),
+    (CHAT, {"logit_bias": {"5": -100}}, "logit_bias")]
 
 
-@pytest.mark.parametrize("messages", INVALID_MESSAGES, ids=[json.dumps(m) for m in INVALID_MESSAGES])
-def test_invalid_messages(server, messages):
-    openai_error(post(server, CHAT, {"messages": messages}), 400, "messages")
-
-
-REFUSED = [(COMPLETIONS, {"n_predict": 8}, "n_predict"), (CHAT, {"grammar": 'root ::= "a"{5,5}'}, "grammar"),
-           (CHAT, {"json_schema": {"const": "42"}}, "json_schema"),
-           (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-           (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
-           (CHAT, {"response_format": {"type": "sound"}}, "response_format"),
-           (CHAT, {"logit_bias": {"5": -100}}, "logit_bias")]
-
-
-@pytest.mark.parametrize("path, extra, field", REFUSED, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSED)])
-def test_llama_server_only_fields_are_refused_by_name(server, path, extra, field):
+@pytest.mark.parametrize("path, extra, field", BAD_REQUESTS, ids=[f"{r[2]}-{i}" for i, r in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_a_400_naming_the_field(server, path, extra, field):
     base = {"messages": BOOK} if path == CHAT else {"prompt": MEANING}
     assert field in openai_error(post(server, path, {**base, "max_tokens": 4, **extra}), 400, field)["message"]
 
