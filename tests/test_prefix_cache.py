@@ -20,10 +20,9 @@ SYSTEM = [(7 * i + 3) % 300 + 5 for i in range(3 * BLOCK + 5)]  # a shared "syst
 
 
 def drive_checked(sched: Scheduler, arrivals, collectors=(), cancels=None) -> int:
-    step = drive(sched, arrivals, cancels, collectors=collectors)
+    """drive() checks the batch cache and the prefix cache after every step."""
     assert sched.prefix_cache is not None
-    sched.prefix_cache.check_integrity()
-    return step
+    return drive(sched, arrivals, cancels, collectors=collectors)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -93,7 +92,7 @@ def test_salts_never_share_and_opting_out_neither_reads_nor_writes(gqa_dir):
 
 def test_eviction_within_budget_while_readers_run(gqa_dir):
     """A budget of a few blocks: every insert evicts; requests that copied the evicted blocks still decode to
-    generate()'s tokens, and the bytes held never pass the budget."""
+    generate()'s tokens while a third of them are cancelled, and the bytes held never pass the budget."""
     model = bmc.load(str(gqa_dir))
     cfg = model.config
     block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * BLOCK * cfg.head_dim * 4
@@ -103,9 +102,12 @@ def test_eviction_within_budget_while_readers_run(gqa_dir):
     prompts = [prefixes[i % 4] + [rng.randrange(5, 300) for _ in range(3)] for i in range(12)]
     reqs = [request(p, 12) for p in prompts]
     arrivals = {2 * i: [reqs[i][0]] for i in range(len(reqs))}
-    drive_checked(sched, arrivals, collectors=[c for _, c in reqs])
+    cancels = {2 * i + 1 + i % 2: [reqs[i][0]] for i in range(0, len(reqs), 3)}  # a third cancelled early
+    drive_checked(sched, arrivals, collectors=[c for _, c in reqs], cancels=cancels)
+    cancelled = {id(r) for rs in cancels.values() for r in rs}
     for (req, col), p in zip(reqs, prompts):
-        assert col.tokens == {0: alone(model, p, 12)}
+        if id(req) not in cancelled:
+            assert col.tokens == {0: alone(model, p, 12)}
     pc = sched.prefix_cache
     assert pc.nbytes <= 5 * block_bytes and pc.stats.evicted_blocks > 0 and pc.stats.hits > 0
 

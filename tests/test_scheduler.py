@@ -63,6 +63,8 @@ def drive(sched: Scheduler, arrivals: dict[int, list[Request]], cancels: dict[in
             sched.abort(req)
         sched.step()
         sched.cache.check_integrity()
+        if sched.prefix_cache is not None:
+            sched.prefix_cache.check_integrity()
         assert len(sched.rows) == sched.cache.batch_size
         if step >= last and not sched.has_work():
             return step

@@ -30,8 +30,9 @@ prompts, assistant prefill, return_progress, timings, response_fields, n_probs/p
 test_metrics (cache_n timings, llamacpp: metric names), context shift (bmc refuses), the web UI, X-Api-Key
 (Anthropic's header), media paths, host families, split-GGUF downloads, router and stream-resume tests.
 
-Ported and passing: 19 tests (47 cases), and test_beyond_the_context[messages] failing on a server deviation (1
-case); not applicable: the list above (llama-server endpoints and fields that bmc does not serve).
+Ported and passing: 18 tests (48 of their 49 cases); failing on a server deviation: test_beyond_the_context[messages]
+(a chat prompt beyond the context names param "prompt", not "messages"); not applicable: the list above
+(llama-server endpoints and fields that bmc does not serve).
 """
 from __future__ import annotations
 
