@@ -4,6 +4,8 @@ that the server's resident memory stays flat.
 
     python bench/soak.py --requests 1000 --clients 16        # starts bmc-serve on the default model
     python bench/soak.py --url http://127.0.0.1:8000         # an endpoint already running (no RSS check)
+    python bench/soak.py --prefixes 50 --prefix-cache-bytes 20000000   # prompts from 50 shared prefixes, a prefix
+                                                             # cache small enough to evict: its bytes stay within it
 
 Writes a JSON summary (bench/results/cpu/soak-<host>.json) and exits 1 if a check fails."""
 from __future__ import annotations
@@ -62,6 +64,8 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: arg
         return
     cancel = kind == "cancel"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, args.max_prompt_words)))
+    if args.prefixes:  # one of the shared prefixes (a system prompt), then the request's own words
+        prompt = args.prefix_texts[rng.randrange(args.prefixes)] + " " + prompt
     max_tokens = rng.randint(4 if cancel else 1, args.max_tokens)
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": rng.choice([0.0, 0.0, 0.7]), "seed": rng.randint(0, 1000)}
@@ -101,7 +105,8 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: arg
 
 
 async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
-    stats: dict[str, Any] = {"completed": 0, "cancelled": 0, "malformed": 0, "malformed_wrong": 0, "failures": []}
+    stats: dict[str, Any] = {"completed": 0, "cancelled": 0, "malformed": 0, "malformed_wrong": 0, "failures": [],
+                             "prefix_cache_bytes": []}
     rng = random.Random(args.seed)
     n_bad, n_cancel = round(args.requests * args.malformed), round(args.requests * args.cancel)
     kinds = ["malformed"] * n_bad + ["cancel"] * n_cancel + ["plain"] * (args.requests - n_bad - n_cancel)
@@ -117,6 +122,8 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str,
             done = args.requests - left
             if pid is not None and done % 50 == 0:
                 rss.append((done, rss_kib(pid)))
+            if args.prefixes and done % 10 == 0:
+                stats["prefix_cache_bytes"].append(metric(url, "bmc:prefix_cache_usage_bytes"))
             if done % 100 == 0:
                 print(f"{done} requests sent; completed {stats['completed']}, cancelled {stats['cancelled']}, "
                       f"malformed {stats['malformed']}, failures {len(stats['failures'])}", flush=True)
@@ -130,6 +137,8 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str,
         await asyncio.sleep(0.2)
     stats["idle_running"] = metric(url, "bmc:num_requests_running")
     stats["idle_kv_bytes"] = metric(url, "bmc:kv_cache_usage_bytes")
+    if args.prefixes:
+        stats["hits"] = metric(url, "bmc:prefix_cache_hits_total")
     stats["rss_kib"] = rss
     return stats
 
@@ -146,8 +155,13 @@ def main() -> None:
     p.add_argument("--max-prompt-words", type=int, default=150)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefixes", type=int, default=0, help="prompts start with one of this many shared prefixes")
+    p.add_argument("--prefix-words", type=int, default=120, help="words of each shared prefix")
+    p.add_argument("--prefix-cache-bytes", type=int, default=None, help="the server's prefix cache budget")
     p.add_argument("--out")
     args = p.parse_args()
+    prng = random.Random(args.seed + 1)
+    args.prefix_texts = [" ".join(prng.choice(WORDS) for _ in range(args.prefix_words)) for _ in range(args.prefixes)]
     proc, url = None, args.url
     if url is None:
         with socket.socket() as s:
@@ -156,6 +170,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "bmc.cli.serve", "--port", str(port), "--log-level", "warning",
                "--max-num-seqs", str(args.max_num_seqs)] + (["--model", args.model] if args.model else [])
+        if args.prefix_cache_bytes is not None:
+            cmd += ["--prefix-cache-bytes", str(args.prefix_cache_bytes)]
         proc = subprocess.Popen(cmd)
         deadline = time.time() + 300
         while True:
@@ -188,8 +204,14 @@ def main() -> None:
         "resident memory flat": not half or max(half) <= 1.05 * half[0],
         "SIGTERM exit 0": proc is None or stats["exit_code"] == 0,
     }
+    if args.prefixes:
+        stats["prefix_cache_hits_tokens"] = hits = stats.pop("hits", None)
+        checks["prefix cache within its budget"] = args.prefix_cache_bytes is None or max(
+            stats["prefix_cache_bytes"], default=0) <= args.prefix_cache_bytes
+        checks["prefix cache hits"] = bool(hits)
     stats["checks"] = checks
-    stats["config"] = dict(vars(args), host=platform.node(), cpus=os.cpu_count())
+    stats["config"] = dict({k: v for k, v in vars(args).items() if k != "prefix_texts"}, host=platform.node(),
+                           cpus=os.cpu_count())
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}: {name}")
     print(f"completed {stats['completed']}, cancelled {stats['cancelled']}, malformed {stats['malformed']}, "
