@@ -43,6 +43,23 @@ class Tokenizer:
                 ids = [self.bos_token_id] + ids
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (OpenAI's logprobs `bytes`): a token that holds part of a UTF-8
+        character gives that part, not a replacement character. Byte-level BPE pieces map back through GPT-2's
+        byte alphabet, `<0xNN>` pieces (byte fallback) are their byte, '▁' is a space; else the decoded text."""
+        piece = (self.backend.IdToPiece(token_id) if self.is_sentencepiece else self.backend.id_to_token(token_id))
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if not self.is_sentencepiece and "ByteLevel" in repr(self.backend.decoder):
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         if self.is_sentencepiece:
@@ -137,3 +154,23 @@ def load_hf_tokenizer(model_dir: str, config: dict[str, Any]) -> Tokenizer | Non
         bos_token=bos_text,
         eos_token=eos_text,
     )
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: each of the 256 bytes is one printable character in its pieces."""
+    global _BYTE_LEVEL
+    if _BYTE_LEVEL is None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                     *range(ord("\u00ae"), ord("\u00ff") + 1)]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + extra)] = b
+                extra += 1
+        _BYTE_LEVEL = chars
+    return _BYTE_LEVEL
+
+
+_BYTE_LEVEL: dict[str, int] | None = None

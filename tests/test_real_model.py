@@ -67,3 +67,23 @@ def test_chat_template_and_eos(real_model):
     c = out[0]
     assert c.finish_reason == "stop" and c.token_ids[-1] in real_model.tokenizer.eos_token_ids
     assert "Paris" in c.text
+
+
+@pytest.mark.slow
+def test_token_bytes_rebuild_split_characters(real_model):
+    """OpenAI's logprobs `bytes`: a token holding part of a UTF-8 character gives that part (the served chat
+    logprobs use it), and a text's tokens' bytes put together are the text's UTF-8."""
+    tok = real_model.tokenizer
+    text = "héllo wörld 日本語 🙂 done\n  spaces"
+    ids = tok.encode(text, add_special_tokens=False)
+    parts = [tok.token_bytes(i) for i in ids]
+    assert b"".join(parts) == text.encode("utf-8")
+    assert any(not _is_utf8(p) for p in parts)  # some token splits a character: its bytes are not text alone
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False

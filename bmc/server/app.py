@@ -339,9 +339,12 @@ class Run:
         return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
 
     def _chat_logprob(self, out: TokenOutput) -> dict[str, Any]:
+        tok = self.model.tokenizer
+
         def entry(tid: int, lp: float) -> dict[str, Any]:
             s = self._token_text(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            raw = tok.token_bytes(tid) if tok is not None else s.encode("utf-8")
+            return {"token": s, "logprob": lp, "bytes": list(raw)}  # raw: a client rebuilds split characters
         return dict(entry(out.token_id, out.logprob), top_logprobs=[entry(t, lp) for t, lp in out.top_logprobs or []])
 
     def _add_completion_logprob(self, acc: dict[str, list], out: TokenOutput, offset: int) -> None:

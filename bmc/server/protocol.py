@@ -359,8 +359,10 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
     longest = max(len(p) for p in prompts)
     room = model.max_context - longest
     if room < 1 or (max_tokens is not None and max_tokens > room):
-        raise bad(f"the prompt has {longest} tokens; with max_tokens={max_tokens or 1} that is beyond the model's "
-                  f"context of {model.max_context}", "max_tokens" if room >= 1 else "prompt")
+        asked = f"with max_tokens={max_tokens}" if max_tokens is not None else "with a token to generate"
+        raise APIError(400, f"the prompt has {longest} tokens; {asked} that is beyond the model's context of "
+                       f"{model.max_context}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
+                       code="context_length_exceeded")  # OpenAI's code
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if not all(stops):
         raise bad("stop strings must be non-empty", "stop")
