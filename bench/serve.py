@@ -240,6 +240,7 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
                    "--max-num-batched-tokens", str(budget), "--log-level", "warning", "--quant", args.bmc_quant]
             cmd += ["--threads", threads] if k == 1 else ["--instances", str(k)]
             cmd += ["--model", args.model] if args.model else []
+            cmd += args.bmc_flags.split()
             out.append(Engine("bmc" if k == 1 else f"bmc x{k}", cmd, extra={"ignore_eos": True}, startup_s=600))
             for variant in args.bmc_variant if k == 1 else []:  # the same server with other flags, A/B in one run
                 label, _, flags = variant.partition("=")
@@ -435,6 +436,8 @@ def main() -> None:
     p.add_argument("--bmc-variant", action="append", default=[],
                    help="also run bmc-serve with extra flags, as 'LABEL=FLAGS' (repeatable), e.g. "
                    "'ngram=--speculative ngram --tree chain:4'")
+    p.add_argument("--bmc-flags", default="", help="extra bmc-serve flags of the base bmc engine, e.g. "
+                   "'--no-prefix-cache' (for whole-command A/B pairs)")
     p.add_argument("--bmc-quant", default="none",
                    help="bmc-serve --quant (default none: float32 weights, as the peers run them)")
     p.add_argument("--workload", choices=["random", "copy"], default="random",
