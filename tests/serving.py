@@ -2,9 +2,11 @@
 200 (bounded), and stopped by SIGTERM (killed if it does not exit in time)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +75,18 @@ class ServerProcess:
         if not found:
             raise KeyError(name)
         return total
+
+    def abandon_request(self, path: str, body: dict, api_key: str | None = None) -> None:
+        """Send a non-streamed request on a raw connection, wait until the engine runs it, then close the connection
+        as a client that gives up would (no timing: the close comes once the request is seen running)."""
+        data = json.dumps(body).encode()
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+            sock.sendall(head + data)
+            if self.wait_metric("bmc:num_requests_running", 1) != 1:
+                raise AssertionError("the abandoned request was never seen running")
 
     def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> float:
         deadline = time.monotonic() + timeout

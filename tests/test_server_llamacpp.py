@@ -196,12 +196,11 @@ def test_completion_logprobs(server, model, stream):
 
 
 def test_client_leaving_stops_a_non_streamed_request(server):
-    """The client gives up after 1 s on a ~2000-token request: its row is freed and the engine stops stepping for
-    it (steps are counted by the engine thread, so a request left running would add ~2000)."""
+    """The client gives up on a ~2000-token request once it runs: its row is freed and the engine stops stepping
+    for it (steps are counted by the engine thread, so a request left running would add ~2000)."""
     steps, n = server.metric("bmc:engine_step_seconds_count"), CTX - 64
-    with pytest.raises(httpx.ReadTimeout):
-        post(server, COMPLETIONS, {"prompt": MEANING, "max_tokens": n, "temperature": 0, "ignore_eos": True},
-             timeout=httpx.Timeout(1.0, connect=10))
+    server.abandon_request(COMPLETIONS, {"prompt": MEANING, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+                           KEY)
     assert server.wait_metric("bmc:num_requests_running", 0) == 0
     assert server.wait_metric("bmc:kv_cache_usage_bytes", 0) == 0
     assert server.metric("bmc:engine_step_seconds_count") - steps < n - 1
