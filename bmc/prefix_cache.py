@@ -1,6 +1,7 @@
 """Prompt KV kept across requests: the prefix cache (llama-server's cache_prompt, vLLM's automatic prefix caching).
 
-Indexed by chained blocks of BLOCK token ids, as vLLM indexes it: a block's key is (its parent block, its own ids),
+Indexed by chained blocks of BLOCK token ids, as vLLM indexes it: a block's key is (its parent's number, its own
+ids), a flat tuple, so hashing a key costs its BLOCK ids and not the whole chain before it,
 so a lookup walks the new prompt block by block and stops at the first block not stored. Why blocks and not a radix
 tree of whole prompts: the system prompt or conversation that many prompts share is stored once (each block once),
 eviction frees whole blocks without splitting tensors, and a lookup costs one dict probe per block. Keys hold the ids
@@ -36,7 +37,9 @@ class PrefixCacheStats:
 
 @dataclass
 class _Block:
-    key: tuple[Hashable, tuple[int, ...]]  # (parent block's key or the salt root, this block's token ids)
+    key: tuple[Hashable, tuple[int, ...]]  # (the parent block's number or the salt root, this block's token ids)
+    parent: tuple | None  # the parent block's key (None: the chain's first block)
+    number: int  # this block's name in its children's keys
     kv: torch.Tensor  # [L, 2, H_kv, BLOCK, width] as the cache stores it
     children: int = 0  # blocks whose parent this is (a block with children is not evicted before them)
 
@@ -48,26 +51,30 @@ class PrefixCache:
     blocks: "collections.OrderedDict[tuple, _Block]" = field(default_factory=collections.OrderedDict)  # LRU first
     nbytes: int = 0
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _numbers: int = 0
 
-    def _chain(self, ids: list[int], salt: str | None) -> list[tuple]:
-        """The keys of the full blocks of `ids`, in order."""
-        keys: list[tuple] = []
-        parent: Hashable = ("salt", salt)
-        for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-            key = (parent, tuple(ids[start : start + BLOCK]))
-            keys.append(key)
-            parent = key
-        return keys
+    @staticmethod
+    def _block_ids(ids: list[int]) -> list[tuple[int, ...]]:
+        """The full blocks of `ids`, in order."""
+        return [tuple(ids[start : start + BLOCK]) for start in range(0, len(ids) - BLOCK + 1, BLOCK)]
+
+    def _walk(self, ids: list[int], salt: str | None) -> tuple[list[_Block], list[tuple[int, ...]]]:
+        """The stored blocks `ids` starts with, and the full blocks of `ids` after them."""
+        found: list[_Block] = []
+        ref: Hashable = ("salt", salt)
+        blocks = self._block_ids(ids)
+        for block_ids in blocks:
+            block = self.blocks.get((ref, block_ids))
+            if block is None:
+                break
+            found.append(block)
+            ref = block.number
+        return found, blocks[len(found):]
 
     def match(self, ids: list[int], salt: str | None) -> list[_Block]:
         """The stored blocks a prompt starts with, leaving at least its last token to prefill (its logits give the
         first generated token). Counts the lookup in `stats` and refreshes the blocks found."""
-        found: list[_Block] = []
-        for key in self._chain(ids[:-1], salt):
-            block = self.blocks.get(key)
-            if block is None:
-                break
-            found.append(block)
+        found, _ = self._walk(ids[:-1], salt)
         for block in reversed(found):  # the first block ends up most recent: leaves are evicted before parents
             self.blocks.move_to_end(block.key)
         self.stats.queries += len(ids)
@@ -91,21 +98,23 @@ class PrefixCache:
         """Keep the full blocks of a prefilled prompt (row 0 of `cache`, written from column 0) that are not kept yet,
         then evict least-recently-used blocks until the budget holds."""
         assert cache.format.name == self.format_name and int(cache.left_pad[0]) == 0
-        parent: tuple | None = None
-        for j, key in enumerate(self._chain(ids[: cache.length], salt)):
-            block = self.blocks.get(key)
-            if block is None:
-                kv = cache.kv[:, :, 0, :, j * BLOCK : (j + 1) * BLOCK].clone()
-                block = _Block(key, kv)
-                self.blocks[key] = block
-                self.nbytes += kv.numel() * kv.element_size()
-                self.stats.inserted_blocks += 1
-                if parent is not None:
-                    self.blocks[parent].children += 1
-            parent = key
-        if parent is not None:  # refresh the chain, last block first (see match)
-            for key in reversed(self._chain(ids[: cache.length], salt)):
-                self.blocks.move_to_end(key)
+        chain, new = self._walk(ids[: cache.length], salt)
+        parent = chain[-1] if chain else None
+        for block_ids in new:
+            j = len(chain)
+            kv = cache.kv[:, :, 0, :, j * BLOCK : (j + 1) * BLOCK].clone()
+            key = (parent.number if parent is not None else ("salt", salt), block_ids)
+            self._numbers += 1
+            block = _Block(key, parent.key if parent is not None else None, self._numbers, kv)
+            self.blocks[key] = block
+            self.nbytes += kv.numel() * kv.element_size()
+            self.stats.inserted_blocks += 1
+            if parent is not None:
+                parent.children += 1
+            chain.append(block)
+            parent = block
+        for block in reversed(chain):  # refresh the chain, last block first (see match)
+            self.blocks.move_to_end(block.key)
         self._evict()
 
     def _evict(self) -> None:
@@ -116,9 +125,8 @@ class PrefixCache:
             del self.blocks[victim.key]
             self.nbytes -= victim.kv.numel() * victim.kv.element_size()
             self.stats.evicted_blocks += 1
-            parent = victim.key[0]
-            if parent in self.blocks:
-                self.blocks[parent].children -= 1
+            if victim.parent is not None:
+                self.blocks[victim.parent].children -= 1
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -132,9 +140,9 @@ class PrefixCache:
         assert self.nbytes <= self.budget_bytes or not any(b.children == 0 for b in self.blocks.values()), \
             "within the budget"
         counts: collections.Counter = collections.Counter()
-        for key in self.blocks:
-            parent = key[0]
-            if not (isinstance(parent, tuple) and parent[:1] == ("salt",)):
-                assert parent in self.blocks, "a block's parent is stored"
-                counts[parent] += 1
+        for block in self.blocks.values():
+            if block.parent is not None:
+                parent = self.blocks.get(block.parent)
+                assert parent is not None and block.key[0] == parent.number, "a block's parent is stored"
+                counts[block.parent] += 1
         assert all(b.children == counts[k] for k, b in self.blocks.items()), "children counts"
