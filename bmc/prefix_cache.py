@@ -1,30 +1,35 @@
-"""Prompt KV kept across requests: the prefix cache (llama-server's cache_prompt, vLLM's automatic prefix caching).
+"""Prompt KV kept across requests: the prefix cache (llama-server's cache_prompt, vLLM's automatic prefix caching,
+SGLang's RadixAttention).
 
-Indexed by chained blocks of BLOCK token ids, as vLLM indexes it: a block's key is (its parent's number, its own
-ids), a flat tuple, so hashing a key costs its BLOCK ids and not the whole chain before it,
-so a lookup walks the new prompt block by block and stops at the first block not stored. Why blocks and not a radix
-tree of whole prompts: the system prompt or conversation that many prompts share is stored once (each block once),
-eviction frees whole blocks without splitting tensors, and a lookup costs one dict probe per block. Keys hold the ids
-themselves, not a hash of them, so two prompts never share a block by collision. A `salt` (vLLM's cache_salt) is
-the root of the chain: prompts under different salts never share a block.
+A radix tree over token ids whose edges are runs of whole BLOCK-token blocks: a node holds its run's ids and their
+K and V as one tensor, [L, 2, 1, H_kv, len, width] (the cache's format, int8 scales included), which is exactly
+the shape of a shared segment in the attention kernels (bmc/attention/shared_prefix.py, the native step). So a
+request whose prompt starts with cached tokens reads them in place, as Hydragen reads a shared prefix: every row
+whose path runs through a node reads that one copy, once per step for all of them, and its own cache holds only
+the tokens after it. Why a radix tree of runs and not vLLM's chained hashes of single blocks: a segment must be
+contiguous for the kernel to read it as one matrix product, and a run stays contiguous (a 2000-token system prompt
+is one node, not 125 blocks to gather every step).
 
-A block holds its tokens' K and V as the cache stores them ([L, 2, H_kv, BLOCK, width]: the KV format's bytes,
-int8 scales included), copied out of a request's prefill cache once its prompt is done, and copied into a new
-request's prefill cache on a hit (`seed`): the hit's columns are then written as that request's own, and the rest
-of its prompt is prefilled after them, as a prompt chunk. Nothing reads a block in place, so evicting one never
-disturbs a running request. Eviction is least-recently-used under a byte budget; a lookup refreshes a chain from
-its last block back to its first, so a parent is always more recent than its children and leaves go first."""
+- Matching walks the tree from the salt's root (vLLM's cache_salt: prompts under different salts share nothing)
+  and stops at the first block not stored; it leaves at least the prompt's last token to prefill (its logits give
+  the first generated token). A match that ends inside a node splits it: the head becomes a new parent and the
+  original node keeps the tail, both views of the same tensor (nothing is copied, a running row's path is kept).
+- Children are keyed by their first block's ids, so two runs that diverge inside a block never share it.
+- A request that reads a path in place locks its last node; a locked node and its ancestors are never evicted.
+- Eviction is least-recently-used among unlocked leaves, until the bytes held fit the budget. Bytes are counted
+  by tensor storage: a node split into views of one tensor frees it when the last view goes.
+- Keys hold the ids themselves, not a hash of them, so two prompts never share KV by collision."""
 from __future__ import annotations
 
-import collections
+import heapq
+import itertools
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 
 from .kv import KVCache
 
-BLOCK = 16  # tokens a block; also the granularity of a hit (vLLM's default block size)
+BLOCK = 16  # tokens a block: the granularity of a hit and of a split (vLLM's default block size)
 
 
 @dataclass
@@ -35,114 +40,217 @@ class PrefixCacheStats:
     evicted_blocks: int = 0
 
 
-@dataclass
-class _Block:
-    key: tuple[Hashable, tuple[int, ...]]  # (the parent block's number or the salt root, this block's token ids)
-    parent: tuple | None  # the parent block's key (None: the chain's first block)
-    number: int  # this block's name in its children's keys
-    kv: torch.Tensor  # [L, 2, H_kv, BLOCK, width] as the cache stores it
-    children: int = 0  # blocks whose parent this is (a block with children is not evicted before them)
+@dataclass(eq=False)
+class Node:
+    ids: tuple[int, ...]  # this run's token ids (whole blocks); () for a root
+    kv: torch.Tensor | None  # [L, 2, 1, H_kv, len(ids), width] as the cache stores it; None for a root
+    parent: "Node | None"
+    start: int = 0  # tokens on the path before this run
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)  # by their first block's ids
+    locks: int = 0  # requests reading this node's path in place (never evicted while > 0)
+    stamp: int = 0  # last use, for LRU
+    _bias: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The segment's additive bias for the kernels: [1, 1, 1, len] of zeros (every column is read)."""
+        if self._bias is None or self._bias.shape[-1] != len(self.ids):
+            assert self.kv is not None
+            self._bias = torch.zeros(1, 1, 1, len(self.ids), device=self.kv.device)
+        return self._bias
+
+    def path(self) -> list["Node"]:
+        """The nodes from the root's first child down to this one."""
+        out: list[Node] = []
+        node: Node | None = self
+        while node is not None and node.kv is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
 
-@dataclass
+def _storage(kv: torch.Tensor) -> tuple[int, int]:
+    s = kv.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
 class PrefixCache:
-    budget_bytes: int
-    format_name: str  # the KV format every stored block is in (the batch cache's)
-    blocks: "collections.OrderedDict[tuple, _Block]" = field(default_factory=collections.OrderedDict)  # LRU first
-    nbytes: int = 0
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    _numbers: int = 0
+    def __init__(self, budget_bytes: int, format_name: str) -> None:
+        self.budget_bytes = budget_bytes
+        self.format_name = format_name  # the KV format every node is in (the batch cache's)
+        self.roots: dict[str | None, Node] = {}
+        self.nbytes = 0
+        self.stats = PrefixCacheStats()
+        self.version = 0  # bumped when a node is split or evicted (a running batch's segment table is rebuilt)
+        self._storages: dict[int, list[int]] = {}  # storage pointer -> [nodes viewing it, its bytes]
+        self._clock = itertools.count(1)
 
-    @staticmethod
-    def _block_ids(ids: list[int]) -> list[tuple[int, ...]]:
-        """The full blocks of `ids`, in order."""
-        return [tuple(ids[start : start + BLOCK]) for start in range(0, len(ids) - BLOCK + 1, BLOCK)]
-
-    def _walk(self, ids: list[int], salt: str | None) -> tuple[list[_Block], list[tuple[int, ...]]]:
-        """The stored blocks `ids` starts with, and the full blocks of `ids` after them."""
-        found: list[_Block] = []
-        ref: Hashable = ("salt", salt)
-        blocks = self._block_ids(ids)
-        for block_ids in blocks:
-            block = self.blocks.get((ref, block_ids))
-            if block is None:
+    # ---- lookups -------------------------------------------------------------------------------------
+    def match(self, ids: list[int], salt: str | None, count: bool = True) -> Node | None:
+        """The deepest node whose path the prompt starts with, in whole blocks and leaving at least the prompt's
+        last token to prefill; None on a miss. A match that ends inside a node splits it there. Counts the lookup
+        in `stats` (unless `count` is False) and refreshes the path."""
+        self.stats.queries += len(ids) if count else 0
+        usable = (len(ids) - 1) // BLOCK * BLOCK
+        node = self.roots.get(salt)
+        found: Node | None = None
+        pos = 0
+        while node is not None and pos < usable:
+            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            if child is None:
                 break
-            found.append(block)
-            ref = block.number
-        return found, blocks[len(found):]
-
-    def match(self, ids: list[int], salt: str | None) -> list[_Block]:
-        """The stored blocks a prompt starts with, leaving at least its last token to prefill (its logits give the
-        first generated token). Counts the lookup in `stats` and refreshes the blocks found."""
-        found, _ = self._walk(ids[:-1], salt)
-        for block in reversed(found):  # the first block ends up most recent: leaves are evicted before parents
-            self.blocks.move_to_end(block.key)
-        self.stats.queries += len(ids)
-        self.stats.hits += len(found) * BLOCK
+            n = _common_blocks(child.ids, ids[pos:usable])
+            if n < len(child.ids):
+                child = self._split(child, n)
+            found, node, pos = child, child, pos + n
+        if found is None:
+            return None
+        self.stats.hits += found.end if count else 0
+        self._touch(found)
         return found
 
-    def seed(self, cache: KVCache, blocks: list[_Block]) -> int:
-        """Write `blocks` into row 0 of an empty prefill cache as its first columns; returns the tokens written."""
-        n = len(blocks) * BLOCK
-        if not n:
-            return 0
+    def lock(self, node: Node) -> None:
+        node.locks += 1
+
+    def unlock(self, node: Node) -> None:
+        assert node.locks > 0
+        node.locks -= 1
+        self._evict()
+
+    def seed(self, cache: KVCache, node: Node) -> int:
+        """Copy the path of `node` into row 0 of an empty prefill cache as its first columns (the copy-in mode, for
+        attention that reads no shared segments); returns the tokens written."""
+        n = node.end
         assert cache.length == 0 and cache.batch_size == 1 and cache.format.name == self.format_name
         cache.reserve(n, torch.arange(n, device=cache.device)[None])
-        dst = cache.kv[:, :, 0, :, :n]
-        for j, block in enumerate(blocks):
-            dst[:, :, :, j * BLOCK : (j + 1) * BLOCK].copy_(block.kv)
+        dst = cache.kv[:, :, 0:1, :, :n]
+        for seg in node.path():
+            assert seg.kv is not None
+            dst[:, :, :, :, seg.start : seg.end].copy_(seg.kv)
         cache.commit(n)
         return n
 
-    def insert(self, ids: list[int], cache: KVCache, salt: str | None) -> None:
-        """Keep the full blocks of a prefilled prompt (row 0 of `cache`, written from column 0) that are not kept yet,
-        then evict least-recently-used blocks until the budget holds."""
+    # ---- insertion and eviction ----------------------------------------------------------------------
+    def insert(self, ids: list[int], cache: KVCache, salt: str | None, cache_start: int = 0) -> None:
+        """Keep the whole blocks of a prefilled prompt that are not kept yet: row 0 of `cache` holds the tokens from
+        position `cache_start` on, written from its column 0 (a request that read `cache_start` tokens in place
+        holds only the rest). Then evict least-recently-used leaves until the budget holds."""
         assert cache.format.name == self.format_name and int(cache.left_pad[0]) == 0
-        chain, new = self._walk(ids[: cache.length], salt)
-        parent = chain[-1] if chain else None
-        for block_ids in new:
-            j = len(chain)
-            kv = cache.kv[:, :, 0, :, j * BLOCK : (j + 1) * BLOCK].clone()
-            key = (parent.number if parent is not None else ("salt", salt), block_ids)
-            self._numbers += 1
-            block = _Block(key, parent.key if parent is not None else None, self._numbers, kv)
-            self.blocks[key] = block
-            self.nbytes += kv.numel() * kv.element_size()
-            self.stats.inserted_blocks += 1
-            if parent is not None:
-                parent.children += 1
-            chain.append(block)
-            parent = block
-        for block in reversed(chain):  # refresh the chain, last block first (see match)
-            self.blocks.move_to_end(block.key)
-        self._evict()
+        end = min(len(ids), cache_start + cache.length) // BLOCK * BLOCK
+        node = self.roots.setdefault(salt, Node((), None, None))
+        pos = 0
+        while pos < end:
+            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            if child is None:
+                break
+            n = _common_blocks(child.ids, ids[pos:end])
+            if n < len(child.ids):
+                child = self._split(child, n)
+            node, pos = child, pos + n
+        if pos < end and pos >= cache_start:
+            src = cache.kv[:, :, 0:1, :, pos - cache_start : end - cache_start]
+            kv = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
+            new = Node(tuple(ids[pos:end]), kv, node, start=pos)
+            node.children[new.ids[:BLOCK]] = new
+            self._count(kv, +1)
+            self.stats.inserted_blocks += (end - pos) // BLOCK
+            node = new
+        if node.kv is not None:
+            self._touch(node)
+            node.locks += 1  # older leaves go first
+            self._evict()
+            node.locks -= 1
+            self._evict()  # and the new run too, if it alone does not fit
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cut `node` after its first n tokens: a new parent takes the head; `node` keeps the tail and its children
+        (so the path of a request that locked it is unchanged). Both are views of the same tensor."""
+        assert 0 < n < len(node.ids) and n % BLOCK == 0 and node.kv is not None and node.parent is not None
+        head = Node(node.ids[:n], node.kv[:, :, :, :, :n], node.parent, start=node.start, stamp=node.stamp)
+        node.parent.children[head.ids[:BLOCK]] = head
+        node.ids, node.kv, node.start, node.parent = node.ids[n:], node.kv[:, :, :, :, n:], node.start + n, head
+        head.children[node.ids[:BLOCK]] = node
+        self._count(head.kv, +1)  # type: ignore[arg-type]
+        self.version += 1
+        return head
+
+    def _touch(self, node: Node) -> None:
+        """Refresh the path, the last node first: a parent is always more recent than its children."""
+        for seg in reversed(node.path()):
+            seg.stamp = next(self._clock)
+
+    def _count(self, kv: torch.Tensor, delta: int) -> None:
+        ptr, nbytes = _storage(kv)
+        entry = self._storages.setdefault(ptr, [0, nbytes])
+        if entry[0] == 0:
+            self.nbytes += nbytes
+        entry[0] += delta
+        if entry[0] == 0:
+            self.nbytes -= nbytes
+            del self._storages[ptr]
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.children and node.locks == 0 and node.kv is not None
 
     def _evict(self) -> None:
-        while self.nbytes > self.budget_bytes and self.blocks:
-            victim = next((b for b in self.blocks.values() if b.children == 0), None)
-            if victim is None:
-                break
-            del self.blocks[victim.key]
-            self.nbytes -= victim.kv.numel() * victim.kv.element_size()
-            self.stats.evicted_blocks += 1
-            if victim.parent is not None:
-                self.blocks[victim.parent].children -= 1
+        if self.nbytes <= self.budget_bytes:
+            return
+        heap = [(n.stamp, id(n), n) for n in self.nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        while self.nbytes > self.budget_bytes and heap:
+            _, _, victim = heapq.heappop(heap)
+            parent = victim.parent
+            assert parent is not None and victim.kv is not None
+            del parent.children[victim.ids[:BLOCK]]
+            self._count(victim.kv, -1)
+            self.stats.evicted_blocks += len(victim.ids) // BLOCK
+            self.version += 1
+            if self._evictable(parent):
+                heapq.heappush(heap, (parent.stamp, id(parent), parent))
+
+    def nodes(self) -> list[Node]:
+        out: list[Node] = []
+        todo = list(self.roots.values())
+        while todo:
+            node = todo.pop()
+            if node.kv is not None:
+                out.append(node)
+            todo.extend(node.children.values())
+        return out
 
     def clear(self) -> None:
-        self.blocks.clear()
+        self.roots.clear()
+        self._storages.clear()
         self.nbytes = 0
+        self.version += 1
 
     def check_integrity(self) -> None:
-        """Invariants: the bytes counted are the bytes held and within the budget; every block's parent is stored
-        (the root aside) and its children count is right."""
-        held = sum(b.kv.numel() * b.kv.element_size() for b in self.blocks.values())
-        assert held == self.nbytes, "nbytes counts the blocks held"
-        assert self.nbytes <= self.budget_bytes or not any(b.children == 0 for b in self.blocks.values()), \
+        """Invariants: the bytes counted are the storages the nodes view, within the budget unless only locked
+        paths are left; every node is a whole number of blocks at the position its parent ends, keyed by its first
+        block; stamps never decrease toward the root."""
+        storages: dict[int, int] = {}
+        for node in self.nodes():
+            assert node.kv is not None and node.parent is not None
+            assert len(node.ids) > 0 and len(node.ids) % BLOCK == 0 and node.kv.shape[4] == len(node.ids), \
+                "a node is whole blocks, its KV as long as its ids"
+            assert node.start == node.parent.end, "a node starts where its parent ends"
+            assert node.parent.children.get(node.ids[:BLOCK]) is node, "keyed by its first block"
+            assert node.parent.kv is None or node.parent.stamp >= node.stamp, "a parent is as recent as its children"
+            ptr, nbytes = _storage(node.kv)
+            storages[ptr] = nbytes
+        assert sum(storages.values()) == self.nbytes, "nbytes counts the storages the nodes view"
+        assert self.nbytes <= self.budget_bytes or not any(self._evictable(n) for n in self.nodes()), \
             "within the budget"
-        counts: collections.Counter = collections.Counter()
-        for block in self.blocks.values():
-            if block.parent is not None:
-                parent = self.blocks.get(block.parent)
-                assert parent is not None and block.key[0] == parent.number, "a block's parent is stored"
-                counts[block.parent] += 1
-        assert all(b.children == counts[k] for k, b in self.blocks.items()), "children counts"
+
+
+def _common_blocks(run: tuple[int, ...], ids: list[int]) -> int:
+    """Tokens of whole blocks at the start of `run` that `ids` starts with."""
+    n = 0
+    limit = min(len(run), len(ids)) // BLOCK * BLOCK
+    while n < limit and tuple(ids[n : n + BLOCK]) == run[n : n + BLOCK]:
+        n += BLOCK
+    return n

@@ -32,14 +32,14 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionFn, AttentionOptions, SparQAttention, dense_attention
+from .attention import AttentionFn, AttentionOptions, SharedPrefix, SparQAttention, dense_attention
 from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
                      prefill_attention, relong)
 from .errors import BmcError, InvalidRequestError
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
-from .prefix_cache import PrefixCache
+from .prefix_cache import Node, PrefixCache
 from .sampling import Sampler, SamplingError
 from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
 from .spec.decode import SpeculativeStep
@@ -87,6 +87,8 @@ class Request:
         self.prompt_ids, self.gen, self.emit, self.logprobs = prompt_ids, gen, emit, logprobs
         self.cache_salt, self.cache_prompt = cache_salt, cache_prompt  # prefix cache: its tenant; False = opt out
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
+        self.prefix_node: Node | None = None  # the cached path its rows read in place (locked while it runs)
+        self.prefix_locked = False
         self.sampler = Sampler(gen.sampling, torch.device(device))
         self.arrival = time.monotonic()
         self.admitted_at: float | None = None  # left the waiting queue (queue time = admitted_at - arrival)
@@ -102,7 +104,9 @@ class Request:
 class _Prefill:
     request: Request
     cache: KVCache
-    done: int = 0  # prompt tokens prefilled so far
+    done: int = 0  # prompt tokens prefilled so far (a hit read in place counts as done)
+    start: int = 0  # the position of the cache's column 0: the tokens read in place from the prefix cache
+    attention: AttentionFn | None = None  # the prompt's attention over its cached path and its own columns
 
 
 @dataclass
@@ -128,7 +132,7 @@ class SchedulerCounters:
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
     relongs: int = 0  # rows whose KV was recomputed at longrope's switch
-    cached_prompt_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
+    cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -161,6 +165,12 @@ class Scheduler:
         self.prefix_cache_off = prefix_cache_unsupported(model) if prefix_cache_bytes > 0 else "off"
         if self.prefix_cache_off is None:
             self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name)
+        # A hit is read in place as shared segments (one copy for every row whose prompt starts with it) where the
+        # decode attention is the dense one the segment kernels merge into; SparQ's and the speculative trees'
+        # attention read the row's own cache only, so there a hit is copied into the request's prompt cache.
+        self.read_in_place = (attention == "dense" and speculative == "off" and model.config.attn_softcap is None)
+        self._segments_key: tuple | None = None
+        self._segments: AttentionFn = self.decode_attention
         self.spec = served_speculation(speculative, tree)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         if spec_max_tokens < 2:
@@ -172,6 +182,7 @@ class Scheduler:
         self.joining: list[tuple[_Prefill, list[_Row]]] = []
         self.counters = SchedulerCounters()
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
+        self.peak_kv_bytes = 0  # the most KV bytes held at a step's end: batch, prefills and the prefix cache
         self._inbox: collections.deque[Request] = collections.deque()
         self._requests: dict[int, Request] = {}  # every request added and not done, wherever it is: fail_all and
         # close() answer each of them, also one that has left every list mid-step
@@ -284,6 +295,8 @@ class Scheduler:
             self._finish_decode(results.pop(0))
         for (p, part), result in zip(chunks, results):
             self._finish_chunk(p, part, result)
+        held = self.kv_bytes + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
         self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
                           "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),
                           "columns": self.cache.length}
@@ -373,7 +386,31 @@ class Scheduler:
         except Exception as e:
             self._fail_batch(e)
             return None
-        return StepPart(tokens, pos, self.cache, self.cache.bias, self.decode_attention)
+        return StepPart(tokens, pos, self.cache, self.cache.bias, self._batch_attention())
+
+    def _batch_attention(self) -> AttentionFn:
+        """The decode step's attention: with rows that read cached prompt paths in place, every cached node on
+        those paths is one shared segment, read once for all its rows (Hydragen), merged with each row's own
+        columns; else the batch cache alone. Rebuilt when the rows or the prefix cache's nodes change."""
+        nodes = [r.request.prefix_node if r is not None else None for r in self.rows]
+        if not any(nodes):
+            return self.decode_attention
+        assert self.prefix_cache is not None
+        key = (tuple(map(id, nodes)), self.prefix_cache.version)
+        if key != self._segments_key:
+            readers: dict[int, tuple[Node, list[int]]] = {}
+            for b, node in enumerate(nodes):
+                for seg in node.path() if node is not None else ():
+                    readers.setdefault(id(seg), (seg, [-1] * len(nodes)))[1][b] = 0
+            segments = [(seg.kv, seg.bias, group) for seg, group in readers.values()]
+            self._segments = SharedPrefix.of_segments(segments, read=self.cache.read).attention  # type: ignore
+            self._segments_key = key
+        return self._segments
+
+    @property
+    def shared_prefix_rows(self) -> int:
+        """Batch rows that read a cached prompt path in place."""
+        return sum(1 for r in self.live_rows if r.request.prefix_node is not None)
 
     # ---- speculative decoding (greedy rows; the tree is verified in the batch cache's padding rows) ----
     def _speculates(self, row: _Row | None) -> bool:
@@ -470,13 +507,25 @@ class Scheduler:
             P = len(req.prompt_ids)
             # stored in the batch cache's format (the server's --kv-dtype), whatever the request's own config says
             gen = dataclasses.replace(req.gen, kv_dtype=self.cache.format.name)
-            cache = make_cache(self.model, gen, 1, P + req.gen.max_new_tokens, [0], GenerationStats())
-            done = 0
-            if self.prefix_cache is not None and req.cache_prompt:  # a hit: those columns copied, not prefilled
-                done = self.prefix_cache.seed(cache, self.prefix_cache.match(req.prompt_ids, req.cache_salt))
-                req.cached_tokens = done
-                self.counters.cached_prompt_tokens += done
-            self.prefilling.append(_Prefill(req, cache, done))
+            hit = None
+            if self.prefix_cache is not None and req.cache_prompt:
+                hit = self.prefix_cache.match(req.prompt_ids, req.cache_salt)
+            start = hit.end if hit is not None and self.read_in_place else 0  # the cache holds the rest
+            cache = make_cache(self.model, gen, 1, P - start + req.gen.max_new_tokens, [0], GenerationStats())
+            p = _Prefill(req, cache, start=start)
+            if hit is not None:
+                assert self.prefix_cache is not None
+                if self.read_in_place:  # read where it is stored, by every row of this prompt
+                    self.prefix_cache.lock(hit)
+                    req.prefix_node, req.prefix_locked = hit, True
+                    p.done = start
+                    p.attention = SharedPrefix.of_segments([(n.kv, n.bias, [0]) for n in hit.path()],
+                                                           read=self.cache.read).attention
+                else:  # copied into the prompt's own cache
+                    p.done = self.prefix_cache.seed(cache, hit)
+                req.cached_tokens = hit.end
+                self.counters.cached_prompt_tokens += hit.end
+            self.prefilling.append(p)
 
     def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:
         """The next chunk of each admitted prompt, oldest first, within what is left of the token budget."""
@@ -499,7 +548,8 @@ class Scheduler:
         tokens = torch.tensor([p.request.prompt_ids[p.done : p.done + t]], dtype=torch.long, device=dev)
         positions = torch.arange(p.done, p.done + t, device=dev)[None]
         cache.reserve(t, positions)
-        return StepPart(tokens, positions, cache, cache.attention_bias(t), prefill_attention(dense_attention, cache, t),
+        attention = p.attention if p.attention is not None else prefill_attention(dense_attention, cache, t)
+        return StepPart(tokens, positions, cache, cache.attention_bias(t), attention,
                         prompt_len=torch.tensor([len(p.request.prompt_ids)]))
 
     def _forward(self, parts: list[StepPart]) -> list[torch.Tensor | BaseException]:
@@ -539,7 +589,9 @@ class Scheduler:
         self.prefilling.remove(p)
         self.counters.prompt_tokens += len(req.prompt_ids)
         if self.prefix_cache is not None and req.cache_prompt:
-            self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt)
+            self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt, cache_start=p.start)
+            if req.num_samples > 1 and self.read_in_place:
+                self._share_prompt(p)
         n = req.num_samples
         switch = longrope_switch(self.model.config)
         short = switch is not None and len(req.prompt_ids) <= switch
@@ -556,6 +608,19 @@ class Scheduler:
             self._finish_request(req, rows[-1].finish or "stop")
         elif not req.done:
             self.joining.append((p, rows))
+
+    def _share_prompt(self, p: _Prefill) -> None:
+        """The samples of a prompt read its blocks just cached in place, as one shared segment, instead of a copy
+        each: the prompt cache's columns before the cached path's end become padding that joins copy nothing of."""
+        req, pc = p.request, self.prefix_cache
+        assert pc is not None
+        node = pc.match(req.prompt_ids, req.cache_salt, count=False)
+        if node is None or node.end <= p.start:
+            return
+        pc.lock(node)
+        self._release(req)
+        req.prefix_node, req.prefix_locked = node, True
+        p.cache.hide_leading(0, node.end - p.start)
 
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[_Row], first: bool = False) -> None:
         """Next token of every row: greedy rows by one argmax, each sampling request by its own generator over its
@@ -636,12 +701,21 @@ class Scheduler:
         if not req.done:
             req.done = True
             self._requests.pop(id(req), None)
+            self._release(req)
             self.counters.finished[reason] += 1
+
+    def _release(self, req: Request) -> None:
+        """Unlock the cached path a request read in place (its rows may still read it until they leave: an evicted
+        node's tensor lives on with them)."""
+        if req.prefix_locked and self.prefix_cache is not None:
+            req.prefix_locked = False
+            self.prefix_cache.unlock(req.prefix_node)  # type: ignore[arg-type]
 
     def _fail(self, req: Request, error: BaseException) -> None:
         if not req.done:
             req.done = True
             self._requests.pop(id(req), None)
+            self._release(req)
             self.counters.finished["error"] += 1
             req.emit(error)
 

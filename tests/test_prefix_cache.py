@@ -49,6 +49,80 @@ def test_hits_partial_hits_and_misses_equal_generate_alone(gqa_dir, kv, kv_dtype
     assert stats.hits == sum(cached) and stats.queries == sum(map(len, prompts))
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_rows_read_a_cached_prefix_in_place(gqa_dir, monkeypatch, native):
+    """Hits are read where the prefix cache stores them: several rows decode over one copy of the shared prefix
+    (one segment for all of them, on the native step and on the PyTorch path), their own caches hold only the
+    tokens after it, and each row's tokens, greedy or sampled, equal generate() alone."""
+    monkeypatch.setenv("BMC_NATIVE", native)
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=32, prefix_cache_bytes=64 << 20)
+    tails = [[11, 12, 13], [40, 41], [7] * 9, [250, 3, 99, 98]]
+    first, col0 = request(SYSTEM + [1, 2], 4)
+    drive_checked(sched, {0: [first]}, collectors=[col0])
+    reqs = [request(SYSTEM + t, 10) for t in tails[:3]] + [request(SYSTEM + tails[3], 10, temperature=0.8, seed=5)]
+    shared, widths = [], []
+
+    class Watch:  # after every step: rows reading in place, and the batch cache's columns
+        step = 0
+
+        def __call__(self, _):
+            shared.append(sched.shared_prefix_rows)
+            widths.append(sched.cache.length)
+
+    watch = Watch()
+    for req, col in reqs:
+        emit = req.emit
+        req.emit = lambda out, emit=emit: (emit(out), watch(out))
+    drive_checked(sched, {0: [r for r, _ in reqs]}, collectors=[c for _, c in reqs])
+    assert max(shared) == 4, shared  # all four rows at once over the one cached copy
+    assert max(widths) < len(SYSTEM), widths  # no row holds the prefix in the batch cache
+    for (req, col), tail in zip(reqs[:3], tails):
+        assert col.tokens == {0: alone(model, SYSTEM + tail, 10)}
+        assert req.cached_tokens == 3 * BLOCK
+    sampled = bmc.generate(model, [SYSTEM + tails[3]], max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=5)
+    assert reqs[3][1].tokens == {0: sampled[0].token_ids}
+    assert all(node.locks == 0 for node in sched.prefix_cache.nodes())
+
+
+def test_samples_of_a_hit_and_a_locked_path_outlive_eviction(gqa_dir):
+    """n samples of a prompt that hits read the cached path together; while they run the path is locked: inserts
+    that overflow a tiny budget evict other runs, never it, and the samples equal generate()'s."""
+    model = bmc.load(str(gqa_dir))
+    cfg = model.config
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * BLOCK * cfg.head_dim * 4
+    sched = Scheduler(model, max_num_seqs=5, max_num_batched_tokens=24, prefix_cache_bytes=4 * block_bytes)
+    warm, col = request(SYSTEM + [5], 2)
+    drive_checked(sched, {0: [warm]}, collectors=[col])
+    reader, col_r = request(SYSTEM + [9, 8, 7], 12, n=3, temperature=1.0, seed=11)
+    others = [request([100 + i] * (2 * BLOCK + 1), 3) for i in range(3)]  # each inserts 2 blocks: evictions
+    drive_checked(sched, {0: [reader], 2: [others[0][0]], 4: [others[1][0]], 6: [others[2][0]]},
+                  collectors=[col_r] + [c for _, c in others])
+    want = bmc.generate(model, [SYSTEM + [9, 8, 7]], max_new_tokens=12, ignore_eos=True, num_samples=3,
+                        temperature=1.0, seed=11)
+    assert col_r.tokens == {i: want[i].token_ids for i in range(3)}
+    assert reader.cached_tokens == 3 * BLOCK
+    pc = sched.prefix_cache
+    assert pc.stats.evicted_blocks > 0 and pc.nbytes <= 4 * block_bytes
+
+
+def test_samples_read_their_prompt_once(gqa_dir):
+    """The n samples of a prompt read its cached blocks in place (one copy for all of them); their own rows hold
+    only the prompt's last partial block and their tokens; seeded samples equal generate()'s."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=64, prefix_cache_bytes=64 << 20)
+    prompt = SYSTEM[:2 * BLOCK + 5]
+    req, col = request(prompt, 9, n=4, temperature=0.9, seed=3)
+    widths, shared = [], []
+    emit = req.emit
+    req.emit = lambda out: (emit(out), widths.append(sched.cache.length), shared.append(sched.shared_prefix_rows))
+    drive_checked(sched, {0: [req]}, collectors=[col])
+    want = bmc.generate(model, [prompt], max_new_tokens=9, ignore_eos=True, num_samples=4, temperature=0.9, seed=3)
+    assert col.tokens == {i: want[i].token_ids for i in range(4)}
+    assert max(shared) == 4 and max(widths) <= 5 + 9, (shared, widths)
+    assert req.cached_tokens == 0  # nothing was cached when it came
+
+
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("llama-512"), "gqa", max_pos=512)
@@ -99,7 +173,9 @@ def test_eviction_within_budget_while_readers_run(gqa_dir):
     sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=16, prefix_cache_bytes=5 * block_bytes)
     rng = random.Random(1)
     prefixes = [[rng.randrange(5, 300) for _ in range(2 * BLOCK + 3)] for _ in range(4)]
-    prompts = [prefixes[i % 4] + [rng.randrange(5, 300) for _ in range(3)] for i in range(12)]
+    # prefix 0 every other request (it stays cached), the other three in turn (each evicts the oldest of them)
+    prompts = [prefixes[0 if i % 2 == 0 else 1 + i // 2 % 3] + [rng.randrange(5, 300) for _ in range(3)]
+               for i in range(12)]
     reqs = [request(p, 12) for p in prompts]
     arrivals = {2 * i: [reqs[i][0]] for i in range(len(reqs))}
     cancels = {2 * i + 1 + i % 2: [reqs[i][0]] for i in range(0, len(reqs), 3)}  # a third cancelled early

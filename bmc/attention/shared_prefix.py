@@ -51,6 +51,16 @@ class SharedPrefix:
         self.read = read if read is not None else (parent.read if parent else None)
         self._reindex()
 
+    @classmethod
+    def of_segments(cls, segments: list[tuple[torch.Tensor, torch.Tensor, list[int]]],
+                    read: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "SharedPrefix":
+        """Segments given whole: (kv, bias, group) each, a row's group -1 where it does not read that segment (the
+        served batch, where each row reads the cached nodes of its own prompt's path)."""
+        self = cls.__new__(cls)
+        self.segments, self.read = list(segments), read
+        self._reindex()
+        return self
+
     @property
     def nbytes(self) -> int:
         return sum(kv.numel() * kv.element_size() for kv, _, _ in self.segments)
@@ -77,9 +87,11 @@ class SharedPrefix:
 
     @staticmethod
     def spans(group: list[int]) -> list[tuple[int, int, int]]:
-        """(group, first row, end row) runs of consecutive rows."""
+        """(group, first row, end row) runs of consecutive rows that read the segment (group >= 0)."""
         out: list[tuple[int, int, int]] = []
         for b, g in enumerate(group):
+            if g < 0:
+                continue
             if out and out[-1][0] == g and out[-1][2] == b:
                 out[-1] = (g, out[-1][1], b + 1)
             else:
@@ -95,7 +107,8 @@ class SharedPrefix:
         qg = q.reshape(B, kvh, rows, d)
         o, lse = attention_with_lse(qg, k, v, bias, scale)
         for (kv, pbias, _), spans in zip(self.segments, self._spans):
-            o_p, lse_p = torch.empty_like(o), torch.empty_like(lse)
+            # a row that does not read the segment keeps its state: an empty one merged (weight exp(-inf) = 0)
+            o_p, lse_p = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
             pk, pv = kv[layer, 0], kv[layer, 1]
             if self.read is not None:
                 pk, pv = self.read(pk), self.read(pv)

@@ -1201,6 +1201,14 @@ int64_t slab_rows(const torch::Tensor& kv, const char* what) {
   return slab;
 }
 
+// Whether kv is a [L, 2, B, H_kv, len, width] tensor or a view of one with more columns per slab (slab_rows).
+bool slab_view(const torch::Tensor& kv) {
+  if (kv.dim() != 6 || kv.stride(5) != 1 || kv.stride(4) != kv.size(5) || kv.stride(4) == 0) return false;
+  const int64_t slab = kv.stride(3) / kv.stride(4);
+  return kv.stride(3) == slab * kv.size(5) && slab >= kv.size(4) && kv.stride(2) == kv.size(3) * kv.stride(3) &&
+         kv.stride(1) == kv.size(2) * kv.stride(2) && kv.stride(0) == 2 * kv.stride(1);
+}
+
 // One row of hd float32 values x stored as `kind` at dst (the PyTorch side's encode, bit for bit).
 void encode_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
   switch (kind) {
@@ -1344,12 +1352,13 @@ torch::Tensor encode_kv(const torch::Tensor& x, const torch::Tensor& like) {
   return out;
 }
 
-struct Segment {  // a shared prefix: KV of `groups` groups, each row reading group[b]
+struct Segment {  // a shared prefix: KV of `groups` groups, each row reading group[b] (-1: none)
   const uint8_t* kv;
   KVLayout lay;
   const float* bias;
   const int64_t* group;
   int64_t groups, len;
+  int64_t slab;  // rows per (group, KV head) slab: len, or more for a view of a longer segment (the prefix cache)
 };
 
 struct Layer {
@@ -1494,17 +1503,22 @@ class NativeDecoder {
   torch::Tensor forward_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> kvs,
                               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> coss,
                               std::vector<torch::Tensor> sins, std::vector<int64_t> starts,
-                              std::vector<std::vector<torch::Tensor>> locals) {
+                              std::vector<std::vector<torch::Tensor>> locals,
+                              std::vector<std::vector<torch::Tensor>> seg_kvs,
+                              std::vector<std::vector<torch::Tensor>> seg_biases,
+                              std::vector<std::vector<torch::Tensor>> seg_groups) {
     const size_t n = xs.size();
     TORCH_CHECK(n > 0 && kvs.size() == n && biases.size() == n && coss.size() == n && sins.size() == n &&
-                    starts.size() == n && locals.size() == n,
-                "forward_parts: one x, kv, bias, cos, sin, start and local per part");
+                    starts.size() == n && locals.size() == n && seg_kvs.size() == n && seg_biases.size() == n &&
+                    seg_groups.size() == n,
+                "forward_parts: one x, kv, bias, cos, sin, start, local and segment list per part");
     std::vector<Part> parts;
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(xs[i].scalar_type() == torch::kFloat && xs[i].dim() == 3 && xs[i].size(2) == D_,
                   "x: float32 [B, t, hidden]");
       parts.push_back(make_part(kvs[i], biases[i], coss[i], sins[i], starts[i], xs[i].size(0), xs[i].size(1),
                                 locals[i]));
+      parts.back().segs = parse_segments(seg_kvs[i], seg_biases[i], seg_groups[i], xs[i].size(0), num_layers());
       TORCH_CHECK((coss[i].numel() > 0) == (coss[0].numel() > 0), "forward_parts: RoPE on every part or none");
     }
     std::vector<torch::Tensor> flat;
@@ -1680,14 +1694,15 @@ class NativeDecoder {
     return logits;
   }
 
-  // Checks the shared segments against the decoder and batch and makes them contiguous in place (the vectors
-  // keep the tensors alive while the step runs).
+  // Checks the shared segments against the decoder and batch and makes them contiguous in place where they are
+  // not a view of one with more columns per slab (the vectors keep the tensors alive while the step runs). A row
+  // whose group is -1 does not read that segment.
   std::vector<Segment> parse_segments(std::vector<torch::Tensor>& seg_kv, std::vector<torch::Tensor>& seg_bias,
                                       std::vector<torch::Tensor>& seg_group, int64_t B, int64_t L) const {
     TORCH_CHECK(seg_kv.size() == seg_bias.size() && seg_kv.size() == seg_group.size(), "segments: kv, bias, group");
     std::vector<Segment> segs;
     for (size_t n = 0; n < seg_kv.size(); ++n) {
-      seg_kv[n] = seg_kv[n].contiguous();
+      if (!slab_view(seg_kv[n])) seg_kv[n] = seg_kv[n].contiguous();
       seg_bias[n] = seg_bias[n].to(torch::kFloat).contiguous();
       seg_group[n] = seg_group[n].to(torch::kLong).contiguous();
       const auto& sk = seg_kv[n];
@@ -1697,10 +1712,10 @@ class NativeDecoder {
       const KVLayout lay = kv_layout(sk, hd_, "segment");
       const int64_t* grp = seg_group[n].data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b)
-        TORCH_CHECK(grp[b] >= 0 && grp[b] < sk.size(2), "segment ", n, ": row ", b, " reads group ", grp[b],
+        TORCH_CHECK(grp[b] >= -1 && grp[b] < sk.size(2), "segment ", n, ": row ", b, " reads group ", grp[b],
                     " of ", sk.size(2));
       segs.push_back(Segment{static_cast<const uint8_t*>(sk.data_ptr()), lay, seg_bias[n].data_ptr<float>(), grp,
-                             sk.size(2), sk.size(4)});
+                             sk.size(2), sk.size(4), slab_rows(sk, "segment")});
     }
     return segs;
   }
@@ -1921,7 +1936,8 @@ class NativeDecoder {
                       float* run_m, float* run_s, float* out) const {
     const int64_t G = h_ / kvh_;
     std::vector<std::vector<int64_t>> members(sg.groups);
-    for (int64_t b = 0; b < B; ++b) members[sg.group[b]].push_back(b);
+    for (int64_t b = 0; b < B; ++b)
+      if (sg.group[b] >= 0) members[sg.group[b]].push_back(b);
     const int64_t slice = std::max<int64_t>(1, SEG_QUERY_ROWS / (G * t)), rmax = slice * G * t;
     const int64_t rpad = (rmax + P - 1) / P * P;
     struct Task { int64_t kh, grp, first, count; };
@@ -1931,6 +1947,7 @@ class NativeDecoder {
         for (int64_t first = 0; first < static_cast<int64_t>(members[grp].size()); first += slice)
           row_tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
     const int64_t nrt = static_cast<int64_t>(row_tasks.size()), chunks = (sg.len + SEG_KEYS - 1) / SEG_KEYS;
+    if (nrt == 0) return;  // no row of this batch reads the segment
     const int64_t spans = split_spans(nrt, chunks, at::get_num_threads());
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     // [row task, span, row] (and [.., d]) when spans > 1, written by the tasks (the outputs zeroed there, in
@@ -1975,8 +1992,8 @@ class NativeDecoder {
           }
           transpose_queries(rows, R, Rp, scale, qt.data());
         }
-        const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, len, d]
-        const int64_t k_row = (head + task.grp * kvh_ + task.kh) * sg.len, v_row = k_row + sg.groups * kvh_ * sg.len;
+        const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, slab, d]
+        const int64_t k_row = (head + task.grp * kvh_ + task.kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
         const float* Kf = reinterpret_cast<const float*>(sg.kv) + k_row * hd_;
         const float* Vf = reinterpret_cast<const float*>(sg.kv) + v_row * hd_;
         const int64_t k1 = std::min(sg.len, (span + 1) * span_chunks * SEG_KEYS);

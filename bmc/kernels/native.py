@@ -34,7 +34,7 @@ _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
 
 
 def native_module() -> Any:
-    return build("bmc_cpu_decode_v63", _SOURCE_FILE, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode_v64", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:
@@ -139,7 +139,7 @@ class StepPart:
     prompt_len: torch.Tensor | None = None  # [B]: the rows' whole prompt lengths, for a prompt chunk (longrope)
 
     def native_ready(self) -> bool:
-        """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense or
-        causal attention (no shared segments, SparQ or window function) and a cache written at its length."""
+        """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense,
+        causal or shared-prefix attention (no SparQ or window function) and a cache written at its length."""
         return (self.tokens.shape[1] <= NATIVE_MAX_T and self.cache.write_at is None
-                and native_segments(self.attention) == NO_SEGMENTS)
+                and native_segments(self.attention) is not None)

@@ -216,6 +216,14 @@ class KVCache(ABC):
         self.batch_size = int(rows.numel())
         self._recount_holes()
 
+    def hide_leading(self, row: int, n: int) -> None:
+        """Make row `row`'s first n written columns left padding (they are read from elsewhere: a shared segment);
+        `place` and `regroup` then copy only the columns after them."""
+        assert 0 <= n <= self.length
+        self.bias[row, ..., :n] = self.min_value
+        self.left_pad[row] = max(int(self.left_pad[row]), n)
+        self._max_pad = int(self.left_pad.max())
+
     def retire(self, rows: Sequence[int]) -> None:
         """Rows whose requests left, without a copy: every written column of theirs becomes left padding. The slot
         stays in the tensor (its later columns are written and read by no one) until `place` fills it with a new

@@ -220,8 +220,10 @@ class LlamaModel:
             coss.append(cos.view(B, t, hd))
             sins.append(sin.view(B, t, hd))
             locals_.append(self.native_local(p.cache, p.bias, p.positions, x.dtype))
+        segments = [native_segments(p.attention) for p in parts]
         return self.final_logits(native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss,
-                                                      sins, [p.cache.length for p in parts], locals_))
+                                                      sins, [p.cache.length for p in parts], locals_,
+                                                      *(list(s) for s in zip(*segments))))
 
     def native_local(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor,
                      dtype: torch.dtype) -> list[torch.Tensor]:

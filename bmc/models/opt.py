@@ -101,8 +101,10 @@ class OPTModel:
             x = self.embed_tokens(p.tokens)
             xs.append(x + F.embedding(p.positions + POSITION_OFFSET, self.pos_embed))
         none = torch.empty(0)
+        segments = [native_segments(p.attention) for p in parts]
         return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], [none] * len(parts),
-                                    [none] * len(parts), [p.cache.length for p in parts], [[]] * len(parts))
+                                    [none] * len(parts), [p.cache.length for p in parts], [[]] * len(parts),
+                                    *(list(s) for s in zip(*segments)))
 
     def __call__(
         self,

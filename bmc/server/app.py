@@ -115,7 +115,7 @@ class ServerState:
             if scheduler.spec is not None:
                 metrics.bind_speculation(lambda: scheduler.spec.stats)
             if scheduler.prefix_cache is not None:
-                metrics.bind_prefix_cache(scheduler.prefix_cache)
+                metrics.bind_prefix_cache(scheduler)
             self.engine = EngineThread(scheduler)
             step_histogram = metrics.step.labels(self.name)
             self.engine.on_step = step_histogram.observe

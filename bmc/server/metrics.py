@@ -58,9 +58,10 @@ class ServerMetrics:
         """Speculative decoding's counters (vLLM's spec_decode names), read from the scheduler's SpecStats."""
         self.registry.register(_SpecCollector(self.model_name, stats))
 
-    def bind_prefix_cache(self, cache: Any) -> None:
-        """The prefix cache's counters (vLLM's names: tokens looked up and found) and the bytes it holds."""
-        self.registry.register(_PrefixCacheCollector(self.model_name, cache))
+    def bind_prefix_cache(self, scheduler: Any) -> None:
+        """The prefix cache's counters (vLLM's names: tokens looked up and found), the bytes it holds, the rows that
+        read it in place, and the peak of all KV bytes held."""
+        self.registry.register(_PrefixCacheCollector(self.model_name, scheduler))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -83,8 +84,8 @@ class _SpecCollector:
 
 
 class _PrefixCacheCollector:
-    def __init__(self, model_name: str, cache: Any) -> None:
-        self.model_name, self.cache = model_name, cache
+    def __init__(self, model_name: str, scheduler: Any) -> None:
+        self.model_name, self.scheduler, self.cache = model_name, scheduler, scheduler.prefix_cache
 
     def collect(self) -> Iterator[Any]:
         s = self.cache.stats
@@ -97,3 +98,11 @@ class _PrefixCacheCollector:
                                   labels=["model_name"])
         gauge.add_metric([self.model_name], self.cache.nbytes)
         yield gauge
+        for name, doc, value in (
+                ("bmc:prefix_cache_shared_rows", "Batch rows reading a cached prompt prefix in place",
+                 self.scheduler.shared_prefix_rows),
+                ("bmc:kv_cache_peak_bytes", "Most KV bytes held at a step's end: the batch, prefills, the prefix cache",
+                 self.scheduler.peak_kv_bytes)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
