@@ -73,11 +73,18 @@ def main() -> None:
         runs = {name: running_scheduler(model, prefix, suffixes, in_place, max_new)
                 for name, in_place in (("in place", True), ("copied in", False))}
         times: dict[str, list[float]] = {name: [] for name in runs}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+        native = model.net.native_decoder()
         for _ in range(args.steps):
             for name, (sched, _) in runs.items():
+                if native is not None:
+                    native.set_profiling(True)  # the native step's phases of this step alone
                 t0 = time.perf_counter()
                 sched.step()
                 times[name].append(time.perf_counter() - t0)
+                if native is not None:
+                    phases[name].append(native.profile())
+                    native.set_profiling(False)
     result: dict[str, Any] = {
         "config": dict(vars(args), host=f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cpus",
                        node=platform.node(), dtype=str(model.dtype), model=os.path.basename(model.path),
@@ -89,16 +96,24 @@ def main() -> None:
         result["runs"][name] = {
             "step_ms_median": statistics.median(t) * 1e3, "step_ms_q1": q[0] * 1e3, "step_ms_q3": q[2] * 1e3,
             "kv_bytes": sched.kv_bytes, "prefix_cache_bytes": sched.prefix_cache.nbytes,
-            "shared_rows": sched.shared_prefix_rows, "batch_columns": sched.cache.length}
+            "shared_rows": sched.shared_prefix_rows, "batch_columns": sched.cache.length,
+            "batch_capacity": sched.cache.capacity,
+            "phase_ms_median": {k: statistics.median(p[k] for p in phases[name]) * 1e3 for k in phases[name][0]}
+            if phases[name] else {}}
     a, b = result["runs"]["in place"], result["runs"]["copied in"]
     same = runs["in place"][1] == runs["copied in"][1]
     result["speedup_median"] = b["step_ms_median"] / a["step_ms_median"]
+    if a["phase_ms_median"]:
+        result["attention_speedup_median"] = b["phase_ms_median"]["attention_s"] / a["phase_ms_median"]["attention_s"]
     result["tokens_equal"] = same
     for name, r in result["runs"].items():
         print(f"{name:>10}: {r['step_ms_median']:7.1f} ms/step (q1 {r['step_ms_q1']:.1f}, q3 {r['step_ms_q3']:.1f}), "
               f"batch KV {r['kv_bytes'] / 2**20:7.1f} MiB, prefix cache {r['prefix_cache_bytes'] / 2**20:6.1f} MiB, "
               f"{r['shared_rows']} rows in place")
-    print(f"in place / copied in: {result['speedup_median']:.2f}x faster per step; tokens equal: {same}")
+    for name, r in result["runs"].items():
+        print(f"{name:>10} phases (ms, median): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r["phase_ms_median"].items()))
+    print(f"in place / copied in: {result['speedup_median']:.2f}x faster per step, attention "
+          f"{result.get('attention_speedup_median', float('nan')):.2f}x; tokens equal: {same}")
     if not same:
         sys.exit("the two schedulers' tokens differ")
     write_result(result, args.out, __file__, f"served-prefix-b{args.batch}-p{args.prefix}", plot)
@@ -118,7 +133,8 @@ def plot(result: dict[str, Any], path: str) -> None:
            [runs[n]["step_ms_q3"] - runs[n]["step_ms_median"] for n in names]]
     axes[0].bar(names, med, yerr=err, color=["tab:green", "tab:gray"], capsize=6)
     axes[0].set_ylabel("ms per decode step (median, quartiles)")
-    axes[0].set_title(f"{result['speedup_median']:.2f}x faster in place")
+    axes[0].set_title(f"step {result['speedup_median']:.2f}x, attention "
+                      f"{result.get('attention_speedup_median', float('nan')):.2f}x faster in place", fontsize=9)
     kv = [(runs[n]["kv_bytes"] + runs[n]["prefix_cache_bytes"]) / 2**20 for n in names]
     axes[1].bar(names, kv, color=["tab:green", "tab:gray"])
     axes[1].set_ylabel("KV MiB held (batch + prefix cache)")

@@ -47,8 +47,14 @@ def rss_kib(pid: int) -> int:
 
 
 def metric(url: str, name: str) -> float:
+    return metrics(url, name)[0]
+
+
+def metrics(url: str, *names: str) -> list[float]:
+    """The values of several metrics from one scrape."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+            for name in names]
 
 
 async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args: argparse.Namespace,
@@ -123,7 +129,9 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict[str,
             if pid is not None and done % 50 == 0:
                 rss.append((done, rss_kib(pid)))
             if args.prefixes and done % 10 == 0:
-                stats["prefix_cache_bytes"].append(metric(url, "bmc:prefix_cache_usage_bytes"))
+                # the budget bounds what running requests do not read in place (pinned bytes are theirs)
+                usage, pinned = metrics(url, "bmc:prefix_cache_usage_bytes", "bmc:prefix_cache_pinned_bytes")
+                stats["prefix_cache_bytes"].append(usage - pinned)
             if done % 100 == 0:
                 print(f"{done} requests sent; completed {stats['completed']}, cancelled {stats['cancelled']}, "
                       f"malformed {stats['malformed']}, failures {len(stats['failures'])}", flush=True)

@@ -28,12 +28,23 @@ class DecodeGraphs:
         self.tok = self.pos = self.logits = None
         self.captures = 0
         self.replays = 0
+        self.write_at: torch.Tensor | None = None  # the device index every captured step writes its K/V column at
 
     def step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One decode step (the cache has reserved its column): logits [B, 1, V]. Replays the bucket's graph, or
-        runs the step eagerly (capturing a graph for the bucket when enough steps remain in it)."""
-        if cache.write_at is None:
-            cache.write_at = torch.zeros(1, dtype=torch.long, device=cache.device)
+        runs the step eagerly (capturing a graph for the bucket when enough steps remain in it). The cache's
+        write_at is this object's index tensor during the step only, so an eager step between two replays (the
+        scheduler's, with shared segments) writes at its Python column."""
+        if self.write_at is None:
+            self.write_at = torch.zeros(1, dtype=torch.long, device=cache.device)
+        cache.write_at = self.write_at
+        try:
+            return self._step(cache, tok, pos)
+        finally:
+            cache.write_at = None
+
+    def _step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert cache.write_at is not None
         cache.write_at.fill_(cache.length)
         key = (cache.kv.data_ptr(), cache.bias.data_ptr(), tok.shape[0], cache.capacity)
         if key == self.key:

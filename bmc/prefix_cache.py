@@ -87,6 +87,7 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.version = 0  # bumped when a node is split or evicted (a running batch's segment table is rebuilt)
         self._storages: dict[int, list[int]] = {}  # storage pointer -> [nodes viewing it, its bytes]
+        self._locked: dict[int, Node] = {}  # nodes with locks > 0, by id
         self._clock = itertools.count(1)
 
     # ---- lookups -------------------------------------------------------------------------------------
@@ -113,13 +114,41 @@ class PrefixCache:
         self._touch(found)
         return found
 
+    def peek(self, ids: list[int], salt: str | None) -> int:
+        """The tokens match() would find, without splitting, counting or refreshing anything."""
+        usable = (len(ids) - 1) // BLOCK * BLOCK
+        node, pos = self.roots.get(salt), 0
+        while node is not None and pos < usable:
+            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            if child is None:
+                break
+            n = _common_blocks(child.ids, ids[pos:usable])
+            pos += n
+            node = child if n == len(child.ids) else None
+        return pos
+
     def lock(self, node: Node) -> None:
         node.locks += 1
+        self._locked[id(node)] = node
 
     def unlock(self, node: Node) -> None:
         assert node.locks > 0
         node.locks -= 1
+        if node.locks == 0:
+            del self._locked[id(node)]
         self._evict()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the storages that running requests read in place (locked paths): part of what the running batch
+        holds, never evicted; the budget bounds the rest (nbytes - pinned_bytes)."""
+        storages: dict[int, int] = {}
+        for node in self._locked.values():
+            for seg in node.path():
+                if seg.parent is not None and seg.parent.children.get(seg.ids[:BLOCK]) is seg:  # still in the tree
+                    ptr, nbytes = _storage(seg.kv)  # type: ignore[arg-type]
+                    storages[ptr] = nbytes
+        return sum(storages.values())
 
     def seed(self, cache: KVCache, node: Node) -> int:
         """Copy the path of `node` into row 0 of an empty prefill cache as its first columns (the copy-in mode, for
@@ -140,7 +169,13 @@ class PrefixCache:
         position `cache_start` on, written from its column 0 (a request that read `cache_start` tokens in place
         holds only the rest). Then evict least-recently-used leaves until the budget holds."""
         assert cache.format.name == self.format_name and int(cache.left_pad[0]) == 0
-        end = min(len(ids), cache_start + cache.length) // BLOCK * BLOCK
+        self.insert_span(ids, cache.kv[:, :, 0:1, :, : cache.length], salt, cache_start)
+
+    def insert_span(self, ids: list[int], kv: torch.Tensor, salt: str | None, start: int) -> None:
+        """insert() from a span of stored KV: kv [L, 2, 1, H_kv, n, width] holds the tokens at positions
+        start .. start + n - 1 of `ids` (a prompt cache's row, or a finished row's columns in the batch cache)."""
+        end = min(len(ids), start + int(kv.shape[4])) // BLOCK * BLOCK
+        cache_start = start
         node = self.roots.setdefault(salt, Node((), None, None))
         pos = 0
         while pos < end:
@@ -152,7 +187,7 @@ class PrefixCache:
                 child = self._split(child, n)
             node, pos = child, pos + n
         if pos < end and pos >= cache_start:
-            src = cache.kv[:, :, 0:1, :, pos - cache_start : end - cache_start]
+            src = kv[:, :, :, :, pos - cache_start : end - cache_start]
             kv = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
             new = Node(tuple(ids[pos:end]), kv, node, start=pos)
             node.children[new.ids[:BLOCK]] = new
@@ -224,6 +259,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.roots.clear()
+        self._locked.clear()
         self._storages.clear()
         self.nbytes = 0
         self.version += 1
@@ -244,7 +280,21 @@ class PrefixCache:
             storages[ptr] = nbytes
         assert sum(storages.values()) == self.nbytes, "nbytes counts the storages the nodes view"
         assert self.nbytes <= self.budget_bytes or not any(self._evictable(n) for n in self.nodes()), \
-            "within the budget"
+            "within the budget, or only locked paths are left"
+        assert self.nbytes - self.pinned_bytes <= self.budget_bytes, "what running requests do not read fits"
+        assert all(n.locks > 0 for n in self._locked.values()), "the locked set holds the locked nodes"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (slices compared in C, by bisection)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common_blocks(run: tuple[int, ...], ids: list[int]) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,14 +37,17 @@ from .attention import AttentionFn, AttentionOptions, SharedPrefix, SparQAttenti
 from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
                      prefill_attention, relong)
 from .errors import BmcError, InvalidRequestError
+from .graphs import DecodeGraphs
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
-from .prefix_cache import Node, PrefixCache
+from .prefix_cache import BLOCK, Node, PrefixCache, common_prefix
 from .sampling import Sampler, SamplingError
 from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
+
+log = logging.getLogger("bmc")
 
 SERVED_DRAFTERS = ("ngram",)  # drafters without per-row state beyond the tokens (a draft model's KV would have to
 # follow every join, leave and regroup of the batch cache)
@@ -120,6 +124,8 @@ class _Row:
     text: TextStream | None = None
     finish: str | None = None
     history: list[int] | None = None  # longrope: a row still rotated short keeps its tokens for the switch
+    start: int = 0  # the position of the row's first own column (the tokens before it are read in place)
+    generated: list[int] | None = None  # its tokens, where its finished turn is kept in the prefix cache
 
 
 @dataclass
@@ -142,7 +148,7 @@ class Scheduler:
                  kv_dtype: str = "auto",
                  attention: str = "dense", attention_options: AttentionOptions | None = None,
                  speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24,
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, cuda_graphs: bool = True) -> None:
         if max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens <= max_num_seqs:
@@ -161,6 +167,10 @@ class Scheduler:
         self.cache.keep_spare = True  # joins and leaves copy into the last buffer (and growth too on CUDA): no fresh pages
         self.cache.regroup([])
         self.decode_attention = served_attention(model, self.cache, attention, options)
+        # CUDA: the plain decode step (dense attention over the batch cache alone) captured once per capacity
+        # bucket and batch, as generate() does; joins and leaves in place keep the buffers, so the graph replays
+        self.graphs = (DecodeGraphs(model, self.decode_attention) if cuda_graphs and model.device.type == "cuda"
+                       and attention == "dense" and kv in ("bmc", "upfront") else None)
         self.prefix_cache: PrefixCache | None = None
         self.prefix_cache_off = prefix_cache_unsupported(model) if prefix_cache_bytes > 0 else "off"
         if self.prefix_cache_off is None:
@@ -498,10 +508,15 @@ class Scheduler:
         self.cache.regroup([])
 
     def _admit(self) -> None:
-        """Waiting requests take free seats, oldest first; each gets a cache of its own for its prompt."""
+        """Waiting requests take free seats, oldest first; each gets a cache of its own for its prompt. One whose
+        prompt shares a long part with a prompt being prefilled waits for it (and keeps its place)."""
         seats = self.free_seats
+        deferred: list[Request] = []
         while self.waiting and self.waiting[0].num_samples <= seats:
             req = self.waiting.popleft()
+            if self._shares_inflight_prompt(req):
+                deferred.append(req)
+                continue
             req.admitted_at = time.monotonic()
             seats -= req.num_samples
             P = len(req.prompt_ids)
@@ -526,6 +541,24 @@ class Scheduler:
                 req.cached_tokens = hit.end
                 self.counters.cached_prompt_tokens += hit.end
             self.prefilling.append(p)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _shares_inflight_prompt(self, req: Request) -> bool:
+        """Whether a prompt being prefilled (the same salt, both caching) shares at least half of what this prompt
+        would prefill, and a whole block: once it is done, this one reads those tokens from the cache (a burst of
+        requests with one new system prompt or document prefills it once, not once each)."""
+        pc = self.prefix_cache
+        if pc is None or not req.cache_prompt or not self.prefilling:
+            return False
+        cached = pc.peek(req.prompt_ids, req.cache_salt)
+        usable = len(req.prompt_ids) - 1
+        for p in self.prefilling:
+            other = p.request
+            if other.cache_salt == req.cache_salt and other.cache_prompt:
+                shared = min(common_prefix(req.prompt_ids, other.prompt_ids), usable) // BLOCK * BLOCK
+                if shared - cached >= BLOCK and 2 * (shared - cached) >= usable - cached:
+                    return True
+        return False
 
     def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:
         """The next chunk of each admitted prompt, oldest first, within what is left of the token budget."""
@@ -568,8 +601,13 @@ class Scheduler:
         results: list[torch.Tensor | BaseException] = []
         for part in parts:
             try:
-                results.append(net(part.tokens, part.positions, part.cache, part.attention, part.bias,
-                                   prompt_len=part.prompt_len)[:, -1])
+                if (self.graphs is not None and part.cache is self.cache and part.attention is self.decode_attention
+                        and part.tokens.shape[1] == 1):
+                    logits = self.graphs.step(part.cache, part.tokens[:, 0], part.positions[:, 0])
+                else:
+                    logits = net(part.tokens, part.positions, part.cache, part.attention, part.bias,
+                                 prompt_len=part.prompt_len)
+                results.append(logits[:, -1])
             except Exception as e:
                 results.append(e)
         return results
@@ -595,9 +633,12 @@ class Scheduler:
         n = req.num_samples
         switch = longrope_switch(self.model.config)
         short = switch is not None and len(req.prompt_ids) <= switch
+        start = req.prefix_node.end if req.prefix_node is not None else 0
+        keep_turn = n == 1 and self.prefix_cache is not None and req.cache_prompt and self.read_in_place
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
                      text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None,
-                     history=list(req.prompt_ids) if short else None)
+                     history=list(req.prompt_ids) if short else None, start=start,
+                     generated=[] if keep_turn else None)
                  for s in range(n)]
         if self.spec is not None:
             for row in filter(self._speculates, rows):
@@ -677,6 +718,8 @@ class Scheduler:
         row.token = tid
         if row.history is not None:
             row.history.append(tid)
+        if row.generated is not None:
+            row.generated.append(tid)
         self.counters.generation_tokens += 1
         if row.key in self._drafting:
             self.spec.drafter.extend(row.key, [tid])  # type: ignore[union-attr]
@@ -695,7 +738,28 @@ class Scheduler:
         row.finish = finish
         req.emit(TokenOutput(row.sample_index, tid, text, finish, *(logprob or (None, None))))
         if finish is not None and not first and all(r.finish is not None for r in self.live_rows if r.request is req):
+            self._keep_turn(row)
             self._finish_request(req, finish)
+
+    def _keep_turn(self, row: _Row) -> None:
+        """A finished conversation turn: the row's prompt and generated tokens (all but the last, which is not in
+        the cache) kept in the prefix cache from its columns in the batch cache, so the next turn, which resends
+        them with a new message, prefills only that message. Rows with masked columns inside (speculative holes)
+        or whose columns do not match their tokens keep nothing."""
+        pc, req = self.prefix_cache, row.request
+        i = next((i for i, r in enumerate(self.rows) if r is row), None)
+        if pc is None or row.generated is None or self.cache.holes or i is None:
+            return
+        lead, length = int(self.cache.left_pad[i]), self.cache.length
+        ids = req.prompt_ids + row.generated[:-1]
+        if length - lead != len(ids) - row.start:
+            log.warning("request %s: its batch columns (%d) do not match its tokens (%d); its turn is not cached",
+                        req.request_id, length - lead, len(ids) - row.start)
+            return
+        try:
+            pc.insert_span(ids, self.cache.kv[:, :, i : i + 1, :, lead:length], req.cache_salt, row.start)
+        except Exception:  # the cache is an optimisation: its failure must not fail a request that has finished
+            log.exception("request %s: keeping its turn in the prefix cache failed", req.request_id)
 
     def _finish_request(self, req: Request, reason: str) -> None:
         if not req.done:

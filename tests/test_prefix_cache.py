@@ -123,13 +123,27 @@ def test_samples_read_their_prompt_once(gqa_dir):
     assert req.cached_tokens == 0  # nothing was cached when it came
 
 
+def test_a_burst_sharing_a_new_prefix_prefills_it_once(gqa_dir):
+    """Requests that arrive together with one prefix not cached yet (a new system prompt, a document asked several
+    questions): the first prefills it, the others wait for it and read it from the cache; tokens as alone."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=24, prefix_cache_bytes=64 << 20)
+    reqs = [request(SYSTEM + [20 + i, 30 + i], 6) for i in range(4)]
+    drive_checked(sched, {0: [r for r, _ in reqs]}, collectors=[c for _, c in reqs])
+    for i, (req, col) in enumerate(reqs):
+        assert col.tokens == {0: alone(model, SYSTEM + [20 + i, 30 + i], 6)}
+    assert [req.cached_tokens for req, _ in reqs] == [0] + [3 * BLOCK] * 3
+    assert sched.counters.prompt_tokens == 4 * (len(SYSTEM) + 2)  # prompt tokens served (cached ones included)
+
+
 @pytest.fixture(scope="module")
 def long_dir(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("llama-512"), "gqa", max_pos=512)
 
 
 def test_a_conversation_resent_whole_over_five_turns(long_dir):
-    """Each turn resends the whole history (a chat UI on the OpenAI API): turn k reuses turn k-1's prompt."""
+    """Each turn resends the whole history (a chat UI on the OpenAI API): turn k reads turn k-1's prompt and
+    reply from the cache (a finished turn is kept) and prefills only the new message."""
     model = bmc.load(str(long_dir))
     sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=32, prefix_cache_bytes=64 << 20)
     history = list(SYSTEM)
@@ -139,8 +153,8 @@ def test_a_conversation_resent_whole_over_five_turns(long_dir):
         req, col = request(history, 6)
         drive_checked(sched, {0: [req]}, collectors=[col])
         assert col.tokens == {0: alone(model, history, 6)}, turn
-        if turn:
-            assert req.cached_tokens >= (len(history) - 17 - 1) // BLOCK * BLOCK  # all but the new part
+        if turn:  # the earlier turns, their replies included (all but each reply's last token, never cached)
+            assert req.cached_tokens == (len(history) - 11 - 1) // BLOCK * BLOCK, turn
         history += col.tokens[0]  # the assistant's reply, resent next turn
 
 

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "used evicted first (default: 1/8 of the machine's memory, at most 4 GiB)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="keep no prompt KV across requests: every prompt is prefilled whole")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run every decode step eagerly (default: captured once per capacity bucket and batch)")
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
@@ -201,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         speculative=args.speculative, tree=args.tree, attention=args.attention,
                         spec_max_tokens=args.spec_max_tokens,
                         sparq_r=args.sparq_r, sparq_k=args.sparq_k,
-                        device=args.device,
+                        device=args.device, cuda_graphs=not args.no_cuda_graphs,
                         share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
                         activations=args.activations)
     app = build_app(opts)

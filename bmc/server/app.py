@@ -68,6 +68,7 @@ class ServeOptions:
     sparq_r: int | None = None
     sparq_k: int = 128
     prefix_cache_bytes: int = 0  # prompt KV kept across requests under this budget (0 = no prefix cache)
+    cuda_graphs: bool = True  # CUDA: the decode step captured once per capacity bucket and batch
 
 
 def default_served_name(path: str) -> str:
@@ -106,7 +107,7 @@ class ServerState:
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
                                   tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
                                   attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)),
-                                  prefix_cache_bytes=o.prefix_cache_bytes)
+                                  prefix_cache_bytes=o.prefix_cache_bytes, cuda_graphs=o.cuda_graphs)
             if o.prefix_cache_bytes and scheduler.prefix_cache is None:
                 log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)
             metrics = ServerMetrics(self.name)

@@ -101,6 +101,8 @@ class _PrefixCacheCollector:
         for name, doc, value in (
                 ("bmc:prefix_cache_shared_rows", "Batch rows reading a cached prompt prefix in place",
                  self.scheduler.shared_prefix_rows),
+                ("bmc:prefix_cache_pinned_bytes", "Bytes of the prefix cache that running requests read in place "
+                 "(not evicted; the budget bounds the rest)", self.cache.pinned_bytes),
                 ("bmc:kv_cache_peak_bytes", "Most KV bytes held at a step's end: the batch, prefills, the prefix cache",
                  self.scheduler.peak_kv_bytes)):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
