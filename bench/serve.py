@@ -330,7 +330,8 @@ def workload(model: Any, args: argparse.Namespace, n: int, seed: int) -> list[st
 
 def bmc_kv_metrics(url: str) -> dict[str, float]:
     """bmc-serve's KV gauges and prefix-cache counters (empty for a peer, or with the prefix cache off)."""
-    names = ("bmc:kv_cache_peak_bytes", "bmc:prefix_cache_usage_bytes", "bmc:prefix_cache_hits_total",
+    names = ("bmc:kv_cache_peak_bytes", "bmc:kv_cache_running_peak_bytes", "bmc:prefix_cache_usage_bytes",
+             "bmc:prefix_cache_hits_total",
              "bmc:prefix_cache_queries_total")
     out: dict[str, float] = {}
     try:

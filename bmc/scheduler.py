@@ -193,6 +193,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
         self.peak_kv_bytes = 0  # the most KV bytes held at a step's end: batch, prefills and the prefix cache
+        self.peak_running_kv_bytes = 0  # of those, what running requests read: batch, prefills, pinned cached paths
         self._inbox: collections.deque[Request] = collections.deque()
         self._requests: dict[int, Request] = {}  # every request added and not done, wherever it is: fail_all and
         # close() answer each of them, also one that has left every list mid-step
@@ -303,10 +304,15 @@ class Scheduler:
         results = self._forward(parts)
         if decode is not None:
             self._finish_decode(results.pop(0))
-        for (p, part), result in zip(chunks, results):
-            self._finish_chunk(p, part, result)
-        held = self.kv_bytes + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
+        for (group, part), result in zip(chunks, results):
+            if len(group) == 1:
+                self._finish_chunk(group[0], int(part.tokens.shape[1]), result, part.cache)
+            else:
+                self._finish_group(group, part, result)
+        pc = self.prefix_cache
+        held = self.kv_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (pc.nbytes if pc is not None else 0))
+        self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, held + (pc.pinned_bytes if pc is not None else 0))
         self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
                           "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),
                           "columns": self.cache.length}
@@ -560,20 +566,74 @@ class Scheduler:
                     return True
         return False
 
-    def _chunk_parts(self, budget: int) -> list[tuple[_Prefill, StepPart]]:
-        """The next chunk of each admitted prompt, oldest first, within what is left of the token budget."""
-        chunks = []
+    def _chunk_parts(self, budget: int) -> list[tuple[list[_Prefill], StepPart]]:
+        """The next chunk of each admitted prompt, oldest first, within what is left of the token budget. Where
+        parts run as forwards of their own (CUDA, the PyTorch path), whole prompts that start this step are
+        prefilled together as one left-padded batch, as generate() prefills its prompts."""
+        chunks: list[tuple[list[_Prefill], StepPart]] = []
+        whole: list[_Prefill] = []
+        native = getattr(self.model.net, "native_decoder", None)
+        group = ((native is None or native() is None) and self.model.config.sliding_window is None
+                 and longrope_switch(self.model.config) is None)
         for p in list(self.prefilling):
             if budget <= 0:
                 break
-            t = min(budget, len(p.request.prompt_ids) - p.done)
+            P = len(p.request.prompt_ids)
+            t = min(budget, P - p.done)
             budget -= t
-            try:
-                chunks.append((p, self._chunk_part(p, t)))
-            except Exception as e:
+            if group and p.done == 0 and t == P and p.attention is None:
+                whole.append(p)
+                continue
+            self._add_chunk(chunks, [p], lambda p=p, t=t: self._chunk_part(p, t))
+        if len(whole) == 1:
+            self._add_chunk(chunks, whole, lambda: self._chunk_part(whole[0], len(whole[0].request.prompt_ids)))
+        elif whole:
+            self._add_chunk(chunks, whole, lambda: self._group_part(whole))
+        return chunks
+
+    def _add_chunk(self, chunks: list, group: list[_Prefill], make: Callable[[], StepPart]) -> None:
+        try:
+            chunks.append((group, make()))
+        except Exception as e:
+            for p in group:
                 self.prefilling.remove(p)
                 self._fail(p.request, e)
-        return chunks
+
+    def _group_part(self, group: list[_Prefill]) -> StepPart:
+        """Whole prompts prefilled as one batch, left-padded into a cache of their own (each row is copied into
+        its request's cache once the forward is done)."""
+        dev, cfg = self.model.device, self.model.config
+        lengths = [len(p.request.prompt_ids) for p in group]
+        M = max(lengths)
+        pads = [M - n for n in lengths]
+        gen = GenerationConfig(kv="upfront", kv_dtype=self.cache.format.name)
+        cache = make_cache(self.model, gen, len(group), M, pads, GenerationStats())
+        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        tokens = torch.tensor([[pad_id] * lp + p.request.prompt_ids for lp, p in zip(pads, group)], dtype=torch.long,
+                              device=dev)
+        positions = (torch.arange(M, device=dev)[None, :] - torch.tensor(pads, device=dev)[:, None]).clamp(min=0)
+        cache.reserve(M, positions)
+        return StepPart(tokens, positions, cache, cache.attention_bias(M), prefill_attention(dense_attention, cache, M),
+                        prompt_len=torch.tensor(lengths))
+
+    def _finish_group(self, group: list[_Prefill], part: StepPart, result: torch.Tensor | BaseException) -> None:
+        """Each prompt of a batch prefill: its row copied into its own cache (as a hit is seeded), then finished as
+        a prompt prefilled alone."""
+        if isinstance(result, BaseException):
+            for p in group:
+                self._finish_chunk(p, 0, result)
+            return
+        src, M = part.cache, int(part.tokens.shape[1])
+        src.commit(M)
+        for i, p in enumerate(group):
+            n, dev = len(p.request.prompt_ids), self.model.device
+            try:
+                p.cache.reserve(n, torch.arange(n, device=dev)[None])
+                p.cache.kv[:, :, 0, :, :n].copy_(src.kv[:, :, i, :, M - n : M])
+            except Exception as e:
+                self._finish_chunk(p, 0, e)
+                continue
+            self._finish_chunk(p, n, result[i : i + 1], p.cache)
 
     def _chunk_part(self, p: _Prefill, t: int) -> StepPart:
         """The next t prompt tokens, reserved in the request's own cache (prefilled as generate() prefills)."""
@@ -612,13 +672,16 @@ class Scheduler:
                 results.append(e)
         return results
 
-    def _finish_chunk(self, p: _Prefill, part: StepPart, result: torch.Tensor | BaseException) -> None:
+    def _finish_chunk(self, p: _Prefill, t: int, result: torch.Tensor | BaseException,
+                      reserved: KVCache | None = None) -> None:
+        """The chunk of t prompt tokens forwarded into `reserved` (p's cache) is committed; a done prompt is kept in
+        the prefix cache and its rows sample their first token."""
         req = p.request
         if isinstance(result, BaseException):
             self.prefilling.remove(p)
             self._fail(req, result)
             return
-        t = int(part.tokens.shape[1])
+        assert reserved is p.cache
         p.cache.commit(t)
         p.done += t
         self.counters.prefill_chunks += 1
@@ -628,7 +691,7 @@ class Scheduler:
         self.counters.prompt_tokens += len(req.prompt_ids)
         if self.prefix_cache is not None and req.cache_prompt:
             self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt, cache_start=p.start)
-            if req.num_samples > 1 and self.read_in_place:
+            if self.read_in_place:
                 self._share_prompt(p)
         n = req.num_samples
         switch = longrope_switch(self.model.config)
@@ -651,8 +714,10 @@ class Scheduler:
             self.joining.append((p, rows))
 
     def _share_prompt(self, p: _Prefill) -> None:
-        """The samples of a prompt read its blocks just cached in place, as one shared segment, instead of a copy
-        each: the prompt cache's columns before the cached path's end become padding that joins copy nothing of."""
+        """A prompt's rows read its blocks just cached in place instead of copies in the batch cache: its samples
+        read one copy, and a long prompt does not widen the batch (rows are right-aligned on one write column, so
+        one row of 2000 columns costs every row 2000). The prompt cache's columns before the cached path's end
+        become padding that a join copies nothing of."""
         req, pc = p.request, self.prefix_cache
         assert pc is not None
         node = pc.match(req.prompt_ids, req.cache_salt, count=False)

@@ -189,9 +189,9 @@ def test_cuda_scheduler_equals_generate_alone(tiny_dirs):
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_cuda_served_graphs_and_cached_prefixes_equal_generate_alone(tiny_dirs, prefix_cache):
-    """The scheduler's decode step captured as a CUDA graph per bucket and replayed across joins and leaves; with
-    the prefix cache, steps whose rows read cached prefixes in place run eagerly between replays. Every request's
-    tokens equal generate() alone."""
+    """The scheduler's decode step captured as a CUDA graph per bucket and replayed across joins and leaves; a
+    burst of prompts prefilled as one batch; with the prefix cache, steps whose rows read cached prefixes in place
+    run eagerly between replays. Every request's tokens equal generate() alone."""
     from bmc.engine import GenerationConfig
     from bmc.scheduler import Request, Scheduler
 
@@ -204,14 +204,15 @@ def test_cuda_served_graphs_and_cached_prefixes_equal_generate_alone(tiny_dirs, 
     reqs = [Request(p, GenerationConfig(max_new_tokens=30 + 3 * i, ignore_eos=True),
                     lambda o, i=i: got.setdefault(i, []).append(o.token_id), device="cuda")
             for i, p in enumerate(prompts)]
+    arrivals = {0: reqs[:3], **{7 * k: [r] for k, r in enumerate(reqs[3:], start=1)}}  # a burst, then one by one
     for step in range(600):
-        if step % 7 == 0 and step // 7 < len(reqs):
-            sched.add(reqs[step // 7])
+        for req in arrivals.get(step, []):
+            sched.add(req)
         sched.step()
         sched.cache.check_integrity()
         if sched.prefix_cache is not None:
             sched.prefix_cache.check_integrity()
-        if step // 7 >= len(reqs) and not sched.has_work():
+        if step >= max(arrivals) and not sched.has_work():
             break
     for i, p in enumerate(prompts):
         assert got[i] == bmc.generate(gpu, [p], max_new_tokens=30 + 3 * i, ignore_eos=True)[0].token_ids, i

@@ -100,6 +100,31 @@ def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
         assert sched.counters.fused_steps >= 1
 
 
+@pytest.mark.parametrize("kv", ["bmc", "upfront"])
+def test_prompts_that_arrive_together_prefill_as_one_batch_on_the_pytorch_path(gqa_dir, monkeypatch, kv):
+    """Where each part is a forward of its own (CUDA, or BMC_NATIVE=0), whole prompts that start in one step are
+    prefilled together, left-padded, and copied into their own caches: each request equals generate() alone,
+    greedy and seeded samples, also a prompt chunked beside them."""
+    monkeypatch.setenv("BMC_NATIVE", "0")
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=6, max_num_batched_tokens=40, kv=kv, r=4 if kv == "bmc" else None)
+    reqs = [request(p, 7) for p in PROMPTS[:4]] + [request(PROMPTS[4], 6, n=2, temperature=0.9, seed=4),
+                                                   request(list(range(20, 60)), 5)]
+    forwards = []
+    net_call = type(model.net).__call__
+    monkeypatch.setattr(type(model.net), "__call__",
+                        lambda self, tokens, *a, **k: (forwards.append(tuple(tokens.shape)), net_call(self, tokens, *a, **k))[1])
+    drive(sched, {0: [r for r, _ in reqs]}, collectors=[c for _, c in reqs])
+    for (req, col), p in zip(reqs[:4], PROMPTS):
+        assert col.tokens == {0: alone(model, p, 7)}, p
+    sampled = bmc.generate(model, [PROMPTS[4]], max_new_tokens=6, ignore_eos=True, num_samples=2, temperature=0.9,
+                           seed=4)
+    assert reqs[4][1].tokens == {0: sampled[0].token_ids, 1: sampled[1].token_ids}
+    assert reqs[5][1].tokens == {0: alone(model, list(range(20, 60)), 5)}
+    assert (5, max(map(len, PROMPTS))) in forwards  # the five short prompts in one forward
+    assert_idle(sched)
+
+
 def test_chunked_prefill_does_not_stop_running_rows(gqa_dir):
     """A 40-token prompt arriving under a 6-token budget takes several steps to prefill; the running request
     gets a token at every one of them."""

@@ -104,7 +104,9 @@ class _PrefixCacheCollector:
                 ("bmc:prefix_cache_pinned_bytes", "Bytes of the prefix cache that running requests read in place "
                  "(not evicted; the budget bounds the rest)", self.cache.pinned_bytes),
                 ("bmc:kv_cache_peak_bytes", "Most KV bytes held at a step's end: the batch, prefills, the prefix cache",
-                 self.scheduler.peak_kv_bytes)):
+                 self.scheduler.peak_kv_bytes),
+                ("bmc:kv_cache_running_peak_bytes", "Most KV bytes running requests read at a step's end: the batch, "
+                 "prefills and the cached paths read in place", self.scheduler.peak_running_kv_bytes)):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
