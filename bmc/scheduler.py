@@ -691,7 +691,9 @@ class Scheduler:
         self.counters.prompt_tokens += len(req.prompt_ids)
         if self.prefix_cache is not None and req.cache_prompt:
             self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt, cache_start=p.start)
-            if self.read_in_place:
+            # with CUDA graphs a single row keeps its prompt in its own columns: a step whose rows read cached
+            # segments runs eagerly, and a prompt's own part is no one else's
+            if self.read_in_place and (req.num_samples > 1 or self.graphs is None):
                 self._share_prompt(p)
         n = req.num_samples
         switch = longrope_switch(self.model.config)
