@@ -37,7 +37,8 @@ def conversation_ttfts(url: str, model_name: str, system: str, users: list[str],
     """Each turn streamed; the reply appended to the history; TTFT and prompt tokens per turn."""
     messages = [{"role": "system", "content": system}]
     ttfts, prompt_tokens = [], []
-    with httpx.Client(timeout=600) as client:
+    # a new connection each turn: llama-server closes kept-alive connections between requests
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for user in users:
             messages.append({"role": "user", "content": user})
             body = {"model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
