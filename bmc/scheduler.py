@@ -728,6 +728,8 @@ class Scheduler:
         tokens."""
         req, pc = p.request, self.prefix_cache
         assert pc is not None
+        if (len(req.prompt_ids) - 1) // BLOCK * BLOCK - p.start < at_least:  # a match could not be long enough
+            return
         node = pc.match(req.prompt_ids, req.cache_salt, count=False)
         if node is None or node.end - p.start < at_least:
             return
