@@ -1,13 +1,13 @@
-"""The generation loop of generate(): one function per phase, read in order in generate_tokens at the bottom:
-check_length -> prefill (prefill_common_prefix for a leading part common to all prompts; the fork of each prompt
-to its samples) -> repeat: emit_tokens (events and stop checks) -> Rows.keep (finished rows leave) -> decode_step
-or the speculative step -> finish_stats. The server's scheduler (scheduler.py) reuses make_cache,
-prefill_attention and eos_ids so that a served request is prefilled exactly as here.
+"""Generation: the options (GenerationConfig), the stats, and what a run's caches are made of (make_cache,
+prefill_attention, longrope's relong, eos_ids), shared by the engine's step loop (scheduler.py), which generate()
+drives through offline.py, and the static loop at the bottom, which runs what the step loop does not run yet
+(offline.static_loop_reason: approximate attention, draft-model drafters, speculative sampling).
 
-A decode step reads straight through: the cache makes room (a chunk boundary allocates and copies, or on a CPU
-widens the view in place, once every r tokens) -> the model computes q, k, v for the new token and writes k, v in
-place -> attention over the cache's capacity with its bias -> logits -> sampler -> stop checks. Finished rows leave
-the batch (cache.reorder)."""
+The static loop reads in order: check_length -> prefill (each prompt once, forked to its samples) -> repeat:
+emit_tokens (events and stop checks) -> Rows.keep (finished rows leave) -> decode_step or the speculative step ->
+finish_stats. A decode step: the cache makes room (a chunk boundary allocates and copies, or on a CPU widens the
+view in place, once every r tokens) -> the model computes q, k, v for the new token and writes k, v in place ->
+attention over the cache's capacity with its bias -> logits -> sampler -> stop checks."""
 from __future__ import annotations
 
 import os
@@ -24,7 +24,6 @@ from .analytic import choose_T
 from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, causal_attention,
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
-from .graphs import DecodeGraphs
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
 from .models import Model, ModelConfig
 from .sampling import Sampler, SamplingParams
@@ -119,9 +118,9 @@ class GenerationStats:
     peak_kv_bytes: int = 0
     speculative: SpecStats | None = None
     weight_pack_seconds: float = 0.0  # MKL re-layout of the weights for the decode batch (inside decode_seconds)
-    prefix_kv_bytes: int = 0  # shared-prefix KV, stored once per prompt (0 when not sharing)
-    prefix_groups: int = 0  # shared KV groups over all shared segments
-    shared_common_tokens: int = 0  # leading tokens common to all prompts, stored once for the whole batch
+    prefix_kv_bytes: int = 0  # cached prompt KV that rows read in place, stored once for them (0 when not sharing)
+    prefix_groups: int = 0  # the most cached segments one decode step read
+    cached_prompt_tokens: int = 0  # prompt tokens read from the call's prefix cache (a part common to prompts)
     decode_kernel: str = ""  # "native-cpu" (bmc.kernels' C++ step), "cuda-graphs" or "torch" (eager ops)
     cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
     cuda_graph_replays: int = 0
@@ -305,16 +304,7 @@ def eos_ids(model: Model) -> set[int]:
     return ids
 
 
-MIN_SHARED_PREFIX = 16  # shorter common prefixes are recomputed per row: the merge would cost more than it saves
-
-
-def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
-    """Length of the longest leading part shared by all prompts, leaving every prompt at least one own token."""
-    first, limit = prompts[0], min(len(p) for p in prompts) - 1
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
-    return n
+MIN_SHARED_PREFIX = 16  # generate(): shorter common prefixes are recomputed per row (the merge would cost more)
 
 
 PACK_MIN_ROWS = 2  # measured: MKL-packed GEMMs win at M = 8 (48 vs 69 ms/step), lose at M = 1 (35 vs 32 ms)
@@ -414,84 +404,42 @@ def check_kv_fits(model: Model, rows: int, max_length: int, kv_dtype: str = "aut
                                   f"the {model.device.type} has {have / 2**30:.1f} GiB")
 
 
-def prefill_common_prefix(model: Model, tokens: list[int], n_prompts: int, kv_dtype: str) -> SharedPrefix:
-    """A leading part common to all prompts (a system prompt, few-shot examples), prefilled and stored once and read
-    by every row as one GEMM (bifurcated attention / Hydragen)."""
-    cfg, dev, common = model.config, model.device, len(tokens)
-    head = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, max_length=common, dtype=model.dtype, device=dev,
-                                    kv_dtype=kv_dtype)
-    head.reserve(common)
-    model.net(torch.tensor([tokens], device=dev), torch.arange(common, device=dev)[None], head,
-              prefill_attention(dense_attention, head, common), head.attention_bias(common))
-    head.commit(common)
-    return SharedPrefix(head.kv, head.bias, torch.zeros(n_prompts, dtype=torch.long), read=head.read)
-
-
 def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, max_length: int,
             stats: GenerationStats) -> tuple[Rows, torch.Tensor]:
     """Prefill every prompt once, left-padded into one batch, and fork each to its samples: the rows and the last
-    logits of each. With sharing, the common leading part is stored once for the batch and each prompt's KV once
-    for its samples (a suffix cache then holds the generated tokens only)."""
+    logits of each. (Runs on the step loop share prompts; this loop's approximate attention and draft models keep
+    every row's KV to itself.)"""
     cfg, dev = model.config, model.device
     n_prompts, n = len(prompt_ids), gen.num_samples
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    # A shared segment is attended by rows at different positions through one bias: a sliding window that a run
-    # can pass would need a bias per row there, so such runs keep every row's KV to itself (exact, not shared).
-    # Soft-capped scores (Gemma 2) have no shared-segment kernel, and longrope rotates a common part long or short
-    # by each prompt's own length: such runs do not share either.
-    sharing = (gen.share_prefix == "auto" and gen.speculative == "off" and gen.attention == "dense"
-               and window_in_reach(cfg, max_length) is None and cfg.attn_softcap is None
-               and longrope_switch(cfg) is None)
-    common = common_prefix_length(prompt_ids) if sharing and n_prompts > 1 else 0
-    common = common if common >= MIN_SHARED_PREFIX else 0  # each prompt keeps at least one own token
-    root = prefill_common_prefix(model, prompt_ids[0][:common], n_prompts, gen.kv_dtype) if common else None
-    own = [p[common:] for p in prompt_ids]  # each prompt's part after the shared one
-    P_own = max(len(p) for p in own)
-    left_pad = [P_own - len(p) for p in own]
-    share = n > 1 and sharing  # samples of one prompt read its KV from an exact-size cache: a shared segment
-    if share:
-        cache: KVCache = KV_STRATEGIES["upfront"](
-            num_layers=cfg.num_layers, batch_size=n_prompts, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_length=P_own, dtype=model.dtype, device=dev, left_pad=left_pad, kv_dtype=gen.kv_dtype)
-    else:
-        cache = make_cache(model, gen, n_prompts, P_own + gen.max_new_tokens, left_pad, stats)
+    P = max(len(p) for p in prompt_ids)
+    left_pad = [P - len(p) for p in prompt_ids]
+    cache = make_cache(model, gen, n_prompts, P + gen.max_new_tokens, left_pad, stats)
     attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, cfg.group_size)
     stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
     # approximate backends pick columns by index (SparQ's K copy, the window baseline's first positions)
     cache.compact_window = gen.attention == "dense"
     stats.batch_size, stats.max_length = n_prompts * n, max_length
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
-    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, own)], dtype=torch.long, device=dev)
+    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
     pads = torch.tensor(left_pad, dtype=torch.long, device=dev)
-    positions = common + (torch.arange(P_own, device=dev)[None, :] - pads[:, None]).clamp(min=0)
+    positions = (torch.arange(P, device=dev)[None, :] - pads[:, None]).clamp(min=0)
 
-    cache.reserve(P_own, positions)
-    logits = model.net(tokens, positions, cache,
-                       root.attention if root else prefill_attention(attention, cache, P_own),
-                       cache.attention_bias(P_own), prompt_len=torch.tensor([len(p) for p in prompt_ids]))
-    cache.commit(P_own)
-    prefix: SharedPrefix | None = root
-    pos = (cache.length - cache.left_pad).clone() + common  # next position per batch row
+    cache.reserve(P, positions)
+    logits = model.net(tokens, positions, cache, prefill_attention(attention, cache, P), cache.attention_bias(P),
+                       prompt_len=torch.tensor([len(p) for p in prompt_ids]))
+    cache.commit(P)
+    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
     if n > 1:  # fork each prompt's prefilled KV to its samples
         fork = torch.arange(n_prompts, device=dev).repeat_interleave(n)
         logits, pos = logits.index_select(0, fork), pos.index_select(0, fork)
-        if root is not None:
-            root.reorder(fork)
-        if share:
-            prefix = SharedPrefix(cache.kv, cache.bias, fork, parent=root, read=cache.read)
-            cache = make_cache(model, gen, n_prompts * n, gen.max_new_tokens, [0] * (n_prompts * n), stats)
-        else:
-            cache.reorder(fork)
-            if stateful is not None:
-                stateful.reorder(fork)
-    if prefix is not None:
-        attention = prefix.attention
-        stats.prefix_kv_bytes, stats.prefix_groups, stats.shared_common_tokens = prefix.nbytes, prefix.num_groups, common
+        cache.reorder(fork)
+        if stateful is not None:
+            stateful.reorder(fork)
     switch = longrope_switch(cfg)
     short = None if switch is None else torch.tensor(
         [len(p) <= switch for p in prompt_ids for _ in range(n)], device=dev)
-    return Rows(cache, attention, prefix, stateful, pos, short=short), logits
+    return Rows(cache, attention, None, stateful, pos, short=short), logits
 
 
 def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple[int, int]],
@@ -519,29 +467,23 @@ def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple
     return keep
 
 
-def decode_step(model: Model, rows: Rows, graphs: DecodeGraphs | None, sampler: Sampler) -> list[list[int]]:
+def decode_step(model: Model, rows: Rows, sampler: Sampler) -> list[list[int]]:
     """One token for every row: the cache makes room (a chunk boundary allocates and copies), the forward writes
     K/V in place and attends over the capacity with the bias, the sampler picks."""
     rows.cache.reserve(1, rows.pos[:, None])
-    if graphs is not None:
-        logits = graphs.step(rows.cache, rows.next_tok, rows.pos)
-    else:
-        logits = model.net(rows.next_tok[:, None], rows.pos[:, None], rows.cache, rows.attention, rows.cache.bias)
+    logits = model.net(rows.next_tok[:, None], rows.pos[:, None], rows.cache, rows.attention, rows.cache.bias)
     rows.cache.commit(1)
     rows.pos += 1
     rows.next_tok = sampler(logits[:, -1])
     return [[t] for t in rows.next_tok.tolist()]
 
 
-def finish_stats(stats: GenerationStats, model: Model, gen: GenerationConfig, rows: Rows,
-                 graphs: DecodeGraphs | None) -> None:
+def finish_stats(stats: GenerationStats, model: Model, gen: GenerationConfig, rows: Rows) -> None:
     cache = rows.cache
     stats.kv_allocations = cache.allocations
-    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes) + stats.prefix_kv_bytes
-    if graphs is not None:
-        stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
+    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes)
     native = gen.attention == "dense" and model.net.native_decoder() is not None
-    stats.decode_kernel = "cuda-graphs" if graphs is not None else "native-cpu" if native else "torch"
+    stats.decode_kernel = "native-cpu" if native else "torch"
     if hasattr(rows.attention, "transfers"):
         stats.attention_transfers = rows.attention.transfers
         stats.attention_dense_transfers = rows.attention.dense_transfers
@@ -552,13 +494,24 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
 def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
-    """The core loop: prefill, then (emit the rows' new tokens -> drop finished rows -> one decode or speculative
-    step) until every row is done. Rows are (prompt, sample) pairs; each prompt is prefilled once and forked to its
-    samples."""
+    """The tokens of every (prompt, sample) row as they are produced: on the engine's step loop (offline.py, the
+    server's scheduler), or on the static loop below for what that loop does not run yet (static_loop_reason)."""
+    from .offline import generate_on_steps, static_loop_reason
+
     stats = stats if stats is not None else GenerationStats()
+    if static_loop_reason(gen) is None:
+        return generate_on_steps(model, prompt_ids, gen, stats)
+    return static_loop(model, prompt_ids, gen, stats)
+
+
+@torch.inference_mode()
+def static_loop(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
+                stats: GenerationStats) -> Iterator[TokenEvent]:
+    """Approximate attention and draft-model speculation: prefill, then (emit the rows' new tokens -> drop finished
+    rows -> one decode or speculative step) until every row is done. Rows are (prompt, sample) pairs; each prompt
+    is prefilled once and forked to its samples."""
     dev = model.device
     max_length = check_length(model, prompt_ids, gen)
     sampler = Sampler(gen.sampling, dev)
@@ -584,10 +537,6 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
     # longrope: each row's tokens, for the recompute at the switch (relong_rows)
     histories = ([prompt_ids[pi] + ids for (pi, _), ids in zip(row_ids, new_ids)] if rows.short is not None
                  else [])
-    graphs = None
-    if (gen.cuda_graphs and dev.type == "cuda" and spec is None and rows.prefix is None and gen.attention == "dense"
-            and gen.kv in ("bmc", "upfront")):
-        graphs = DecodeGraphs(model, rows.attention)
     weight_bytes = model.weight_bytes
     t_decode = time.perf_counter()
     while True:
@@ -602,16 +551,16 @@ def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationCo
         # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
         _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active), stats)
         stats.decode_steps += 1
-        stats.decode_bytes += weight_bytes + rows.cache.nbytes + stats.prefix_kv_bytes
+        stats.decode_bytes += weight_bytes + rows.cache.nbytes
         if spec is not None:  # draft, verify in the padding rows, keep the accepted path
             new_ids, rows.next_tok = spec(model, rows.cache, rows.attention, rows.next_tok, rows.pos, active,
                                           spec_budgets(model, rows, [gen.max_new_tokens - counts[r] for r in active]))
             stats.decode_tokens += sum(len(x) for x in new_ids)
         else:
-            new_ids = decode_step(model, rows, graphs, sampler)
+            new_ids = decode_step(model, rows, sampler)
             stats.decode_tokens += len(active)
         for h, ids in zip(histories, new_ids):
             h.extend(ids)
     _synchronize(dev)
     stats.decode_seconds = time.perf_counter() - t_decode
-    finish_stats(stats, model, gen, rows, graphs)
+    finish_stats(stats, model, gen, rows)

@@ -1,14 +1,15 @@
 """Prompt KV kept across requests: the prefix cache (llama-server's cache_prompt, vLLM's automatic prefix caching,
 SGLang's RadixAttention).
 
-A radix tree over token ids whose edges are runs of whole BLOCK-token blocks: a node holds its run's ids and their
-K and V as one tensor, [L, 2, 1, H_kv, len, width] (the cache's format, int8 scales included), which is exactly
-the shape of a shared segment in the attention kernels (bmc/attention/shared_prefix.py, the native step). So a
-request whose prompt starts with cached tokens reads them in place, as Hydragen reads a shared prefix: every row
-whose path runs through a node reads that one copy, once per step for all of them, and its own cache holds only
-the tokens after it. Why a radix tree of runs and not vLLM's chained hashes of single blocks: a segment must be
-contiguous for the kernel to read it as one matrix product, and a run stays contiguous (a 2000-token system prompt
-is one node, not 125 blocks to gather every step).
+A radix tree over token ids whose edges are runs of whole blocks (BLOCK tokens in the server, one token in the
+cache generate() keeps for one call): a node holds its run's ids and their K and V as one tensor,
+[L, 2, 1, H_kv, len, width] (the cache's format, int8 scales included), which is exactly the shape of a shared
+segment in the attention kernels (bmc/attention/shared_prefix.py, the native step). So a request whose prompt
+starts with cached tokens reads them in place, as Hydragen reads a shared prefix: every row whose path runs
+through a node reads that one copy, once per step for all of them, and its own cache holds only the tokens after
+it. Why a radix tree of runs and not vLLM's chained hashes of single blocks: a segment must be contiguous for the
+kernel to read it as one matrix product, and a run stays contiguous (a 2000-token system prompt is one node, not
+125 blocks to gather every step).
 
 - Matching walks the tree from the salt's root (vLLM's cache_salt: prompts under different salts share nothing)
   and stops at the first block not stored; it leaves at least the prompt's last token to prefill (its logits give
@@ -24,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -79,7 +81,10 @@ def _storage(kv: torch.Tensor) -> tuple[int, int]:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, format_name: str) -> None:
+    def __init__(self, budget_bytes: int, format_name: str, block: int = BLOCK) -> None:
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        self.block = block  # tokens a block (generate()'s cache for one call: 1, any common length is shared)
         self.budget_bytes = budget_bytes
         self.format_name = format_name  # the KV format every node is in (the batch cache's)
         self.roots: dict[str | None, Node] = {}
@@ -96,15 +101,15 @@ class PrefixCache:
         last token to prefill; None on a miss. A match that ends inside a node splits it there. Counts the lookup
         in `stats` (unless `count` is False) and refreshes the path."""
         self.stats.queries += len(ids) if count else 0
-        usable = (len(ids) - 1) // BLOCK * BLOCK
+        usable = (len(ids) - 1) // self.block * self.block
         node = self.roots.get(salt)
         found: Node | None = None
         pos = 0
         while node is not None and pos < usable:
-            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            child = node.children.get(tuple(ids[pos : pos + self.block]))
             if child is None:
                 break
-            n = _common_blocks(child.ids, ids[pos:usable])
+            n = _common_blocks(child.ids, ids[pos:usable], self.block)
             if n < len(child.ids):
                 child = self._split(child, n)
             found, node, pos = child, child, pos + n
@@ -116,13 +121,13 @@ class PrefixCache:
 
     def peek(self, ids: list[int], salt: str | None) -> int:
         """The tokens match() would find, without splitting, counting or refreshing anything."""
-        usable = (len(ids) - 1) // BLOCK * BLOCK
+        usable = (len(ids) - 1) // self.block * self.block
         node, pos = self.roots.get(salt), 0
         while node is not None and pos < usable:
-            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            child = node.children.get(tuple(ids[pos : pos + self.block]))
             if child is None:
                 break
-            n = _common_blocks(child.ids, ids[pos:usable])
+            n = _common_blocks(child.ids, ids[pos:usable], self.block)
             pos += n
             node = child if n == len(child.ids) else None
         return pos
@@ -145,7 +150,7 @@ class PrefixCache:
         storages: dict[int, int] = {}
         for node in self._locked.values():
             for seg in node.path():
-                if seg.parent is not None and seg.parent.children.get(seg.ids[:BLOCK]) is seg:  # still in the tree
+                if seg.parent is not None and seg.parent.children.get(seg.ids[:self.block]) is seg:  # still in the tree
                     ptr, nbytes = _storage(seg.kv)  # type: ignore[arg-type]
                     storages[ptr] = nbytes
         return sum(storages.values())
@@ -174,15 +179,15 @@ class PrefixCache:
     def insert_span(self, ids: list[int], kv: torch.Tensor, salt: str | None, start: int) -> None:
         """insert() from a span of stored KV: kv [L, 2, 1, H_kv, n, width] holds the tokens at positions
         start .. start + n - 1 of `ids` (a prompt cache's row, or a finished row's columns in the batch cache)."""
-        end = min(len(ids), start + int(kv.shape[4])) // BLOCK * BLOCK
+        end = min(len(ids), start + int(kv.shape[4])) // self.block * self.block
         cache_start = start
         node = self.roots.setdefault(salt, Node((), None, None))
         pos = 0
         while pos < end:
-            child = node.children.get(tuple(ids[pos : pos + BLOCK]))
+            child = node.children.get(tuple(ids[pos : pos + self.block]))
             if child is None:
                 break
-            n = _common_blocks(child.ids, ids[pos:end])
+            n = _common_blocks(child.ids, ids[pos:end], self.block)
             if n < len(child.ids):
                 child = self._split(child, n)
             node, pos = child, pos + n
@@ -190,9 +195,9 @@ class PrefixCache:
             src = kv[:, :, :, :, pos - cache_start : end - cache_start]
             kv = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
             new = Node(tuple(ids[pos:end]), kv, node, start=pos)
-            node.children[new.ids[:BLOCK]] = new
+            node.children[new.ids[:self.block]] = new
             self._count(kv, +1)
-            self.stats.inserted_blocks += (end - pos) // BLOCK
+            self.stats.inserted_blocks += (end - pos) // self.block
             node = new
         if node.kv is not None:
             self._touch(node)
@@ -204,11 +209,11 @@ class PrefixCache:
     def _split(self, node: Node, n: int) -> Node:
         """Cut `node` after its first n tokens: a new parent takes the head; `node` keeps the tail and its children
         (so the path of a request that locked it is unchanged). Both are views of the same tensor."""
-        assert 0 < n < len(node.ids) and n % BLOCK == 0 and node.kv is not None and node.parent is not None
+        assert 0 < n < len(node.ids) and n % self.block == 0 and node.kv is not None and node.parent is not None
         head = Node(node.ids[:n], node.kv[:, :, :, :, :n], node.parent, start=node.start, stamp=node.stamp)
-        node.parent.children[head.ids[:BLOCK]] = head
+        node.parent.children[head.ids[:self.block]] = head
         node.ids, node.kv, node.start, node.parent = node.ids[n:], node.kv[:, :, :, :, n:], node.start + n, head
-        head.children[node.ids[:BLOCK]] = node
+        head.children[node.ids[:self.block]] = node
         self._count(head.kv, +1)  # type: ignore[arg-type]
         self.version += 1
         return head
@@ -240,9 +245,9 @@ class PrefixCache:
             _, _, victim = heapq.heappop(heap)
             parent = victim.parent
             assert parent is not None and victim.kv is not None
-            del parent.children[victim.ids[:BLOCK]]
+            del parent.children[victim.ids[:self.block]]
             self._count(victim.kv, -1)
-            self.stats.evicted_blocks += len(victim.ids) // BLOCK
+            self.stats.evicted_blocks += len(victim.ids) // self.block
             self.version += 1
             if self._evictable(parent):
                 heapq.heappush(heap, (parent.stamp, id(parent), parent))
@@ -271,10 +276,10 @@ class PrefixCache:
         storages: dict[int, int] = {}
         for node in self.nodes():
             assert node.kv is not None and node.parent is not None
-            assert len(node.ids) > 0 and len(node.ids) % BLOCK == 0 and node.kv.shape[4] == len(node.ids), \
+            assert len(node.ids) > 0 and len(node.ids) % self.block == 0 and node.kv.shape[4] == len(node.ids), \
                 "a node is whole blocks, its KV as long as its ids"
             assert node.start == node.parent.end, "a node starts where its parent ends"
-            assert node.parent.children.get(node.ids[:BLOCK]) is node, "keyed by its first block"
+            assert node.parent.children.get(node.ids[:self.block]) is node, "keyed by its first block"
             assert node.parent.kv is None or node.parent.stamp >= node.stamp, "a parent is as recent as its children"
             ptr, nbytes = _storage(node.kv)
             storages[ptr] = nbytes
@@ -285,7 +290,7 @@ class PrefixCache:
         assert all(n.locks > 0 for n in self._locked.values()), "the locked set holds the locked nodes"
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of two token lists (slices compared in C, by bisection)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
@@ -297,10 +302,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def _common_blocks(run: tuple[int, ...], ids: list[int]) -> int:
+def _common_blocks(run: tuple[int, ...], ids: list[int], block: int) -> int:
     """Tokens of whole blocks at the start of `run` that `ids` starts with."""
-    n = 0
-    limit = min(len(run), len(ids)) // BLOCK * BLOCK
-    while n < limit and tuple(ids[n : n + BLOCK]) == run[n : n + BLOCK]:
-        n += BLOCK
-    return n
+    return common_prefix(run, tuple(ids[: len(run)])) // block * block

@@ -95,6 +95,7 @@ class Request:
         self.request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.prompt_ids, self.gen, self.emit, self.logprobs = prompt_ids, gen, emit, logprobs
         self.cache_salt, self.cache_prompt = cache_salt, cache_prompt  # prefix cache: its tenant; False = opt out
+        self.cache_limit: int | None = None  # keep at most this many prompt tokens in the prefix cache (None: all)
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
         self.prefix_node: Node | None = None  # the cached path its rows read in place (locked while it runs)
         self.prefix_locked = False
@@ -152,8 +153,15 @@ class Scheduler:
                  max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
                  kv_dtype: str = "auto",
                  attention: str = "dense", attention_options: AttentionOptions | None = None,
-                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int = 24,
-                 prefix_cache_bytes: int = 0, cuda_graphs: bool = True) -> None:
+                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int | None = 24,
+                 prefix_cache_bytes: int = 0, cuda_graphs: bool = True, max_length: int | None = None,
+                 prefix_block: int = BLOCK, min_shared: int | None = None, spec_trim: bool = True,
+                 keep_turns: bool = True) -> None:
+        """max_length: the longest prompt + max_tokens a request may have (default: the model's context), which the
+        batch cache's T is chosen for. prefix_block: the prefix cache's block; min_shared: the fewest cached tokens a
+        prompt reads in place or waits for (default one block); keep_turns: keep finished turns (a prompt and its
+        reply) in the prefix cache for a next turn to read. spec_max_tokens: verify rows a step may hold in all
+        (None: no cap); spec_trim: trim a tree to its rows' free padding (else the cache grows for it)."""
         if max_num_seqs < 1:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens <= max_num_seqs:
@@ -162,13 +170,17 @@ class Scheduler:
         self.model, self.max_num_seqs, self.max_num_batched_tokens = model, max_num_seqs, max_num_batched_tokens
         self.max_queue = max_queue
         self.kv, self.r, self.T = kv, r, T
+        self.max_length = model.max_context if max_length is None else max_length
+        if not 1 <= self.max_length <= model.max_context:
+            raise InvalidRequestError(f"max_length must be in [1, {model.max_context}], got {self.max_length}")
         self.eos = eos_ids(model)
         options = attention_options or AttentionOptions()
         gen = GenerationConfig(kv=kv, r=r, T=T, kv_dtype=kv_dtype, attention=attention, attention_options=options,
                                speculative=speculative, tree=tree)  # checks the names and the combination
         # The batch cache: T chosen for a full batch at the longest context (with speculation, Eq. 9's k and m);
         # it starts with no rows.
-        self.cache = make_cache(model, gen, max_num_seqs, model.max_context, [0] * max_num_seqs, GenerationStats())
+        self.cache_stats = GenerationStats()  # how the batch cache was sized: r, T and where T came from
+        self.cache = make_cache(model, gen, max_num_seqs, self.max_length, [0] * max_num_seqs, self.cache_stats)
         self.cache.keep_spare = True  # joins and leaves copy into the last buffer (and growth too on CUDA): no fresh pages
         self.cache.regroup([])
         self.decode_attention = served_attention(model, self.cache, attention, options)
@@ -177,18 +189,20 @@ class Scheduler:
         self.graphs = (DecodeGraphs(model, self.decode_attention) if cuda_graphs and model.device.type == "cuda"
                        and attention == "dense" and kv in ("bmc", "upfront") else None)
         self.prefix_cache: PrefixCache | None = None
-        self.prefix_cache_off = prefix_cache_unsupported(model) if prefix_cache_bytes > 0 else "off"
+        self.prefix_cache_off = prefix_cache_unsupported(model, self.max_length) if prefix_cache_bytes > 0 else "off"
         if self.prefix_cache_off is None:
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name)
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name, block=prefix_block)
+        self.min_shared = prefix_block if min_shared is None else max(min_shared, prefix_block)
+        self.keep_turns = keep_turns
         # A hit is read in place as shared segments (one copy for every row whose prompt starts with it) where the
         # decode attention is the dense one the segment kernels merge into; SparQ's and the speculative trees'
         # attention read the row's own cache only, so there a hit is copied into the request's prompt cache.
         self.read_in_place = (attention == "dense" and speculative == "off" and model.config.attn_softcap is None)
         self._segments_key: tuple | None = None
         self._segments: AttentionFn = self.decode_attention
-        self.spec = served_speculation(speculative, tree)
+        self.spec = served_speculation(speculative, tree, spec_trim)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
-        if spec_max_tokens < 2:
+        if spec_max_tokens is not None and spec_max_tokens < 2:
             raise InvalidRequestError(f"spec_max_tokens must be >= 2 (a root and one draft), got {spec_max_tokens}")
         self.spec_max_tokens = spec_max_tokens
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
@@ -210,10 +224,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request (it joins at a step boundary). Raises QueueFullError when max_queue requests wait."""
         gen, P = request.gen, len(request.prompt_ids)
-        if P + gen.max_new_tokens > self.model.max_context:
+        if P + gen.max_new_tokens > self.max_length:
+            where = "the model's context" if self.max_length == self.model.max_context else "this engine's max_length"
             raise InvalidRequestError(f"the prompt has {P} tokens; with max_tokens={gen.max_new_tokens} that is "
-                                      f"{P + gen.max_new_tokens} positions, beyond the model's context of "
-                                      f"{self.model.max_context}")
+                                      f"{P + gen.max_new_tokens} positions, beyond {where} of {self.max_length}")
         if request.num_samples > self.max_num_seqs:
             raise InvalidRequestError(f"n={request.num_samples} exceeds the server's max_num_seqs={self.max_num_seqs}")
         with self._lock:
@@ -429,6 +443,12 @@ class Scheduler:
         return self._segments
 
     @property
+    def shared_segments(self) -> int:
+        """Distinct cached nodes that batch rows read in place (the segments of the decode step's attention)."""
+        return len({id(n) for r in self.live_rows if r.request.prefix_node is not None
+                    for n in r.request.prefix_node.path()})
+
+    @property
     def shared_prefix_rows(self) -> int:
         """Batch rows that read a cached prompt path in place."""
         return sum(1 for r in self.live_rows if r.request.prefix_node is not None)
@@ -457,7 +477,9 @@ class Scheduler:
                                       else r.request.gen.max_new_tokens) - 1) if self._speculates(r) else None
                  for r in rows]
         tree, _, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
-        share = min(self.spec_max_tokens, self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1))
+        share = self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1)
+        if self.spec_max_tokens is not None:
+            share = min(share, self.spec_max_tokens)
         nodes = min(tree.num_nodes, share // len(rows) - 1)
         if nodes < 1 or not bool(tree.valid[:, :nodes].any()):
             return None
@@ -534,10 +556,12 @@ class Scheduler:
             # stored in the batch cache's format (the server's --kv-dtype), whatever the request's own config says
             gen = dataclasses.replace(req.gen, kv_dtype=self.cache.format.name)
             hit = None
-            if self.prefix_cache is not None and req.cache_prompt:
-                hit = self.prefix_cache.match(req.prompt_ids, req.cache_salt)
+            pc = self.prefix_cache
+            if pc is not None and req.cache_prompt and (
+                    self.min_shared <= pc.block or pc.peek(req.prompt_ids, req.cache_salt) >= self.min_shared):
+                hit = pc.match(req.prompt_ids, req.cache_salt)
             start = hit.end if hit is not None and self.read_in_place else 0  # the cache holds the rest
-            cache = make_cache(self.model, gen, 1, P - start + req.gen.max_new_tokens, [0], GenerationStats())
+            cache = make_cache(self.model, gen, 1, P - start, [0], GenerationStats())
             p = _Prefill(req, cache, start=start)
             if hit is not None:
                 assert self.prefix_cache is not None
@@ -566,8 +590,8 @@ class Scheduler:
         for p in self.prefilling:
             other = p.request
             if other.cache_salt == req.cache_salt and other.cache_prompt:
-                shared = min(common_prefix(req.prompt_ids, other.prompt_ids), usable) // BLOCK * BLOCK
-                if shared - cached >= BLOCK and 2 * (shared - cached) >= usable - cached:
+                shared = min(common_prefix(req.prompt_ids, other.prompt_ids), usable) // pc.block * pc.block
+                if shared - cached >= self.min_shared and 2 * (shared - cached) >= usable - cached:
                     return True
         return False
 
@@ -695,16 +719,18 @@ class Scheduler:
         self.prefilling.remove(p)
         self.counters.prompt_tokens += len(req.prompt_ids)
         if self.prefix_cache is not None and req.cache_prompt:
-            self.prefix_cache.insert(req.prompt_ids, p.cache, req.cache_salt, cache_start=p.start)
+            ids = req.prompt_ids if req.cache_limit is None else req.prompt_ids[: req.cache_limit]
+            self.prefix_cache.insert(ids, p.cache, req.cache_salt, cache_start=p.start)
             # with CUDA graphs a single row keeps its prompt in its own columns: a step whose rows read cached
             # segments runs eagerly, and a prompt's own part is no one else's
             if self.read_in_place and (req.num_samples > 1 or self.graphs is None):
-                self._share_prompt(p, OWN_PROMPT_IN_PLACE if req.num_samples == 1 else BLOCK)
+                self._share_prompt(p, OWN_PROMPT_IN_PLACE if req.num_samples == 1 else self.prefix_cache.block)
         n = req.num_samples
         switch = longrope_switch(self.model.config)
         short = switch is not None and len(req.prompt_ids) <= switch
         start = req.prefix_node.end if req.prefix_node is not None else 0
-        keep_turn = n == 1 and self.prefix_cache is not None and req.cache_prompt and self.read_in_place
+        keep_turn = (n == 1 and self.keep_turns and self.prefix_cache is not None and req.cache_prompt
+                     and self.read_in_place)
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
                      text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None,
                      history=list(req.prompt_ids) if short else None, start=start,
@@ -728,7 +754,7 @@ class Scheduler:
         tokens."""
         req, pc = p.request, self.prefix_cache
         assert pc is not None
-        if (len(req.prompt_ids) - 1) // BLOCK * BLOCK - p.start < at_least:  # a match could not be long enough
+        if (len(req.prompt_ids) - 1) // pc.block * pc.block - p.start < at_least:  # a match could not be long enough
             return
         node = pc.match(req.prompt_ids, req.cache_salt, count=False)
         if node is None or node.end - p.start < at_least:
@@ -859,11 +885,13 @@ class Scheduler:
             req.emit(error)
 
 
-def prefix_cache_unsupported(model: Model) -> str | None:
-    """Why the prefix cache cannot serve this model (None: it can). A stored block is its tokens' KV at their
-    positions from 0: a sliding window's prefill cache may drop leading columns, and longrope rotates a prompt by
-    the factors its whole length picks."""
-    if model.config.sliding_window is not None:
+def prefix_cache_unsupported(model: Model, max_length: int | None = None) -> str | None:
+    """Why the prefix cache cannot serve this model for sequences of up to max_length positions (None: it can). A
+    stored block is its tokens' KV at their positions from 0: a sliding window's prefill cache may drop leading
+    columns (not where no sequence passes the window), and longrope rotates a prompt by the factors its whole
+    length picks."""
+    window = model.config.sliding_window
+    if window is not None and (max_length is None or max_length > window):
         return "a sliding-window model (its prompt caches drop columns that left the window)"
     if longrope_switch(model.config) is not None:
         return "longrope (a prompt's rotation depends on its whole length)"
@@ -887,11 +915,11 @@ def served_attention(model: Model, cache: KVCache, attention: str, options: Atte
                               "SparQ's evaluation baseline, for bmc-generate")
 
 
-def served_speculation(speculative: str, tree: str) -> SpeculativeStep | None:
+def served_speculation(speculative: str, tree: str, trim: bool = True) -> SpeculativeStep | None:
     if speculative == "off":
         return None
     name, _ = parse_speculative(speculative)
     if name not in SERVED_DRAFTERS:
         raise InvalidRequestError(f"speculative={speculative!r} is not served (only {', '.join(SERVED_DRAFTERS)}): "
                                   "a draft model's KV cache would have to follow the rows of the continuous batch")
-    return SpeculativeStep(NGramDrafter(), TreeSpec.parse(tree), trim_to_chunk=True, sampler=None)  # type: ignore[arg-type]
+    return SpeculativeStep(NGramDrafter(), TreeSpec.parse(tree), trim_to_chunk=trim, sampler=None)  # type: ignore[arg-type]

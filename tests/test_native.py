@@ -317,7 +317,7 @@ def test_native_shared_prefix_equals_eager(tiny_dirs, eager, variant):
         with eager():
             ref = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, num_samples=3, **kw)
         assert [c.token_ids for c in got] == [c.token_ids for c in ref]
-        assert got.stats.shared_common_tokens == 20 and got.stats.prefix_groups == 1 + len(prompts)
+        assert got.stats.cached_prompt_tokens == 2 * 20 and got.stats.prefix_groups == 1 + len(prompts)
         assert got.stats.decode_kernel == "native-cpu"
 
 

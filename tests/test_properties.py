@@ -78,7 +78,7 @@ FLAG_VALUES = {
 SWITCHES = ["--stream", "--json", "--ignore-eos", "--chat", "--no-weights-cache"]
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flags=st.dictionaries(st.sampled_from(sorted(FLAG_VALUES)), st.integers(0, 4), max_size=4),
        switches=st.lists(st.sampled_from(SWITCHES), unique=True, max_size=2),
        prompt=st.sampled_from(["Hi", "", "ünïcödé ✓"]))

@@ -58,7 +58,7 @@ def test_samples_share_the_prompt_kv_and_keep_greedy_tokens(tiny_dirs, variant):
         cfg = model.config
         per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
         assert on.stats.prefix_groups == 2
-        assert on.stats.prefix_kv_bytes == 2 * 7 * per_token  # each prompt's KV once (padded to the longest)
+        assert on.stats.prefix_kv_bytes == (7 + 3) * per_token  # each prompt's KV once, read in place by 3 rows
         assert off.stats.prefix_kv_bytes == 0
 
 
@@ -78,9 +78,9 @@ def test_real_model_shared_prefix_identical(real_model):
     off = bmc.generate(real_model, prompts, max_new_tokens=24, num_samples=3, chat=True, share_prefix="off")
     on = bmc.generate(real_model, prompts, max_new_tokens=24, num_samples=3, chat=True)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
-    # hierarchical: the chat template's system header is common to both prompts (stored once), each prompt's own
-    # text is stored once for its 3 samples
-    assert on.stats.shared_common_tokens >= 16 and on.stats.prefix_groups == 1 + 2 and on.stats.prefix_kv_bytes > 0
+    # hierarchical: the chat template's system header is common to both prompts (the second reads the first's), each
+    # prompt's own text is read in place by its 3 samples
+    assert on.stats.cached_prompt_tokens >= 16 and on.stats.prefix_groups == 1 + 2 and on.stats.prefix_kv_bytes > 0
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def test_real_model_common_prefix_of_a_batch(real_model):
     off = bmc.generate(real_model, prompts, max_new_tokens=8, share_prefix="off")
     on = bmc.generate(real_model, prompts, max_new_tokens=8)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
-    assert on.stats.shared_common_tokens >= 20 and on.stats.prefix_groups == 1
+    assert on.stats.cached_prompt_tokens >= 2 * 20 and on.stats.prefix_groups == 1  # the 2nd and 3rd read the 1st's
 
 
 COMMON = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # 20 tokens
@@ -109,9 +109,10 @@ def test_common_prefix_of_a_batch_is_stored_once(tiny_dirs, variant):
         off = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, kv=kv, share_prefix="off")
         on = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True, kv=kv)
         assert [c.token_ids for c in on] == [c.token_ids for c in off], kv
-        assert on.stats.shared_common_tokens == 20 and on.stats.prefix_groups == 1
+        # the first prompt is prefilled and its common 20 tokens cached; the others wait for it and read them in place
+        assert on.stats.cached_prompt_tokens == 2 * 20 and on.stats.prefix_groups == 1
         assert on.stats.prefix_kv_bytes == 20 * per_token_bytes(model)
-        assert off.stats.shared_common_tokens == 0 and off.stats.prefix_kv_bytes == 0
+        assert off.stats.cached_prompt_tokens == 0 and off.stats.prefix_kv_bytes == 0
 
 
 @pytest.mark.parametrize("variant", ["llama-mqa", "opt-post_norm"])
@@ -124,24 +125,20 @@ def test_hierarchical_sharing_few_shot_then_samples(tiny_dirs, variant):
                            **kw)
         on = bmc.generate(model, prompts, max_new_tokens=10, num_samples=3, ignore_eos=True, **kw)
         assert [c.token_ids for c in on] == [c.token_ids for c in off], kw
-        assert on.stats.prefix_groups == 1 + 3
-        # header once + each prompt's own part once (padded to the longest own part: 5 tokens)
-        assert on.stats.prefix_kv_bytes == (20 + 3 * 5) * per_token_bytes(model)
+        # the header once; the own parts of the prompts that read it (the first prompt's own part is its last token,
+        # which each of its samples holds); each prompt's KV stored once: 21 + 3 + 5 tokens
+        assert on.stats.prefix_groups == 1 + 2
+        assert on.stats.prefix_kv_bytes == (21 + 3 + 5) * per_token_bytes(model)
 
 
 def test_common_prefix_edge_cases(gqa_dir):
-    from bmc.engine import common_prefix_length
-
-    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # a prompt keeps at least one own token
-    assert common_prefix_length([[1, 2], [3, 2]]) == 0
-    assert common_prefix_length([[7, 7, 7], [7, 7, 7]]) == 2
     model = bmc.load(str(gqa_dir))
     short = bmc.generate(model, [[5, 6, 7, 8], [5, 6, 7, 9]], max_new_tokens=3, ignore_eos=True)
-    assert short.stats.shared_common_tokens == 0  # below MIN_SHARED_PREFIX: recomputed per row
+    assert short.stats.cached_prompt_tokens == 0  # below MIN_SHARED_PREFIX: recomputed per row
     same = [COMMON + [40], COMMON + [40]]  # identical prompts: all but the last token shared
     off = bmc.generate(model, same, max_new_tokens=6, ignore_eos=True, share_prefix="off")
     on = bmc.generate(model, same, max_new_tokens=6, ignore_eos=True)
-    assert [c.token_ids for c in on] == [c.token_ids for c in off] and on.stats.shared_common_tokens == 20
+    assert [c.token_ids for c in on] == [c.token_ids for c in off] and on.stats.cached_prompt_tokens == 20
 
 
 def test_two_segments_equal_attention_over_the_concatenation():

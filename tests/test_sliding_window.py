@@ -88,7 +88,7 @@ def test_samples_and_common_prefix_match_hf(mistral_dir, hf_mistral):
     expected = hf_greedy(hf_mistral, prompts, n)
     out = bmc.generate(model, prompts, max_new_tokens=n, ignore_eos=True, num_samples=2)
     assert [c.token_ids for c in out] == [e for e in expected for _ in range(2)]
-    assert out.stats.prefix_kv_bytes == 0 and out.stats.shared_common_tokens == 0
+    assert out.stats.prefix_kv_bytes == 0 and out.stats.cached_prompt_tokens == 0
 
 
 def test_sparq_at_full_rank_matches_hf(mistral_dir, hf_mistral):

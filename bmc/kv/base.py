@@ -309,7 +309,7 @@ class KVCache(ABC):
             self.window_floor = torch.cat(floors) if floors else torch.zeros(0, dtype=torch.long, device=self.device)
         self.holes = holes
         self._recount_holes()
-        self.allocations += 1
+        self.allocations += 1 if B else 0  # emptied: nothing allocated
 
     def attention_bias(self, num_new: int, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
