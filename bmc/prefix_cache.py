@@ -57,12 +57,12 @@ class Node:
     def end(self) -> int:
         return self.start + len(self.ids)
 
-    @property
-    def bias(self) -> torch.Tensor:
-        """The segment's additive bias for the kernels: [1, 1, 1, len] of zeros (every column is read)."""
-        if self._bias is None or self._bias.shape[-1] != len(self.ids):
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The segment's additive bias for the kernels, in the model's dtype (the scores'): [1, 1, 1, len] of zeros
+        (every column is read)."""
+        if self._bias is None or self._bias.shape[-1] != len(self.ids) or self._bias.dtype != dtype:
             assert self.kv is not None
-            self._bias = torch.zeros(1, 1, 1, len(self.ids), device=self.kv.device)
+            self._bias = torch.zeros(1, 1, 1, len(self.ids), dtype=dtype, device=self.kv.device)
         return self._bias
 
     def path(self) -> list["Node"]:

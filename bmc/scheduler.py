@@ -437,7 +437,7 @@ class Scheduler:
             for b, node in enumerate(nodes):
                 for seg in node.path() if node is not None else ():
                     readers.setdefault(id(seg), (seg, [-1] * len(nodes)))[1][b] = 0
-            segments = [(seg.kv, seg.bias, group) for seg, group in readers.values()]
+            segments = [(seg.kv, seg.bias(self.cache.dtype), group) for seg, group in readers.values()]
             self._segments = SharedPrefix.of_segments(segments, read=self.cache.read).attention  # type: ignore
             self._segments_key = key
         return self._segments
@@ -569,7 +569,7 @@ class Scheduler:
                     self.prefix_cache.lock(hit)
                     req.prefix_node, req.prefix_locked = hit, True
                     p.done = start
-                    p.attention = SharedPrefix.of_segments([(n.kv, n.bias, [0]) for n in hit.path()],
+                    p.attention = SharedPrefix.of_segments([(n.kv, n.bias(self.cache.dtype), [0]) for n in hit.path()],
                                                            read=self.cache.read).attention
                 else:  # copied into the prompt's own cache
                     p.done = self.prefix_cache.seed(cache, hit)

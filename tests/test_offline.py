@@ -46,3 +46,12 @@ def test_the_call_caches_only_what_another_row_reads():
     assert prompt_tokens_to_cache([a, b, c], 1) == [20, 20, 0]  # a and b share 20 tokens; c shares nothing
     assert prompt_tokens_to_cache([a, [9] * 5], 1) == [0, 0]
     assert prompt_tokens_to_cache([a, c], 2) == [len(a), len(c)]  # samples read their whole prompt
+
+
+def test_half_precision_samples_read_their_prompt_in_place(gqa_dir):
+    """The cached segments' bias is in the model's dtype (a float32 bias against bfloat16 scores raised)."""
+    model = bmc.load(str(gqa_dir), dtype="bfloat16")
+    prompts = [HEADER + [40], HEADER + [50, 51]]
+    on = bmc.generate(model, prompts, max_new_tokens=6, num_samples=2, ignore_eos=True)
+    off = bmc.generate(model, prompts, max_new_tokens=6, num_samples=2, ignore_eos=True, share_prefix="off")
+    assert on.stats.prefix_kv_bytes > 0 and [c.token_ids for c in on] == [c.token_ids for c in off]
