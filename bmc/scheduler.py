@@ -384,12 +384,8 @@ class Scheduler:
                        and int(cache.left_pad.index_select(0, torch.tensor(live, device=cache.device)).min()) > 0)
         if not (overflow or idle_slots or at_boundary):
             return
-        caches = []
-        for p, rows in overflow:
-            if len(rows) > 1:  # the prompt's KV, one copy per sample still running
-                p.cache.reorder(torch.zeros(len(rows), dtype=torch.long, device=p.cache.device))
-            caches.append(p.cache)
-        cache.regroup(live, caches)
+        # the prompt's KV, one copy per sample still running (only its columns after what is read in place)
+        cache.regroup(live, [(p.cache, [0] * len(rows)) for p, rows in overflow])
         self.counters.regroups += 1
         self.rows = [self.rows[i] for i in live] + [row for _, rows in overflow for row in rows]
 

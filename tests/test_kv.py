@@ -506,3 +506,21 @@ def test_growth_in_place_falls_back_to_copies_without_address_space(monkeypatch)
         assert c.kv.is_contiguous() and c.slab_columns == c.capacity
 
     assert_still_written(cache, grow_recording(cache, 12, each_step))
+
+
+def test_regroup_repeats_a_joining_row_for_each_sample():
+    """A prompt's row joins once per sample from one prefilled row (no replicated prompt cache first), and only its
+    columns after the ones it hides (read in place elsewhere) are copied."""
+    from bmc.kv import BMCCache
+
+    kw = dict(num_layers=2, num_kv_heads=2, head_dim=4, max_length=32)
+    batch, prompt = BMCCache(r=8, batch_size=1, **kw), BMCCache(r=8, batch_size=1, **kw)
+    batch.regroup([])
+    prompt.reserve(6)
+    prompt.kv[:, :, 0, :, :6] = torch.arange(6.0)[:, None]
+    prompt.commit(6)
+    prompt.hide_leading(0, 4)
+    batch.regroup([], [(prompt, [0, 0, 0])])
+    assert batch.batch_size == 3 and batch.length == 2
+    assert torch.equal(batch.kv[:, :, :, :, :2], prompt.kv[:, :, :1, :, 4:6].expand(-1, -1, 3, -1, -1, -1))
+    batch.check_integrity()

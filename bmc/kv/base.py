@@ -255,17 +255,20 @@ class KVCache(ABC):
         self.holes = self.holes or src.holes
         return True
 
-    def regroup(self, keep: Sequence[int], joins: Sequence["KVCache"] = ()) -> None:
+    def regroup(self, keep: Sequence[int], joins: Sequence["KVCache | tuple[KVCache, Sequence[int]]"] = ()) -> None:
         """Continuous batching's one copy: keep the batch rows `keep` (in that order), append every row of the
-        caches in `joins` (prefilled requests, each written up to its own `length`), and drop the leading columns
+        caches in `joins` (prefilled requests, each written up to its own `length`; a (cache, rows) pair appends
+        those rows of it, a row repeated for each sample that starts from it), and drop the leading columns
         that no row reads (the padding every row has: the compaction). Rows stay right-aligned on one write
         column: the new length is the longest row's and every other row is left-padded by the difference, so a
         row that joined late wastes at most the columns of the oldest row still running. Capacity follows the
         strategy's growth rule with room for one more token. One allocation and one copy of the written columns."""
-        for j in joins:
-            self._check_format(j)
         keep_idx = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        parts = [(self, keep_idx)] + [(j, torch.arange(j.batch_size, device=self.device)) for j in joins]
+        parts = [(self, keep_idx)]
+        for j in joins:
+            cache, rows = j if isinstance(j, tuple) else (j, range(j.batch_size))
+            self._check_format(cache)
+            parts.append((cache, torch.tensor(list(rows), dtype=torch.long, device=self.device)))
         spans = []  # per part: (first column any of its rows reads, its length)
         for cache, rows in parts:
             lead = cache.dead_prefix(rows) if rows.numel() else cache.length
