@@ -31,8 +31,9 @@ def build(name: str, source_file: str, functions: list[str] | None, switch: str)
 
         if not os.path.exists(os.path.join(_get_build_directory(name, False), name + ".so")):
             # a minute of silence would look like a hang: say what is happening, once per machine
-            print(f"bmc: compiling the C++ kernel {name} (first use on this machine, about a minute; cached "
-                  f"afterwards; {switch}=0 skips it)", file=sys.stderr, flush=True)
+            sys.stderr.write(f"bmc: compiling the C++ kernel {name} (first use on this machine, about a minute; "
+                             f"cached afterwards; {switch}=0 skips it)\n")  # one write: kernels build side by side
+            sys.stderr.flush()
         with open(source_file) as f:
             source = f.read()
         _built[name] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
