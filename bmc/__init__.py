@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from typing_extensions import Required, TypedDict, Unpack
+
 import torch
 
 from .attention import AttentionOptions, SparQOptions
@@ -119,68 +121,92 @@ def _load_tensor_parallel(path: str | None, tp: int, *, dtype: str | torch.dtype
     return TensorParallelModel(path, tp, dtype=str(dtype).replace("torch.", ""), device=dev)
 
 
-def _config(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
-            min_p: float | None, num_samples: int, stop: str | Sequence[str] | None, kv: str, r: int | None, T: int | None,
-            ignore_eos: bool, attention: str, speculative: str = "off", tree: str = "dynamic:4x6",
-            spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None, sparq_k: int = 128,
-            window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> GenerationConfig:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p),
-        num_samples=num_samples, stop=stops, ignore_eos=ignore_eos, kv=kv, r=r, T=T, attention=attention,
-        speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
-        attention_options=AttentionOptions(SparQOptions(r=sparq_r, k=sparq_k), window_k=window_k),
-        cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
+class GenerateOptions(TypedDict, total=False):
+    """The options of generate() and stream(), each checked once by `generation_config` (bmc.engine's
+    GenerationConfig is what the engine runs)."""
+
+    max_new_tokens: Required[int]
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    min_p: float | None
+    num_samples: int
+    stop: str | Sequence[str] | None
+    kv: str
+    r: int | None
+    T: int | None
+    ignore_eos: bool
+    attention: str
+    speculative: str
+    tree: str
+    spec_grow: bool
+    share_prefix: str
+    sparq_r: int | None
+    sparq_k: int
+    window_k: int
+    cuda_graphs: bool
+    kv_dtype: str
 
 
-def stream(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, min_p: float | None = None,
-           num_samples: int = 1, stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
-           ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
-           tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-           sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> TokenStream:
+def generation_config(**options: Unpack[GenerateOptions]) -> GenerationConfig:
+    """The one place generate()'s and stream()'s options become a GenerationConfig: an unknown option or a missing
+    max_new_tokens is refused by name, every value is checked by the config's own types."""
+    unknown = sorted(set(options) - set(GenerateOptions.__annotations__))
+    if unknown:
+        raise InvalidRequestError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the options "
+                                  f"are {', '.join(GenerateOptions.__annotations__)}")
+    if "max_new_tokens" not in options:
+        raise InvalidRequestError("max_new_tokens is required")
+    o: dict[str, Any] = dict(options)
+    stop = o.pop("stop", None)
+    sampling = SamplingParams(**{k: o.pop(k) for k in ("temperature", "top_k", "top_p", "seed", "min_p") if k in o})
+    sparq = SparQOptions(r=o.pop("sparq_r", None), k=o.pop("sparq_k", 128))
+    attention_options = AttentionOptions(sparq, window_k=o.pop("window_k", 256))
+    return GenerationConfig(sampling=sampling, attention_options=attention_options,
+                            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()), **o)
+
+
+def stream(model: Model, prompts: Prompts, *, chat: bool = False, **options: Unpack[GenerateOptions]) -> TokenStream:
     """Like generate(), but returns an iterable of TokenEvents yielded as tokens are produced."""
     if not isinstance(model, Model):
         raise InvalidRequestError("stream() runs on a model in this process; with tp > 1 use generate()")
-    gen = _config(max_new_tokens, temperature, top_k, top_p, seed, min_p, num_samples, stop, kv, r, T, ignore_eos, attention,
-                  speculative, tree, spec_grow, share_prefix, sparq_r, sparq_k, window_k, cuda_graphs, kv_dtype)
-    if stop and model.tokenizer is None:
+    gen = generation_config(**options)
+    if gen.stop and model.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none")
     return TokenStream(model, encode_prompts(model, prompts, chat), gen)
 
 
-def generate(model: Model, prompts: Prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, min_p: float | None = None,
-             num_samples: int = 1, stop: str | Sequence[str] | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
-             ignore_eos: bool = False, chat: bool = False, attention: str = "dense", speculative: str = "off",
-             tree: str = "dynamic:4x6", spec_grow: bool = False, share_prefix: str = "auto", sparq_r: int | None = None,
-             sparq_k: int = 128, window_k: int = 256, cuda_graphs: bool = True, kv_dtype: str = "auto") -> Completions:
+def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: Unpack[GenerateOptions]) -> Completions:
     """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`.
+    `chat=True` wraps each prompt in the model's chat template. The options (GenerateOptions; max_new_tokens is
+    required), with their defaults:
 
+    temperature=0.0 (greedy), top_k, top_p, min_p, seed: sampling; num_samples=1: completions per prompt; stop:
+    strings that end a completion; ignore_eos=False.
+    kv="bmc" (or "upfront", "iterative"), with r or T: the KV cache strategy and its chunk (default: T chosen by
+    the analytic model). kv_dtype: how the cache stores K and V: "auto" (the model's dtype: exact), "bfloat16",
+    "float16", or "int8" (a float32 scale per token and KV head; each value within max|row| / 254 of its float,
+    bmc/kv/formats.py).
     speculative="ngram" (prompt lookup), "draft:PATH" (a smaller model with the same vocabulary), "layers:N" (the
     model's first N layers) or "int8-self" (the model in int8) drafts token trees (`tree`: "chain:K",
-    "dynamic:KxDEPTH" or "static:SIZE") and verifies them in the KV cache's padding rows: greedy output is identical
-    to plain decoding, and sampling (temperature > 0) keeps the exact output distribution. With num_samples > 1 each
-    prompt's KV is stored once and attended by all its samples as one GEMM (share_prefix="off" replicates it).
+    "dynamic:KxDEPTH" or "static:SIZE", default "dynamic:4x6"; spec_grow=True grows the chunk for a tree instead
+    of trimming it) and verifies them in the KV cache's padding rows: greedy output is identical to plain
+    decoding, and sampling (temperature > 0) keeps the exact output distribution.
+    share_prefix="auto": the samples of a prompt read its KV in place, and a part of at least 16 tokens common to
+    prompts is prefilled once and read by the others (bifurcated attention / Hydragen); "off" gives every row its
+    own copy. The tokens are the same either way.
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
-    the top `sparq_k` positions); attention="window" is the local-window baseline keeping `window_k` positions.
+    the top `sparq_k`=128 positions); attention="window" is the local-window baseline keeping `window_k`=256
+    positions.
     On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager).
-    kv_dtype: how the cache stores K and V: "auto" (the model's dtype: exact), "bfloat16", "float16", or "int8" (a
-    float32 scale per token and KV head; each value within max|row| / 254 of its float, bmc/kv/formats.py).
     A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""
     from .parallel.tp import TensorParallelModel
 
     if isinstance(model, TensorParallelModel):
-        return model.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, min_p=min_p, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T,
-                              ignore_eos=ignore_eos, chat=chat, attention=attention, speculative=speculative,
-                              tree=tree, spec_grow=spec_grow, share_prefix=share_prefix, sparq_r=sparq_r,
-                              sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
-    s = stream(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               seed=seed, min_p=min_p, num_samples=num_samples, stop=stop, kv=kv, r=r, T=T, ignore_eos=ignore_eos, chat=chat,
-               attention=attention, speculative=speculative, tree=tree, spec_grow=spec_grow, share_prefix=share_prefix,
-               sparq_r=sparq_r, sparq_k=sparq_k, window_k=window_k, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
+        generation_config(**options)  # refused here, before any rank sees it
+        return model.generate(prompts, chat=chat, **options)
+    s = stream(model, prompts, chat=chat, **options)
     by_row: dict[tuple[int, int], Completion] = {}
     for ev in s:
         c = by_row.setdefault((ev.prompt_index, ev.sample_index), Completion(ev.prompt_index, ev.sample_index))
@@ -210,5 +236,5 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
                        kv_dtype=kv_dtype)
 
 
-__all__ = ["load", "generate", "stream", "perplexity", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",
+__all__ = ["load", "generate", "stream", "perplexity", "GenerateOptions", "generation_config", "Completion", "Completions", "TokenEvent", "TokenStream", "Model",
            "GenerationStats", "BmcError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError"]

@@ -286,3 +286,16 @@ def test_unknown_dtype_and_device():
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA"):
             bmc.load(device="cuda")
+
+
+def test_options_are_checked_in_one_place(model):
+    """generate() and stream() take the same options (GenerateOptions), refused by name when unknown or missing."""
+    for call in (bmc.generate, bmc.stream):
+        with pytest.raises(InvalidRequestError, match="unknown option temprature"):
+            call(model, [[5, 6]], max_new_tokens=2, temprature=0.5)
+        with pytest.raises(InvalidRequestError, match="max_new_tokens is required"):
+            call(model, [[5, 6]], temperature=0.5)
+    gen = bmc.generation_config(max_new_tokens=3, temperature=0.7, seed=1, stop="\n", sparq_k=64, window_k=9)
+    assert (gen.sampling.temperature, gen.sampling.seed, gen.stop) == (0.7, 1, ("\n",))
+    assert (gen.attention_options.sparq.k, gen.attention_options.window_k) == (64, 9)
+    assert set(bmc.GenerateOptions.__annotations__) >= {"max_new_tokens", "kv_dtype", "speculative", "share_prefix"}
