@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,15 @@ def close_gguf(w) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def run_side_by_side(commands: list[list[str]], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Short processes (a CLI refusing its flags: an import and an exit) run two at a time; not for processes that
+    compute (two torch processes with 2 threads each on 2 cores spin against each other)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(run, commands))

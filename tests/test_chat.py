@@ -170,10 +170,12 @@ def test_the_cli_in_a_terminal(chat_dir, model):
 
 
 def test_the_cli_refuses_bad_flags_in_one_line():
-    for flags, message in ((["--threads", "0"], "--threads"), (["--temperature", "nan"], "finite"),
-                           (["--kv", "nope"], "unknown --kv"), (["--model", "/nonexistent/x.gguf"], "")):
-        proc = subprocess.run([sys.executable, "-m", "bmc.cli.chat", *flags], capture_output=True, text=True,
-                              timeout=120, stdin=subprocess.DEVNULL)
+    from .conftest import run_side_by_side
+
+    cases = ((["--threads", "0"], "--threads"), (["--temperature", "nan"], "finite"), (["--kv", "nope"], "unknown --kv"),
+             (["--model", "/nonexistent/x.gguf"], ""))
+    procs = run_side_by_side([[sys.executable, "-m", "bmc.cli.chat", *flags] for flags, _ in cases])
+    for (flags, message), proc in zip(cases, procs):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

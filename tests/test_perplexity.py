@@ -69,8 +69,11 @@ def test_cli(gqa_dir, tmp_path):
     out = json.loads(r.stdout)
     assert out["chunks"] == 3 and out["ppl"] > 1 and "[3]" in r.stderr
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
-    for args, message in (([str(tmp_path / "bin.txt")], "not UTF-8"), ([str(tmp_path)], "directory"),
-                          ([str(tmp_path / "none.txt")], "cannot read"), ([str(f), "--chunks", "0"], "--chunks")):
-        r = subprocess.run([sys.executable, "-m", "bmc.cli.perplexity", *args, "--model", str(gqa_dir)],
-                           capture_output=True, text=True, timeout=120)
+    from .conftest import run_side_by_side
+
+    cases = (([str(tmp_path / "bin.txt")], "not UTF-8"), ([str(tmp_path)], "directory"),
+             ([str(tmp_path / "none.txt")], "cannot read"), ([str(f), "--chunks", "0"], "--chunks"))
+    procs = run_side_by_side([[sys.executable, "-m", "bmc.cli.perplexity", *args, "--model", str(gqa_dir)]
+                              for args, _ in cases])
+    for (args, message), r in zip(cases, procs):
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
