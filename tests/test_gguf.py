@@ -38,9 +38,9 @@ def real(real_path: str) -> tuple[dict, dict, Any]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(real_path: str) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(real_path), gguf_file=REAL_FILE)
+def hf_tokenizer(hf_real_model: tuple) -> Any:
+    """transformers' tokenizer from the GGUF, the one the real-model tests use (parsed once per session)."""
+    return hf_real_model[1]
 
 
 @pytest.mark.slow
