@@ -21,7 +21,7 @@ from typing import Any, Generator, Iterator, Sequence
 import torch
 
 from .analytic import choose_T
-from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, causal_attention,
+from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, causal_attention,
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
@@ -334,13 +334,11 @@ def prefill_attention(attention: AttentionFn, cache: KVCache, num_new: int) -> A
 
 @dataclass
 class Rows:
-    """What the decode loop carries, row b of each tensor being batch row b: the KV cache, the attention that reads
-    it (through the shared-prefix segments when there are some), backend state that follows the cache's rows
-    (SparQ's K copy), and each row's next token and its position."""
+    """What the static loop carries, row b of each tensor being batch row b: the KV cache, the attention that reads
+    it, backend state that follows the cache's rows (SparQ's K copy), and each row's next token and its position."""
 
     cache: KVCache
     attention: AttentionFn
-    prefix: SharedPrefix | None
     stateful: Any
     pos: torch.Tensor
     next_tok: torch.Tensor | None = None
@@ -349,8 +347,6 @@ class Rows:
     def keep(self, idx: torch.Tensor) -> None:
         """Keep batch rows `idx` (finished rows leave the batch)."""
         self.cache.reorder(idx)
-        if self.prefix is not None:
-            self.prefix.reorder(idx)
         if self.stateful is not None:
             self.stateful.reorder(idx)
         self.next_tok, self.pos = self.next_tok.index_select(0, idx), self.pos.index_select(0, idx)
@@ -439,7 +435,7 @@ def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, ma
     switch = longrope_switch(cfg)
     short = None if switch is None else torch.tensor(
         [len(p) <= switch for p in prompt_ids for _ in range(n)], device=dev)
-    return Rows(cache, attention, None, stateful, pos, short=short), logits
+    return Rows(cache, attention, stateful, pos, short=short), logits
 
 
 def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple[int, int]],
