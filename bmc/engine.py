@@ -1,13 +1,8 @@
 """Generation: the options (GenerationConfig), the stats, and what a run's caches are made of (make_cache,
-prefill_attention, longrope's relong, eos_ids), shared by the engine's step loop (scheduler.py), which generate()
-drives through offline.py, and the static loop at the bottom, which runs what the step loop does not run yet
-(offline.static_loop_reason: approximate attention, draft-model drafters, speculative sampling).
-
-The static loop reads in order: check_length -> prefill (each prompt once, forked to its samples) -> repeat:
-emit_tokens (events and stop checks) -> Rows.keep (finished rows leave) -> decode_step or the speculative step ->
-finish_stats. A decode step: the cache makes room (a chunk boundary allocates and copies, or on a CPU widens the
-view in place, once every r tokens) -> the model computes q, k, v for the new token and writes k, v in place ->
-attention over the cache's capacity with its bias -> logits -> sampler -> stop checks."""
+prefill_attention, longrope's relong, eos_ids), for the engine's step loop (scheduler.py), which generate() drives
+through offline.py. A decode step there: the cache makes room (a chunk boundary allocates and copies, or on a CPU
+widens the view in place, once every r tokens) -> the model computes q, k, v for the new token and writes k, v in
+place -> attention over the cache's capacity with its bias -> logits -> sampler -> stop checks."""
 from __future__ import annotations
 
 import os
@@ -16,7 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -26,11 +21,10 @@ from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, causa
 from .errors import InvalidRequestError, UnsupportedModelError
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
 from .models import Model, ModelConfig
-from .sampling import Sampler, SamplingParams
-from .spec import TreeSpec, make_drafter, parse_speculative
+from .sampling import SamplingParams
+from .spec import TreeSpec, parse_speculative
 from .spec.static_tree import DEFAULT_ACCEPTANCE, expected_accepted
-from .spec.decode import SpecStats, SpeculativeStep
-from .textstream import TextStream
+from .spec.decode import SpecStats
 
 log = logging.getLogger("bmc")
 
@@ -251,27 +245,6 @@ def relong(model: Model, cache: KVCache, row: int, ids: list[int]) -> None:
                                     f"{cache.length} (a sliding window dropped the rest)")
 
 
-def relong_rows(model: Model, rows: "Rows", histories: list[list[int]]) -> None:
-    """Before a step: rows still rotated short whose next token is past longrope's switch get their KV
-    recomputed long (histories[b]: batch row b's prompt and generated tokens, the last one not in the cache)."""
-    switch = longrope_switch(model.config)
-    if switch is None or rows.short is None:
-        return
-    for b in (rows.short & (rows.pos >= switch)).nonzero()[:, 0].tolist():
-        relong(model, rows.cache, b, histories[b][:-1])
-        rows.short[b] = False
-
-
-def spec_budgets(model: Model, rows: "Rows", remaining: list[int]) -> list[int]:
-    """Tokens each row may emit in a speculative step: its remaining ones, and for a row still rotated short
-    only up to longrope's switch (the tree's deepest node is then the last short position; the switch itself is
-    a step of its own, after relong_rows)."""
-    switch = longrope_switch(model.config)
-    if switch is None or rows.short is None:
-        return remaining
-    return [min(r, switch - p) if s else r for r, p, s in zip(remaining, rows.pos.tolist(), rows.short.tolist())]
-
-
 def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise InvalidRequestError("prompts must be a non-empty list of strings or of token-id lists")
@@ -332,28 +305,6 @@ def prefill_attention(attention: AttentionFn, cache: KVCache, num_new: int) -> A
     return attention
 
 
-@dataclass
-class Rows:
-    """What the static loop carries, row b of each tensor being batch row b: the KV cache, the attention that reads
-    it, backend state that follows the cache's rows (SparQ's K copy), and each row's next token and its position."""
-
-    cache: KVCache
-    attention: AttentionFn
-    stateful: Any
-    pos: torch.Tensor
-    next_tok: torch.Tensor | None = None
-    short: torch.Tensor | None = None  # longrope: rows whose KV is still rotated with the short factors
-
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep batch rows `idx` (finished rows leave the batch)."""
-        self.cache.reorder(idx)
-        if self.stateful is not None:
-            self.stateful.reorder(idx)
-        self.next_tok, self.pos = self.next_tok.index_select(0, idx), self.pos.index_select(0, idx)
-        if self.short is not None:
-            self.short = self.short.index_select(0, idx)
-
-
 def check_attention(model: Model, attention: str) -> None:
     """Refuse approximate attention for a model whose scores it does not compute (Gemma 2's soft-capping)."""
     if attention != "dense" and model.config.attn_softcap is not None:
@@ -400,91 +351,6 @@ def check_kv_fits(model: Model, rows: int, max_length: int, kv_dtype: str = "aut
                                   f"the {model.device.type} has {have / 2**30:.1f} GiB")
 
 
-def prefill(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig, max_length: int,
-            stats: GenerationStats) -> tuple[Rows, torch.Tensor]:
-    """Prefill every prompt once, left-padded into one batch, and fork each to its samples: the rows and the last
-    logits of each. (Runs on the step loop share prompts; this loop's approximate attention and draft models keep
-    every row's KV to itself.)"""
-    cfg, dev = model.config, model.device
-    n_prompts, n = len(prompt_ids), gen.num_samples
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    P = max(len(p) for p in prompt_ids)
-    left_pad = [P - len(p) for p in prompt_ids]
-    cache = make_cache(model, gen, n_prompts, P + gen.max_new_tokens, left_pad, stats)
-    attention = ATTENTION_BACKENDS[gen.attention](cache, gen.attention_options, cfg.group_size)
-    stateful = attention if hasattr(attention, "reorder") else None  # backend state follows the cache's rows
-    # approximate backends pick columns by index (SparQ's K copy, the window baseline's first positions)
-    cache.compact_window = gen.attention == "dense"
-    stats.batch_size, stats.max_length = n_prompts * n, max_length
-    stats.prompt_tokens = sum(len(p) for p in prompt_ids)
-    tokens = torch.tensor([[pad_id] * lp + p for lp, p in zip(left_pad, prompt_ids)], dtype=torch.long, device=dev)
-    pads = torch.tensor(left_pad, dtype=torch.long, device=dev)
-    positions = (torch.arange(P, device=dev)[None, :] - pads[:, None]).clamp(min=0)
-
-    cache.reserve(P, positions)
-    logits = model.net(tokens, positions, cache, prefill_attention(attention, cache, P), cache.attention_bias(P),
-                       prompt_len=torch.tensor([len(p) for p in prompt_ids]))
-    cache.commit(P)
-    pos = (cache.length - cache.left_pad).clone()  # next position per batch row
-    if n > 1:  # fork each prompt's prefilled KV to its samples
-        fork = torch.arange(n_prompts, device=dev).repeat_interleave(n)
-        logits, pos = logits.index_select(0, fork), pos.index_select(0, fork)
-        cache.reorder(fork)
-        if stateful is not None:
-            stateful.reorder(fork)
-    switch = longrope_switch(cfg)
-    short = None if switch is None else torch.tensor(
-        [len(p) <= switch for p in prompt_ids for _ in range(n)], device=dev)
-    return Rows(cache, attention, stateful, pos, short=short), logits
-
-
-def emit_tokens(active: list[int], new_ids: list[list[int]], row_ids: list[tuple[int, int]],
-                texts: list[TextStream | None], counts: list[int], stop_ids: set[int], gen: GenerationConfig,
-                stats: GenerationStats) -> Generator[TokenEvent, None, list[int]]:
-    """A TokenEvent for each of the batch rows' new tokens, with the stop checks (EOS, length, stop strings);
-    returns the batch rows still generating."""
-    keep: list[int] = []
-    for b, row in enumerate(active):
-        finish = None
-        for tid in new_ids[b]:
-            counts[row] += 1
-            stats.generated_tokens += 1
-            finish = "stop" if tid in stop_ids else ("length" if counts[row] >= gen.max_new_tokens else None)
-            text = None
-            if texts[row] is not None:
-                text, hit_stop = texts[row].push(tid, final=finish is not None)
-                if hit_stop:
-                    finish = "stop"
-            yield TokenEvent(row_ids[row][0], row_ids[row][1], tid, text, finish)
-            if finish is not None:
-                break
-        if finish is None:
-            keep.append(b)
-    return keep
-
-
-def decode_step(model: Model, rows: Rows, sampler: Sampler) -> list[list[int]]:
-    """One token for every row: the cache makes room (a chunk boundary allocates and copies), the forward writes
-    K/V in place and attends over the capacity with the bias, the sampler picks."""
-    rows.cache.reserve(1, rows.pos[:, None])
-    logits = model.net(rows.next_tok[:, None], rows.pos[:, None], rows.cache, rows.attention, rows.cache.bias)
-    rows.cache.commit(1)
-    rows.pos += 1
-    rows.next_tok = sampler(logits[:, -1])
-    return [[t] for t in rows.next_tok.tolist()]
-
-
-def finish_stats(stats: GenerationStats, model: Model, gen: GenerationConfig, rows: Rows) -> None:
-    cache = rows.cache
-    stats.kv_allocations = cache.allocations
-    stats.peak_kv_bytes = max(cache.peak_bytes, cache.nbytes)
-    native = gen.attention == "dense" and model.net.native_decoder() is not None
-    stats.decode_kernel = "native-cpu" if native else "torch"
-    if hasattr(rows.attention, "transfers"):
-        stats.attention_transfers = rows.attention.transfers
-        stats.attention_dense_transfers = rows.attention.dense_transfers
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -492,71 +358,8 @@ def _synchronize(device: torch.device) -> None:
 
 def generate_tokens(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
                     stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
-    """The tokens of every (prompt, sample) row as they are produced: on the engine's step loop (offline.py, the
-    server's scheduler), or on the static loop below for what that loop does not run yet (static_loop_reason)."""
-    from .offline import generate_on_steps, static_loop_reason
+    """The tokens of every (prompt, sample) row as they are produced, on the engine's step loop (offline.py drives
+    the server's scheduler)."""
+    from .offline import generate_on_steps
 
-    stats = stats if stats is not None else GenerationStats()
-    if static_loop_reason(gen) is None:
-        return generate_on_steps(model, prompt_ids, gen, stats)
-    return static_loop(model, prompt_ids, gen, stats)
-
-
-@torch.inference_mode()
-def static_loop(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig,
-                stats: GenerationStats) -> Iterator[TokenEvent]:
-    """Approximate attention and draft-model speculation: prefill, then (emit the rows' new tokens -> drop finished
-    rows -> one decode or speculative step) until every row is done. Rows are (prompt, sample) pairs; each prompt
-    is prefilled once and forked to its samples."""
-    dev = model.device
-    max_length = check_length(model, prompt_ids, gen)
-    sampler = Sampler(gen.sampling, dev)
-    stop_ids = set() if gen.ignore_eos else eos_ids(model)
-    t0 = time.perf_counter()
-    rows, logits = prefill(model, prompt_ids, gen, max_length, stats)
-    rows.next_tok = sampler(logits[:, -1])
-    _synchronize(dev)
-    stats.prefill_seconds = time.perf_counter() - t0
-
-    row_ids = [(pi, si) for pi in range(len(prompt_ids)) for si in range(gen.num_samples)]
-    texts = [TextStream(model.tokenizer, gen.stop) if model.tokenizer is not None else None for _ in row_ids]
-    counts = [0] * len(row_ids)
-    active = list(range(len(row_ids)))  # row ids still generating, in batch order
-    new_ids = [[t] for t in rows.next_tok.tolist()]  # each batch row's tokens from the last step
-    spec = None
-    if gen.speculative != "off":
-        spec = SpeculativeStep(make_drafter(gen.speculative, model, sampler), TreeSpec.parse(gen.tree),
-                               trim_to_chunk=not gen.spec_grow, sampler=sampler)
-        stats.speculative = spec.stats
-        for row, ids in zip(active, new_ids):
-            spec.drafter.start(row, prompt_ids[row_ids[row][0]] + ids)
-    # longrope: each row's tokens, for the recompute at the switch (relong_rows)
-    histories = ([prompt_ids[pi] + ids for (pi, _), ids in zip(row_ids, new_ids)] if rows.short is not None
-                 else [])
-    weight_bytes = model.weight_bytes
-    t_decode = time.perf_counter()
-    while True:
-        keep = yield from emit_tokens(active, new_ids, row_ids, texts, counts, stop_ids, gen, stats)
-        if not keep:
-            break
-        if len(keep) < len(active):
-            rows.keep(torch.tensor(keep, dtype=torch.long, device=dev))
-            histories = [histories[b] for b in keep] if histories else histories
-            active = [active[b] for b in keep]
-        relong_rows(model, rows, histories)
-        # after the first tokens are out (time to first token does not wait for it), and when the batch shrinks
-        _pack_weights(model, len(active), gen.max_new_tokens - max(counts[r] for r in active), stats)
-        stats.decode_steps += 1
-        stats.decode_bytes += weight_bytes + rows.cache.nbytes
-        if spec is not None:  # draft, verify in the padding rows, keep the accepted path
-            new_ids, rows.next_tok = spec(model, rows.cache, rows.attention, rows.next_tok, rows.pos, active,
-                                          spec_budgets(model, rows, [gen.max_new_tokens - counts[r] for r in active]))
-            stats.decode_tokens += sum(len(x) for x in new_ids)
-        else:
-            new_ids = decode_step(model, rows, sampler)
-            stats.decode_tokens += len(active)
-        for h, ids in zip(histories, new_ids):
-            h.extend(ids)
-    _synchronize(dev)
-    stats.decode_seconds = time.perf_counter() - t_decode
-    finish_stats(stats, model, gen, rows)
+    return generate_on_steps(model, prompt_ids, gen, stats if stats is not None else GenerationStats())

@@ -7,9 +7,9 @@ The call's scheduler has a prefix cache of its own, with blocks of one token: a 
 (a system prompt, few-shot examples: at least MIN_SHARED_PREFIX tokens) is prefilled once and read in place by the
 others, and the samples of one prompt read its KV in place (Hydragen); it is dropped when the call ends.
 
-What still runs on the static loop of engine.py (`static_loop_reason`): approximate attention (SparQ's K mirror and
-running mean of V, the window baseline's first positions: state by column that does not follow joins, leaves and
-regroups yet), draft-model drafters (their own KV cache per row) and speculative sampling."""
+Every option runs here: approximate attention rebuilds its state by column when rows join or leave
+(KVCache.layout), drafters take rows as they join, and each sampled row verifies its drafts with its own
+generator."""
 from __future__ import annotations
 
 import collections
@@ -23,20 +23,8 @@ from .engine import (MIN_SHARED_PREFIX, GenerationConfig, GenerationStats, Token
 from .kv import kv_format
 from .models import Model
 from .prefix_cache import common_prefix
-from .scheduler import SERVED_DRAFTERS, Request, Scheduler, TokenOutput, prefix_cache_unsupported
-from .spec import parse_speculative
-
-
-def static_loop_reason(gen: GenerationConfig) -> str | None:
-    """Why a run still takes engine.py's static loop (None: it runs on the step loop)."""
-    if gen.attention != "dense":
-        return f"attention={gen.attention!r} keeps state by column (SparQ's K mirror, the window's positions)"
-    if gen.speculative != "off":
-        if parse_speculative(gen.speculative)[0] not in SERVED_DRAFTERS:
-            return f"speculative={gen.speculative!r}: a draft model keeps a KV cache per row"
-        if not gen.sampling.greedy:
-            return "speculative sampling (the step loop speculates for greedy rows)"
-    return None
+from .scheduler import Request, Scheduler, TokenOutput, prefix_cache_unsupported, reads_in_place
+from .spec import TreeSpec
 
 
 def prompt_tokens_to_cache(prompt_ids: list[list[int]], num_samples: int) -> list[int]:
@@ -60,6 +48,7 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
     """A scheduler for the call: a seat for every row, every prompt prefilled in the first step, a prefix cache
     (blocks of one token) that can hold the `cached` leading tokens of each prompt once, nothing else."""
     rows = len(prompt_ids) * gen.num_samples
+    verify_rows = 1 + (TreeSpec.parse(gen.tree).size if gen.speculative != "off" else 0)  # a root and its tree
     budget = 0
     if gen.share_prefix == "auto" and any(cached) and prefix_cache_unsupported(model, max_length) is None:
         cfg = model.config
@@ -67,7 +56,7 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
             gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim)
         budget = per_token * sum(cached)
     return Scheduler(
-        model, max_num_seqs=rows, max_num_batched_tokens=sum(len(p) for p in prompt_ids) + rows + 1,
+        model, max_num_seqs=rows, max_num_batched_tokens=sum(len(p) for p in prompt_ids) + rows * verify_rows + 1,
         kv=gen.kv, r=gen.r, T=gen.T, kv_dtype=gen.kv_dtype, attention=gen.attention,
         attention_options=gen.attention_options, speculative=gen.speculative, tree=gen.tree, spec_max_tokens=None,
         spec_trim=not gen.spec_grow, prefix_cache_bytes=budget, cuda_graphs=gen.cuda_graphs, max_length=max_length,
@@ -80,7 +69,9 @@ def generate_on_steps(model: Model, prompt_ids: list[list[int]], gen: Generation
     """Every prompt a request of one scheduler; its steps run until every request is done. A request that fails
     raises its error here."""
     max_length = check_length(model, prompt_ids, gen)
-    cached = prompt_tokens_to_cache(prompt_ids, gen.num_samples)
+    # samples read their prompt's blocks in place; where hits are copied in, only prompts sharing a prefix gain
+    in_place = reads_in_place(model, gen.attention, gen.speculative, max_length)
+    cached = prompt_tokens_to_cache(prompt_ids, gen.num_samples if in_place else 1)
     engine = make_engine(model, prompt_ids, gen, max_length, cached)
     events: collections.deque[tuple[int, TokenOutput | BaseException]] = collections.deque()
     for i, ids in enumerate(prompt_ids):
@@ -133,6 +124,10 @@ def finish_stats(stats: GenerationStats, model: Model, engine: Scheduler, rows: 
     stats.cached_prompt_tokens = c.cached_prompt_tokens
     if engine.spec is not None:
         stats.speculative = engine.spec.stats
+    attention = engine.decode_attention
+    if hasattr(attention, "transfers"):  # SparQ and the window baseline count what they read
+        stats.attention_transfers = attention.transfers
+        stats.attention_dense_transfers = attention.dense_transfers
     graphs = engine.graphs
     if graphs is not None:
         stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionFn, AttentionOptions, SharedPrefix, SparQAttention, dense_attention
+from .attention import ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, dense_attention
 from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
                      prefill_attention, relong)
 from .errors import BmcError, InvalidRequestError
@@ -42,8 +42,9 @@ from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import BLOCK, Node, PrefixCache, common_prefix
-from .sampling import Sampler, SamplingError
-from .spec import DraftTree, NGramDrafter, TreeSpec, greedy_accept, parse_speculative
+from .sampling import Sampler, SamplingError, SamplingParams
+from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
+from .spec.verify import sample_paths
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
 
@@ -53,9 +54,6 @@ log = logging.getLogger("bmc")
 # would widen the right-aligned batch for every row, while a short one costs a segment of its own in every step
 # (a closed loop of 8 random 128-token prompts ran 1.06x slower whole-process with every prompt read in place)
 OWN_PROMPT_IN_PLACE = 512
-
-SERVED_DRAFTERS = ("ngram",)  # drafters without per-row state beyond the tokens (a draft model's KV would have to
-# follow every join, leave and regroup of the batch cache)
 
 
 class QueueFullError(BmcError):
@@ -196,11 +194,12 @@ class Scheduler:
         self.keep_turns = keep_turns
         # A hit is read in place as shared segments (one copy for every row whose prompt starts with it) where the
         # decode attention is the dense one the segment kernels merge into; SparQ's and the speculative trees'
-        # attention read the row's own cache only, so there a hit is copied into the request's prompt cache.
-        self.read_in_place = (attention == "dense" and speculative == "off" and model.config.attn_softcap is None)
+        # attention read the row's own cache only, and a sliding window within reach needs each column's position,
+        # so there a hit is copied into the request's prompt cache.
+        self.read_in_place = reads_in_place(model, attention, speculative, self.max_length)
         self._segments_key: tuple | None = None
         self._segments: AttentionFn = self.decode_attention
-        self.spec = served_speculation(speculative, tree, spec_trim)
+        self.spec = served_speculation(model, speculative, tree, spec_trim)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         if spec_max_tokens is not None and spec_max_tokens < 2:
             raise InvalidRequestError(f"spec_max_tokens must be >= 2 (a root and one draft), got {spec_max_tokens}")
@@ -449,14 +448,14 @@ class Scheduler:
         """Batch rows that read a cached prompt path in place."""
         return sum(1 for r in self.live_rows if r.request.prefix_node is not None)
 
-    # ---- speculative decoding (greedy rows; the tree is verified in the batch cache's padding rows) ----
+    # ---- speculative decoding (the tree is verified in the batch cache's padding rows) ----
     def _speculates(self, row: _Row | None) -> bool:
-        """Greedy rows draft: their verification is the argmax, exact. Sampled rows, and rows that report
-        logprobs, take one token per step from the root's logits inside the same forward."""
-        return (row is not None and row.finish is None and row.request.sampler.params.greedy
-                and row.request.logprobs is None)
+        """Rows draft and verify: greedy rows by the argmax (exact), sampled rows by rejection sampling with their
+        request's generator (lossless, spec/verify.py). Rows that report logprobs take one token per step from the
+        root's logits inside the same forward."""
+        return row is not None and row.finish is None and row.request.logprobs is None
 
-    def _draft(self) -> tuple[DraftTree, int] | None:
+    def _draft(self) -> tuple[DraftTree, int, list[Proposal]] | None:
         """Every greedy row's draft tree, within the token budget (half of it while prompts wait, so prefill
         keeps moving) and within spec_max_tokens verify rows in all; None when no row has a draft (the step is a
         plain, fused decode).
@@ -472,16 +471,16 @@ class Scheduler:
         specs = [spec.spec.capped(min(r.request.gen.max_new_tokens - r.count, switch - r.pos if r.history is not None
                                       else r.request.gen.max_new_tokens) - 1) if self._speculates(r) else None
                  for r in rows]
-        tree, _, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
+        tree, proposals, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
         share = self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1)
         if self.spec_max_tokens is not None:
             share = min(share, self.spec_max_tokens)
         nodes = min(tree.num_nodes, share // len(rows) - 1)
         if nodes < 1 or not bool(tree.valid[:, :nodes].any()):
             return None
-        return tree.truncate(nodes), free
+        return tree.truncate(nodes), free, proposals
 
-    def _verify(self, tree: DraftTree, free: int) -> None:
+    def _verify(self, tree: DraftTree, free: int, proposals: list[Proposal]) -> None:
         rows, dev = self.rows, self.model.device
         tokens = torch.tensor([r.token if r else 0 for r in rows], dtype=torch.long, device=dev)
         pos = torch.tensor([r.pos if r else 0 for r in rows], dtype=torch.long, device=dev)
@@ -491,13 +490,30 @@ class Scheduler:
             self._fail_batch(e)
             return
         preds = argmax(logits).tolist()
-        nodes = tree.tokens.tolist()
-        paths = greedy_accept(nodes, tree.parents.tolist(), tree.valid.tolist(), preds)
+        nodes, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+        paths = greedy_accept(nodes, parents, valid, preds)
+        bonus = [preds[i][path[-1]] for i, path in enumerate(paths)]
+        live = [i for i, r in enumerate(rows) if r is not None]
+        sampled: dict[int, list[int]] = {}  # each sampling request's speculating rows
+        for i in live:
+            if self._speculates(rows[i]) and not rows[i].request.sampler.params.greedy:
+                sampled.setdefault(id(rows[i].request), []).append(i)
+        for idx in sampled.values():
+            req = rows[idx[0]].request
+            try:
+                walked, drawn = sample_paths([nodes[i] for i in idx], [parents[i] for i in idx],
+                                             [valid[i] for i in idx],
+                                             logits.index_select(0, torch.tensor(idx, device=logits.device)),
+                                             [proposals[i].q for i in idx], req.sampler)
+            except Exception as e:
+                self._fail(req, e)
+                walked, drawn = [[0] for _ in idx], [0] * len(idx)
+            for i, path, token in zip(idx, walked, drawn):
+                paths[i], bonus[i] = path, token
         self.cache.accept(paths, 1 + tree.num_nodes)
         assert self.spec is not None
         self.spec.record(tree, paths, free)
         self.counters.decode_steps += 1
-        live = [i for i, r in enumerate(rows) if r is not None]
         plain = [i for i in live if not self._speculates(rows[i])]
         if plain:  # their trees are empty: path [0], the root's logits as a plain decode step
             self._sample_and_emit(logits[plain, 0], [rows[i] for i in plain])
@@ -505,7 +521,7 @@ class Scheduler:
             row = rows[i]
             if not self._speculates(row):
                 continue
-            for tid in [nodes[i][j - 1] for j in paths[i][1:]] + [preds[i][paths[i][-1]]]:
+            for tid in [nodes[i][j - 1] for j in paths[i][1:]] + [bonus[i]]:
                 self._emit(row, tid, False, None)
                 if row.finish is not None or row.request.done:
                     break
@@ -725,8 +741,7 @@ class Scheduler:
         switch = longrope_switch(self.model.config)
         short = switch is not None and len(req.prompt_ids) <= switch
         start = req.prefix_node.end if req.prefix_node is not None else 0
-        keep_turn = (n == 1 and self.keep_turns and self.prefix_cache is not None and req.cache_prompt
-                     and self.read_in_place)
+        keep_turn = n == 1 and self.keep_turns and self.prefix_cache is not None and req.cache_prompt
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
                      text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None,
                      history=list(req.prompt_ids) if short else None, start=start,
@@ -734,7 +749,7 @@ class Scheduler:
                  for s in range(n)]
         if self.spec is not None:
             for row in filter(self._speculates, rows):
-                self.spec.drafter.start(row.key, req.prompt_ids)  # its tokens follow through _emit
+                self.spec.drafter.start(row.key, req.prompt_ids, req.sampler)  # its tokens follow through _emit
                 self._drafting.add(row.key)
         self._sample_and_emit(result.expand(n, -1), rows, first=True)
         if all(row.finish is not None for row in rows):  # max_tokens=1, or EOS / a stop string at once
@@ -883,39 +898,40 @@ class Scheduler:
 
 def prefix_cache_unsupported(model: Model, max_length: int | None = None) -> str | None:
     """Why the prefix cache cannot serve this model for sequences of up to max_length positions (None: it can). A
-    stored block is its tokens' KV at their positions from 0: a sliding window's prefill cache may drop leading
-    columns (not where no sequence passes the window), and longrope rotates a prompt by the factors its whole
-    length picks."""
+    stored block is its tokens' KV at their positions from 0: a window on every layer (Mistral) lets a prefill cache
+    drop leading columns (not where no sequence passes the window; a window on some layers only, as Gemma's, keeps
+    every column for the others), and longrope rotates a prompt by the factors its whole length picks."""
     window = model.config.sliding_window
-    if window is not None and (max_length is None or max_length > window):
-        return "a sliding-window model (its prompt caches drop columns that left the window)"
+    if window is not None and model.config.local_layers is None and (max_length is None or max_length > window):
+        return "a sliding window on every layer (its prompt caches drop columns that left the window)"
     if longrope_switch(model.config) is not None:
         return "longrope (a prompt's rotation depends on its whole length)"
     return None
 
 
+def reads_in_place(model: Model, attention: str, speculative: str, max_length: int) -> bool:
+    """Whether rows read prefix-cache hits in place as shared segments (else a hit is copied into the prompt's
+    cache): the segment kernels merge into dense attention without soft-capping, and a segment's bias is
+    position-free (no sliding window that a sequence of max_length reaches)."""
+    window = model.config.sliding_window
+    return (attention == "dense" and speculative == "off" and model.config.attn_softcap is None
+            and (window is None or max_length <= window))
+
+
 def served_attention(model: Model, cache: KVCache, attention: str, options: AttentionOptions) -> AttentionFn:
-    """The decode steps' attention over the batch cache. SparQ is served without state that would have to follow
-    the rows through joins, leaves and regroups: no dimension-major K mirror (the same arithmetic, with the
-    keys read strided) and no mean-value step (off by default for GQA models, the paper's choice)."""
-    if attention == "dense":
-        return dense_attention
+    """The decode steps' attention over the batch cache, by name (attention/__init__.py). A backend's state by
+    column (SparQ's dimension-major K mirror and its running sum of values) is rebuilt from the cache whenever rows
+    join, leave or are regrouped (KVCache.layout)."""
     check_attention(model, attention)
-    if attention == "sparq":
-        if options.sparq.mean_value:
-            raise InvalidRequestError("SparQ's mean-value step (mean_value=True) is not served: its running sum "
-                                      "of values would have to follow the rows of the continuous batch")
-        sparq = dataclasses.replace(options.sparq, mean_value=False, k_twice=False)
-        return SparQAttention(cache, sparq, model.config.group_size)
-    raise InvalidRequestError(f"attention={attention!r} is not served (dense or sparq): the local window is "
-                              "SparQ's evaluation baseline, for bmc-generate")
+    if attention != "dense":
+        cache.compact_window = False  # approximate backends pick columns by index (the window's first positions)
+    return ATTENTION_BACKENDS[attention](cache, options, model.config.group_size)
 
 
-def served_speculation(speculative: str, tree: str, trim: bool = True) -> SpeculativeStep | None:
+def served_speculation(model: Model, speculative: str, tree: str, trim: bool = True) -> SpeculativeStep | None:
+    """The step's speculation: a drafter by name (spec/registry.py) whose rows join and leave with the batch's, and
+    the tree shape. Each row drafts and verifies with its request's sampler."""
     if speculative == "off":
         return None
-    name, _ = parse_speculative(speculative)
-    if name not in SERVED_DRAFTERS:
-        raise InvalidRequestError(f"speculative={speculative!r} is not served (only {', '.join(SERVED_DRAFTERS)}): "
-                                  "a draft model's KV cache would have to follow the rows of the continuous batch")
-    return SpeculativeStep(NGramDrafter(), TreeSpec.parse(tree), trim_to_chunk=trim, sampler=None)  # type: ignore[arg-type]
+    drafter = make_drafter(speculative, model, Sampler(SamplingParams(), model.device))
+    return SpeculativeStep(drafter, TreeSpec.parse(tree), trim_to_chunk=trim)

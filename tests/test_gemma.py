@@ -115,6 +115,18 @@ def test_served_requests_equal_generate_alone(tmp_path, family):
         assert col.error is None and col.tokens == {0: alone(model, p, 12)}
     assert sched.counters.fused_steps >= 1
     assert_idle(sched)
+    # the prefix cache on a window on some layers only (every column stays for the global layers): hits past the
+    # window are copied into the prompt's cache with their positions, and give the tokens generate() gives alone
+    header = list(range(40, 76))  # 36 tokens: two blocks, far past the window of 5
+    prompts = [header + [7, 8], header + [9], header + [10, 11, 12]]
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=64, r=4, prefix_cache_bytes=1 << 22)
+    assert sched.prefix_cache is not None and not sched.read_in_place
+    reqs = [request(p, 10) for p in prompts]
+    drive(sched, {0: [reqs[0][0]], 4: [reqs[1][0]], 6: [reqs[2][0]]}, collectors=[c for _, c in reqs])
+    for (_, col), p in zip(reqs, prompts):
+        assert col.error is None and col.tokens == {0: alone(model, p, 10)}
+    assert sched.counters.cached_prompt_tokens >= 2 * 32
+    sched.prefix_cache.check_integrity()
 
 
 def test_sparq_and_shared_prefixes(tmp_path):

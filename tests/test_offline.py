@@ -21,9 +21,11 @@ def test_generate_and_stream_run_on_the_step_loop(gqa_dir, monkeypatch):
     steps.clear()
     events = list(bmc.stream(model, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True))
     assert len(events) == 4 and len(steps) >= 4
-    steps.clear()  # the local-window baseline keeps state by column: still the static loop
-    bmc.generate(model, [[5, 6, 7]], max_new_tokens=4, attention="window", window_k=8)
-    assert steps == []
+    for kw in (dict(attention="window", window_k=8), dict(attention="sparq", sparq_r=2, sparq_k=4),
+               dict(speculative="layers:1", temperature=0.7, seed=1)):  # every option: no other loop is left
+        steps.clear()
+        out = bmc.generate(model, [[5, 6, 7], [8, 9]], max_new_tokens=5, ignore_eos=True, **kw)
+        assert len(steps) >= 2 and [len(c.token_ids) for c in out] == [5, 5], kw
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, seed=3), dict(temperature=0.9, top_k=20, seed=11,

@@ -211,7 +211,11 @@ def test_models_it_cannot_serve_are_named(gqa_dir):
     model = bmc.load(str(gqa_dir))
     assert prefix_cache_unsupported(model) is None
     windowed = types.SimpleNamespace(config=dataclasses.replace(model.config, sliding_window=8))  # as Mistral's
-    assert "sliding-window" in prefix_cache_unsupported(windowed)
+    assert "sliding window on every layer" in prefix_cache_unsupported(windowed)
+    assert prefix_cache_unsupported(windowed, max_length=8) is None  # no sequence passes the window
+    some = types.SimpleNamespace(config=dataclasses.replace(model.config, sliding_window=8,  # as Gemma's
+                                                            local_layers=(True, False)))
+    assert prefix_cache_unsupported(some) is None
 
 
 def test_server_reuses_a_resent_conversation(tmp_path):

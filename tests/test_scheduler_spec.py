@@ -1,15 +1,18 @@
-"""Speculative decoding and SparQ inside the continuous batch: served tokens against generate() alone, with
-requests joining, leaving and being cancelled around the verify steps."""
+"""Speculative decoding (prompt lookup and draft models) and approximate attention (SparQ, the window baseline)
+inside the continuous batch: served tokens against generate() alone, with requests joining, leaving and being
+cancelled around the verify steps."""
 from __future__ import annotations
 
 import pytest
 
 import bmc
-from bmc.attention import AttentionOptions, SparQOptions
-from bmc.errors import InvalidRequestError
-from bmc.scheduler import Scheduler
+from bmc.attention import ATTENTION_BACKENDS, AttentionOptions, SparQOptions
+from bmc.engine import GenerationConfig
+from bmc.errors import InvalidRequestError, ModelLoadError
+from bmc.sampling import SamplingParams
+from bmc.scheduler import Request, Scheduler
 
-from .test_scheduler import PROMPTS, alone, assert_idle, drive, request
+from .test_scheduler import PROMPTS, Collector, alone, assert_idle, drive, request
 
 # Prompts that repeat themselves: prompt lookup finds continuations, and the tiny model's greedy loops copy them.
 LOOPING = [[5, 6, 7, 8] * 4, [40, 41, 42, 43, 44] * 3, [9, 250, 12] * 5, PROMPTS[0], [60, 61] * 6]
@@ -78,15 +81,67 @@ def test_sparq_serving_equals_sparq_generate_alone(gqa_dir, kv_dtype):
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("kind", ["layers:1", "int8-self"])
+def test_draft_model_serving_equals_plain_generate_alone(gqa_dir, kind):
+    """A draft model's KV cache takes rows as they join (prefilled beside it, joined in one regroup) and drops them
+    as they leave: greedy requests joining at different steps, and a cancelled one, give plain greedy generate()'s
+    tokens; a sampled request whose distribution is a point mass (top_k=1) verifies by rejection sampling and
+    gives them too."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=64, r=4, speculative=kind, tree="dynamic:2x3")
+    lengths = [16, 9, 12, 10]
+    reqs = [request(p, n) for p, n in zip(LOOPING, lengths)]
+    col = Collector()
+    point = Request(list(LOOPING[4]), GenerationConfig(max_new_tokens=11, ignore_eos=True, sampling=SamplingParams(
+        temperature=1.0, top_k=1, seed=5)), col)
+    cancelled, ccol = request(LOOPING[2], 30)
+    arrivals = {0: [reqs[0][0], cancelled], 2: [reqs[1][0]], 4: [reqs[2][0], point], 7: [reqs[3][0]]}
+    drive(sched, arrivals, cancels={3: [cancelled]}, collectors=[c for _, c in reqs] + [col, ccol])
+    for (req, c), p, n in zip(reqs, LOOPING, lengths):
+        assert c.error is None and c.tokens == {0: alone(model, p, n)}, p
+    assert col.error is None and col.tokens == {0: alone(model, LOOPING[4], 11)}
+    stats = sched.spec.stats
+    assert stats.verify_steps > 0 and stats.accepted > 0
+    drafter = sched.spec.drafter
+    assert set(drafter.pending) <= drafter.gone and not sched._drafting
+    assert_idle(sched)
+
+
+def test_sparq_with_its_mirror_and_mean_and_the_window_baseline_are_served(tiny_dirs, monkeypatch):
+    """SparQ as generate() runs it (the dimension-major K mirror, the mean-value step) and the local-window
+    baseline, in the continuous batch: their state by column is rebuilt when rows join and leave, so every
+    request's tokens equal a stateless SparQ that recomputes everything from the cache each step, run alone. (An
+    MHA model: SparQ's mean-value step is on by default there.)"""
+    from .test_sparq import StatelessSparQ
+
+    model = bmc.load(str(tiny_dirs["llama-mha"]))
+    monkeypatch.setitem(ATTENTION_BACKENDS, "stateless", lambda cache, opts, g: StatelessSparQ(cache, opts.sparq, g))
+    sparq = SparQOptions(r=4, k=6)
+    lengths = [20, 8, 15, 11, 6]
+    for attention, opts, ref in (("sparq", AttentionOptions(sparq=sparq), dict(attention="stateless", sparq_r=4,
+                                                                               sparq_k=6)),
+                                 ("window", AttentionOptions(window_k=7), dict(attention="window", window_k=7))):
+        sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=64, r=4, attention=attention,
+                          attention_options=opts)
+        reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
+        arrivals = {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]}
+        drive(sched, arrivals, collectors=[c for _, c in reqs])
+        for (req, col), p, n in zip(reqs, PROMPTS, lengths):
+            assert col.error is None
+            assert col.tokens == {0: alone(model, p, n, **ref)}, (attention, p)
+        attn = sched.decode_attention
+        assert 0 < attn.transfers < attn.dense_transfers
+        if attention == "sparq":
+            assert attn.opts.mean_value and attn.opts.k_twice and attn.rebuilds > 0
+        assert_idle(sched)
+
+
 @pytest.mark.parametrize("kw, message", [
-    (dict(speculative="draft:/x"), "not served"),
-    (dict(speculative="layers:1"), "not served"),
-    (dict(attention="window"), "not served"),
-    (dict(attention="sparq", attention_options=AttentionOptions(sparq=SparQOptions(mean_value=True))), "mean-value"),
+    (dict(speculative="draft:/nonexistent/model"), "/nonexistent/model"),
     (dict(attention="sparq", speculative="ngram"), "speculative"),
     (dict(speculative="bogus"), "unknown speculative"),
 ])
 def test_what_is_not_served_is_refused_by_name(gqa_dir, kw, message):
     model = bmc.load(str(gqa_dir))
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises((InvalidRequestError, ModelLoadError), match=message):
         Scheduler(model, **kw)

@@ -305,11 +305,14 @@ def _stream_model(client, name: str, prompt: str, max_tokens: int, delay: float)
 
 @pytest.mark.parametrize("flags, metric", [(["--speculative", "ngram", "--tree", "dynamic:2x4"],
                                             "bmc:spec_decode_num_accepted_tokens_total"),
+                                           (["--speculative", "layers:1", "--tree", "dynamic:2x3"],
+                                            "bmc:spec_decode_num_draft_tokens_total"),
                                            (["--attention", "sparq", "--sparq-r", "4", "--sparq-k", "6"], None)],
-                         ids=["speculative-ngram", "sparq"])
+                         ids=["speculative-ngram", "speculative-draft-model", "sparq"])
 def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, flags, metric):
-    """bmc-serve --speculative ngram: staggered greedy streams give plain greedy generate()'s text, with drafts
-    accepted (the metric counts them); --attention sparq: each gives generate(attention='sparq')'s text."""
+    """bmc-serve --speculative ngram / layers:1 (a draft model whose cache follows the batch's rows): staggered greedy
+    streams give plain greedy generate()'s text, with drafts verified (the metric counts them); --attention sparq:
+    each gives generate(attention='sparq')'s text."""
     srv = ServerProcess(["--model", str(tiny_dir), "--max-num-seqs", "3", "--max-num-batched-tokens", "48",
                          "--served-model-name", "tiny", *flags])
     try:
@@ -330,8 +333,9 @@ def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, fla
         srv.stop()
 
 
-@pytest.mark.parametrize("flags, message", [(["--attention", "window"], "invalid choice"),
-                                            (["--speculative", "draft:x"], "invalid choice"),
+@pytest.mark.parametrize("flags, message", [(["--attention", "local"], "invalid choice"),
+                                            (["--speculative", "draft:/nonexistent/x"], "does not exist"),
+                                            (["--speculative", "bogus"], "unknown speculative"),
                                             (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
                                             (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree")])
 def test_serve_refuses_what_it_does_not_serve(flags, message):

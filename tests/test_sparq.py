@@ -344,34 +344,36 @@ def test_only_the_chosen_rows_are_decoded():
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
 def test_runtime_mirror_keeps_the_stored_format(tiny_dirs, kv_dtype):
     """Under a narrow kv_dtype the runtime's mirror holds K's stored values (an int8 one, its columns' scales)
-    through chunk reallocations, and greedy SparQ tokens equal those of a stateless SparQ recomputed each step
-    from the cache's decoded rows."""
+    at every decode step, through chunk reallocations and rows leaving the batch (the mirror is rebuilt when the
+    cache's layout changes), and greedy SparQ tokens equal those of a stateless SparQ recomputed each step from the
+    cache's decoded rows."""
     from bmc.attention import SparQAttention
 
     model = bmc.load(str(tiny_dirs["llama-gqa"]))
     prompts = [[5, 9, 13, 7, 21, 33, 40, 2 + 9, 17, 19, 23, 29], [44, 45, 46, 47, 48]]
     kw = dict(max_new_tokens=20, r=4, ignore_eos=True, sparq_r=3, sparq_k=6, kv_dtype=kv_dtype)
-    made: list[SparQAttention] = []
+    checked: list[int] = []
 
-    def keep(cache, opts, g):
-        made.append(SparQAttention(cache, opts.sparq, g))
-        return made[-1]
+    class Checked(SparQAttention):
+        def __call__(self, q, K, V, bias, scale, layer=0):
+            out = super().__call__(q, K, V, bias, scale, layer)
+            cache, S = self.cache, self.cache.length + q.shape[2]
+            assert cache.format.name == kv_dtype
+            if q.shape[2] == 1:  # a decode step: the mirror is what the cache stores, column for column
+                values, kt_scale = cache.format.split(cache.kv[layer, 0, :, :, :S])
+                assert self.Kt[layer].dtype == cache.format.storage
+                assert torch.equal(self.Kt[layer][..., :S], values.transpose(-1, -2))
+                if kt_scale is None:
+                    assert self.Kt_scale[layer] is None
+                else:
+                    assert torch.equal(self.Kt_scale[layer][..., :S], kt_scale)
+                checked.append(S)
+            return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(ATTENTION_BACKENDS, "kept", keep)
+        mp.setitem(ATTENTION_BACKENDS, "kept", lambda cache, opts, g: Checked(cache, opts.sparq, g))
         mp.setitem(ATTENTION_BACKENDS, "stateless", lambda cache, opts, g: StatelessSparQ(cache, opts.sparq, g))
         fast = bmc.generate(model, prompts, attention="kept", **kw)
         ref = bmc.generate(model, prompts, attention="stateless", **kw)
     assert [c.token_ids for c in fast] == [c.token_ids for c in ref]
-    sp = made[-1]
-    cache = sp.cache
-    assert cache.format.name == kv_dtype
-    S = cache.length
-    for layer in range(cache.num_layers):
-        values, scale = cache.format.split(cache.kv[layer, 0, :, :, :S])
-        assert sp.Kt[layer].dtype == cache.format.storage
-        assert torch.equal(sp.Kt[layer][..., :S], values.transpose(-1, -2))
-        if scale is None:
-            assert sp.Kt_scale[layer] is None
-        else:
-            assert torch.equal(sp.Kt_scale[layer][..., :S], scale)
+    assert len(checked) >= 19 * model.config.num_layers and max(checked) > 16  # past several chunks of r=4

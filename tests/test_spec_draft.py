@@ -31,7 +31,7 @@ def greedy_continuation(model, context: list[int], n: int) -> list[int]:
     return bmc.generate(model, [context], max_new_tokens=n, ignore_eos=True)[0].token_ids
 
 
-def test_chain_proposal_is_the_drafts_greedy_continuation_and_survives_rows_leaving(gqa_dir):
+def test_chain_proposal_is_the_drafts_greedy_continuation_as_rows_leave_and_join(gqa_dir):
     draft = bmc.load(str(gqa_dir))
     contexts = {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2]}
     d = ModelDrafter(draft, GREEDY)
@@ -45,11 +45,24 @@ def test_chain_proposal_is_the_drafts_greedy_continuation_and_survives_rows_leav
     # rows accept different counts (2 of the drafts + one other token, none + one), then row 1 leaves the batch
     d.extend(0, first[0].tokens[:2] + [7])
     d.extend(2, [11])
+    d.forget(1)
     contexts[0] = contexts[0] + first[0].tokens[:2] + [7]
     contexts[2] = contexts[2] + [11]
     again = d.propose_batch([0, 2], [chain, TreeSpec.parse("chain:2")])
     assert again[0].tokens == greedy_continuation(draft, contexts[0], 5)
     assert again[1].tokens == greedy_continuation(draft, contexts[2], 2)  # capped depth
+    # a row that starts after the first proposal joins the draft's cache (the engine's rows join at any step)
+    d.extend(0, [again[0].tokens[0], 9])
+    d.extend(2, [13])
+    contexts[0] = contexts[0] + [again[0].tokens[0], 9]
+    contexts[2] = contexts[2] + [13]
+    d.start(3, PROMPTS[1][:3])
+    late = d.propose_batch([2, 3, -1, 0], [chain, chain, None, chain])
+    assert late[0].tokens == greedy_continuation(draft, contexts[2], 5)
+    assert late[1].tokens == greedy_continuation(draft, PROMPTS[1][:3], 5)
+    assert late[2].tokens == []  # no draft asked for an id that is not a row
+    assert late[3].tokens == greedy_continuation(draft, contexts[0], 5)
+    d.cache.check_integrity()
 
 
 def test_dynamic_tree_children_are_the_drafts_top_tokens(gqa_dir):

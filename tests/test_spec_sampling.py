@@ -171,7 +171,7 @@ class OracleDrafter(Drafter):
         self.ctx: dict[int, list[int]] = {}
         self.gen = torch.Generator().manual_seed(123)
 
-    def start(self, row: int, context: list[int]) -> None:
+    def start(self, row: int, context: list[int], sampler=None) -> None:
         self.ctx[row] = list(context)
 
     def extend(self, row: int, tokens: list[int]) -> None:

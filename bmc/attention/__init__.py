@@ -1,6 +1,7 @@
 """Attention backends by name. A backend is made once per generation from the generation's KV cache and options
 (`make(cache, options, group_size)`) and is then a function of (q, k, v, bias, scale, layer) over the cache view.
-Stateful backends (SparQ keeps a dimension-major K copy) also have `reorder(rows)`, called with the cache's. A
+Stateful backends (SparQ keeps a dimension-major K copy and a sum of values) rebuild their state from the cache when
+its `layout` changes (rows joining, leaving, regrouped; accepted drafts). A
 backend with `reads_stored = True` (SparQ, the window baseline) gets K and V as the cache stores them (a narrow
 kv_dtype's rows, formats.py) and reads only what it needs; every other backend gets the decoded values."""
 from __future__ import annotations

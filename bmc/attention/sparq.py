@@ -185,9 +185,10 @@ def grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, 
 
 
 class SparQAttention:
-    """SparQ as an attention backend bound to one generation's cache. Keeps, per layer, the dimension-major K
-    mirror (grown with the cache's capacity, so under BMC it is reallocated once per chunk like the cache) and
-    the running sum of visible values for step 3. Counts the elements it reads (`transfers`) and what dense
+    """SparQ as an attention backend bound to one cache (a generate() call's or the server's batch). Keeps, per
+    layer, the dimension-major K mirror (grown with the cache's capacity, so under BMC it is reallocated once per
+    chunk like the cache) and the running sum of visible values for step 3; both are rebuilt from the cache when
+    its layout changes (rows join, leave or are regrouped). Counts the elements it reads (`transfers`) and what dense
     attention would have read (`dense_transfers`) over the decode steps. Reads the cache's rows as stored (a
     narrow kv_dtype's bytes): the mirror keeps the stored values, and an int8 mirror its columns' scales."""
 
@@ -202,19 +203,27 @@ class SparQAttention:
         self.v_sum: list[torch.Tensor | None] = [None] * L
         self.count: torch.Tensor | None = None  # [B, 1, 1, 1] visible positions per row (same for all layers)
         self.seen = [0] * L  # columns mirrored / summed per layer
+        self.layout = cache.layout  # the cache's layout the state was built for
+        self.rebuilds = 0  # times the state was rebuilt from the cache after its columns moved
         self.transfers = 0
         self.dense_transfers = 0
 
-    def reorder(self, rows: torch.Tensor) -> None:
-        self.Kt = [x.index_select(0, rows) if x is not None else None for x in self.Kt]
-        self.Kt_scale = [x.index_select(0, rows) if x is not None else None for x in self.Kt_scale]
-        self.v_sum = [x.index_select(0, rows) if x is not None else None for x in self.v_sum]
-        if self.count is not None:
-            self.count = self.count.index_select(0, rows)
+    def _reset(self) -> None:
+        """The cache's columns moved, left or changed rows (a join, leave, regroup, compaction, accepted draft or
+        crop): the state is rebuilt from the cache's columns as the layers next read them, one pass over K (and V
+        for the mean) per layout change, not per step."""
+        L = self.cache.num_layers
+        self.Kt, self.Kt_scale, self.v_sum = [None] * L, [None] * L, [None] * L
+        self.count = None
+        self.seen = [0] * L
+        self.layout = self.cache.layout
+        self.rebuilds += 1
 
     def _track(self, layer: int, K: torch.Tensor, V: torch.Tensor, S: int) -> None:
         """Mirror columns [seen, S) of K (as stored) dimension-major and add their visible values to the running
         sum."""
+        if self.layout != self.cache.layout:
+            self._reset()
         start, o = self.seen[layer], self.opts
         if start >= S:
             return
@@ -273,9 +282,6 @@ class WindowAttention:
         self.cache, self.k, self.sink = cache, k, sink
         self.transfers = 0
         self.dense_transfers = 0
-
-    def reorder(self, rows: torch.Tensor) -> None:
-        pass  # stateless: the cache's left padding is all it reads, and the cache reorders that
 
     def __call__(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor, scale: float,
                  layer: int = 0) -> torch.Tensor:

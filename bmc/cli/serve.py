@@ -55,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
     p.add_argument("--r", type=int, help="BMC chunk size in rows")
     p.add_argument("--T", type=int, help="BMC number of allocations over the model's context (r = ceil(N / T))")
-    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
-                   help="speculative decoding for greedy requests: ngram (prompt lookup: drafts copied from the "
-                   "request's own context, verified in the BMC cache's padding rows; tokens identical to plain "
-                   "greedy) (default off)")
+    p.add_argument("--speculative", default="off",
+                   help="speculative decoding drafter: off (default), ngram (prompt lookup: drafts copied from the "
+                   "request's own context), draft:PATH (a smaller model with the same vocabulary), layers:N (the "
+                   "model's first N layers) or int8-self (the model in int8); drafts are verified in the BMC "
+                   "cache's padding rows: greedy tokens are identical to plain greedy, sampled ones keep the exact "
+                   "distribution")
     # chain:4 by measurement (default model, copy prompts, 2 threads, generate()): batch 1 161 tok/s against 66
     # plain and 117 for dynamic:4x6; batch 4 249 against 217 plain and 146 for dynamic:4x6 (a wide tree's verify
     # FLOPs cost more than its extra accepted tokens once the CPU is compute-bound)
@@ -69,11 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify rows per step at most (every row's root and tree): drafts are nearly free while a "
                    "step is bound by reading the weights, and cost their arithmetic after; 24 suits fp32 on a "
                    "few cores (default 24)")
-    p.add_argument("--attention", default="dense", choices=["dense", "sparq"],
-                   help="decode attention: dense (exact, default) or sparq (approximate: the top --sparq-r query "
-                   "components pick the top --sparq-k positions of each row)")
+    p.add_argument("--attention", default="dense", choices=["dense", "sparq", "window"],
+                   help="decode attention: dense (exact, default), sparq (approximate: the top --sparq-r query "
+                   "components pick the top --sparq-k positions of each row) or window (the local-window baseline "
+                   "keeping --window-k positions)")
     p.add_argument("--sparq-r", type=int, default=None, help="SparQ query components (default head_dim/4)")
     p.add_argument("--sparq-k", type=int, default=128, help="SparQ positions attended per step (default 128)")
+    p.add_argument("--window-k", type=int, default=256, help="window attention: positions kept (default 256)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are cut (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -110,13 +114,16 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         from ..attention import AttentionOptions, SparQOptions
         from ..engine import GenerationConfig
-        from ..scheduler import served_speculation
+        from ..spec import parse_speculative
 
         GenerationConfig(attention=args.attention, speculative=args.speculative, tree=args.tree,
-                         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k)))
-        served_speculation(args.speculative, args.tree)
+                         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k),
+                                                            window_k=args.window_k))
+        name, arg = parse_speculative(args.speculative) if args.speculative != "off" else ("off", None)
     except BmcError as e:
         fail(str(e))
+    if name == "draft" and not os.path.exists(os.path.expanduser(str(arg))):
+        fail(f"--speculative draft:PATH: the draft model path does not exist: {arg}")
     if args.spec_max_tokens < 2:
         fail(f"--spec-max-tokens must be >= 2 (a root and one draft), got {args.spec_max_tokens}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
@@ -202,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         dtype=args.dtype,
                         speculative=args.speculative, tree=args.tree, attention=args.attention,
                         spec_max_tokens=args.spec_max_tokens,
-                        sparq_r=args.sparq_r, sparq_k=args.sparq_k,
+                        sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
                         device=args.device, cuda_graphs=not args.no_cuda_graphs,
                         share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
                         activations=args.activations)

@@ -77,6 +77,9 @@ class KVCache(ABC):
         self.bias = torch.empty((batch_size, 1, 1, 0), dtype=dtype, device=self.device)
         self.write_at: torch.Tensor | None = None  # CUDA graphs: the write column as a device index (see graphs.py)
         self.holes = False  # set once rows accepted different speculative counts (masked columns inside)
+        # bumped whenever written columns move, leave or change rows (everything but reserve / commit / growth):
+        # attention state kept by column (SparQ's K mirror and value sum) is rebuilt when it changes
+        self.layout = 0
         self.allocations = 0  # times the cache grew: a new KV tensor allocated and the old one copied (the T)
         self.peak_bytes = 0  # largest KV footprint seen, old + new tensor during a copy included
         if window is not None and window < 1:
@@ -183,6 +186,7 @@ class KVCache(ABC):
         cols[:, :m].masked_fill_(torch.arange(m, device=self.device)[None, :] < counts[:, None], 0.0)
         self.holes = self.holes or any(len(k) != m for k in keep)
         self.length = start + m
+        self.layout += 1
         return m
 
     def crop(self, length: int) -> None:
@@ -191,6 +195,7 @@ class KVCache(ABC):
             raise ValueError(f"crop to {length} outside [0, {self.length}]")
         self.bias[:, :, :, length : self.length].fill_(self.min_value)
         self.length = length
+        self.layout += 1
         self._recount_holes()
 
     def reorder(self, rows: torch.Tensor) -> None:
@@ -214,6 +219,7 @@ class KVCache(ABC):
         self.left_pad = self.left_pad.index_select(0, rows)
         self._max_pad = int(self.left_pad.max()) if rows.numel() else 0
         self.batch_size = int(rows.numel())
+        self.layout += 1
         self._recount_holes()
 
     def hide_leading(self, row: int, n: int) -> None:
@@ -223,6 +229,7 @@ class KVCache(ABC):
         self.bias[row, ..., :n] = self.min_value
         self.left_pad[row] = max(int(self.left_pad[row]), n)
         self._max_pad = int(self.left_pad.max())
+        self.layout += 1
 
     def retire(self, rows: Sequence[int]) -> None:
         """Rows whose requests left, without a copy: every written column of theirs becomes left padding. The slot
@@ -232,6 +239,7 @@ class KVCache(ABC):
         self.bias[idx, :, :, : self.length] = self.min_value
         self.left_pad[idx] = self.length
         self._max_pad = self.length if len(rows) else self._max_pad
+        self.layout += 1
 
     def place(self, row: int, src: "KVCache", src_row: int = 0) -> bool:
         """Write row `src_row` of `src` (a prefilled request) into batch row `row` (a retired slot), right-aligned on
@@ -253,6 +261,7 @@ class KVCache(ABC):
                 torch.arange(lead, src.length, device=self.device) - src.left_pad[src_row]).clamp(min=0)
             self.window_floor[row] = src.window_floor[src_row] if src.window_floor is not None else -1
         self.holes = self.holes or src.holes
+        self.layout += 1
         return True
 
     def regroup(self, keep: Sequence[int], joins: Sequence["KVCache | tuple[KVCache, Sequence[int]]"] = ()) -> None:
@@ -311,6 +320,7 @@ class KVCache(ABC):
             self.col_pos = col_pos
             self.window_floor = torch.cat(floors) if floors else torch.zeros(0, dtype=torch.long, device=self.device)
         self.holes = holes
+        self.layout += 1
         self._recount_holes()
         self.allocations += 1 if B else 0  # emptied: nothing allocated
 
@@ -518,6 +528,7 @@ class KVCache(ABC):
         self._regrow_columns(new_capacity, drop)
         if drop:
             self.length = keep
+            self.layout += 1
             self.left_pad = (self.left_pad - drop).clamp_(min=0)
             self._max_pad = int(self.left_pad.max()) if B else 0
         self.peak_bytes = max(self.peak_bytes, old.numel() * old.element_size() + new.numel() * new.element_size())

@@ -61,12 +61,13 @@ class ServeOptions:
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
     activations: str = "float"  # "int8": Q4 GEMMs on int8 activation blocks (bmc.load)
-    speculative: str = "off"  # "ngram": greedy requests draft by prompt lookup, verified in the padding rows
+    speculative: str = "off"  # a drafter (ngram, draft:PATH, layers:N, int8-self): verified in the padding rows
     tree: str = "chain:4"
     spec_max_tokens: int = 24  # verify rows per step at most
-    attention: str = "dense"  # or "sparq" (approximate decode attention)
+    attention: str = "dense"  # or "sparq" / "window" (approximate decode attention)
     sparq_r: int | None = None
     sparq_k: int = 128
+    window_k: int = 256
     prefix_cache_bytes: int = 0  # prompt KV kept across requests under this budget (0 = no prefix cache)
     cuda_graphs: bool = True  # CUDA: the decode step captured once per capacity bucket and batch
 
@@ -106,7 +107,8 @@ class ServerState:
             scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
                                   max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
                                   tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
-                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k)),
+                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k),
+                                                                     window_k=o.window_k),
                                   prefix_cache_bytes=o.prefix_cache_bytes, cuda_graphs=o.cuda_graphs)
             if o.prefix_cache_bytes and scheduler.prefix_cache is None:
                 log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)

@@ -1,5 +1,5 @@
-"""The speculative decode step: draft a tree per row, verify it in one target forward inside the cache's padding
-rows, keep the accepted path (compacted in place), and hand back every row's new tokens.
+"""The speculative decode step's parts: draft a tree per row, verify it in one target forward inside the cache's
+padding rows, keep the accepted path (compacted in place); the scheduler's step runs them.
 
 Greedy verification is exact: the emitted tokens are the target's argmax at each accepted node, so the output
 equals plain greedy decoding token for token. Sampling verification (verify.py) is lossless: the emitted tokens
@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionFn
-from ..kernels.native import argmax
 from ..kv import KVCache
 from ..models import Model
-from ..sampling import Sampler
-from .drafters import Drafter
-from .tree import DraftTree, TreeSpec, greedy_accept, rank_counts, tree_visibility
-from .verify import sample_paths
+from .drafters import Drafter, Proposal
+from .tree import DraftTree, TreeSpec, rank_counts, tree_visibility
 
 
 @dataclass
@@ -49,11 +46,15 @@ class SpecStats:
 
 
 class SpeculativeStep:
-    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool, sampler: Sampler) -> None:
-        self.drafter, self.spec, self.trim, self.sampler = drafter, spec, trim_to_chunk, sampler
+    """The drafter, the tree shape and the counts of one engine's speculation; the scheduler drafts (`draft`),
+    verifies (`verify_forward`), accepts (greedy_accept, or verify.sample_paths with each request's sampler) and
+    records."""
+
+    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool) -> None:
+        self.drafter, self.spec, self.trim = drafter, spec, trim_to_chunk
         self.stats = SpecStats()
 
-    def draft(self, cache: KVCache, rows: list[int], specs: list[TreeSpec | None]) -> tuple[DraftTree, list, int]:
+    def draft(self, cache: KVCache, rows: list[int], specs: list[TreeSpec | None]) -> tuple[DraftTree, list[Proposal], int]:
         """Every row's draft tree (specs[b] None: no draft for row b), trimmed to the chunk's free padding rows
         unless the chunk may grow; also the proposals (sampling reads their q) and the free rows."""
         t0 = time.perf_counter()
@@ -93,29 +94,3 @@ class SpeculativeStep:
                 s.rank_accepted.append(0)
             s.rank_visits[r] += v
             s.rank_accepted[r] += a
-
-    def __call__(self, model: Model, cache: KVCache, attention: AttentionFn, next_tok: torch.Tensor,
-                 pos: torch.Tensor, rows: list[int], remaining: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """next_tok [B]: each row's last token (not cached yet); pos [B]: its position, advanced in place.
-        remaining[b]: tokens the row may still emit (caps the tree depth). Returns each row's new tokens and the
-        next roots."""
-        tree, proposals, free = self.draft(cache, rows, [self.spec.capped(left - 1) for left in remaining])
-        t = 1 + tree.num_nodes
-        logits = self.verify_forward(model, cache, attention, tree, next_tok, pos)
-        tree_tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-        if self.sampler.params.greedy:
-            preds = argmax(logits).tolist()
-            paths = greedy_accept(tree_tokens, parents, valid, preds)
-            bonus = [preds[b][path[-1]] for b, path in enumerate(paths)]
-        else:
-            paths, bonus = sample_paths(tree_tokens, parents, valid, logits, [p.q for p in proposals], self.sampler)
-        cache.accept(paths, t)
-
-        new: list[list[int]] = []
-        for b, (row, path) in enumerate(zip(rows, paths)):
-            toks = [tree_tokens[b][i - 1] for i in path[1:]] + [bonus[b]]
-            new.append(toks)
-            self.drafter.extend(row, toks)
-        pos += torch.tensor([len(p) for p in paths], dtype=pos.dtype, device=pos.device)
-        self.record(tree, paths, free)
-        return new, torch.tensor([toks[-1] for toks in new], dtype=torch.long, device=next_tok.device)

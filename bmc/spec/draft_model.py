@@ -11,7 +11,8 @@ The draft keeps its own KV cache (a BMCCache) with one row per batch row and onl
   context and, through an explicit bias, only its own ancestors among the earlier levels. Afterwards the drafted
   columns are cropped. Re-feeding accepted drafts at the next catch-up costs one slightly wider forward and never
   needs a per-row crop.
-- rows that left the batch are dropped from the cache (`KVCache.reorder`).
+- rows join and leave as the engine's batch does: rows started since the last proposal are prefilled in a cache
+  of their own and joined, forgotten rows dropped, in one `KVCache.regroup`.
 
 Greedy: a node's children are the draft's top-ranked tokens (point masses for verification). Sampling: they are
 drawn without replacement from the draft's distribution q (the target's temperature / top-k / top-p applied to the
@@ -38,48 +39,82 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, draft: Model, sampler: Sampler) -> None:
+        """sampler: the sampling of rows started without one of their own (a row's sampler picks greedy children
+        or draws them from its q with its generator)."""
         self.model, self.sampler = draft, sampler
-        self.greedy = sampler.params.greedy
         self.cache: KVCache | None = None
         self.order: list[int] = []  # row ids in the cache's batch order
         self.pending: dict[int, list[int]] = {}  # tokens not fed to the draft yet
         self.pos: dict[int, int] = {}  # next position per row (= tokens fed so far)
+        self.samplers: dict[int, Sampler] = {}
+        self.gone: set[int] = set()  # rows forgotten, dropped from the cache at the next proposal
         self.pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
 
-    def start(self, row: int, context: list[int]) -> None:
-        if self.cache is not None:
-            raise RuntimeError("rows must start before the first proposal")
+    def start(self, row: int, context: list[int], sampler: Sampler | None = None) -> None:
         self.pending[row], self.pos[row] = list(context), 0
+        self.samplers[row] = sampler if sampler is not None else self.sampler
+        self.gone.discard(row)
 
     def extend(self, row: int, tokens: list[int]) -> None:
         self.pending[row].extend(tokens)
 
+    def forget(self, row: int) -> None:
+        if row in self.pending:
+            self.gone.add(row)
+
     @torch.inference_mode()
     def propose_batch(self, rows: list[int], specs: list[TreeSpec | None]) -> list[Proposal]:
+        """Drafts for `rows` (every started row not forgotten is caught up, whether asked for or not)."""
         if all(s is None for s in specs):  # every row emits its last token this step: nothing left to draft for
             return [Proposal() for _ in rows]
-        self._sync_rows(rows)
-        root_logits = self._catch_up(rows)
-        return self._draft(rows, specs, root_logits)
+        self._sync_rows()
+        # a row with nothing new since its last proposal has no root to draft from (its logits were not kept)
+        want = {r: s for r, s in zip(rows, specs) if s is not None and self.pending.get(r)}
+        if not want:
+            return [Proposal() for _ in rows]
+        order = self.order
+        root_logits = self._catch_up(order)
+        drafted = dict(zip(order, self._draft(order, [want.get(r) for r in order], root_logits)))
+        return [drafted[r] if r in want else Proposal() for r in rows]
 
     # ---- cache upkeep ------------------------------------------------------------------------------
-    def _sync_rows(self, rows: list[int]) -> None:
-        cfg, dev = self.model.config, self.model.device
-        if self.cache is None:
-            self.cache = BMCCache(r=DRAFT_CHUNK, num_layers=cfg.num_layers, batch_size=len(rows),
-                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_length=NO_CAP,
-                                  dtype=self.model.dtype, device=dev)
-            self.order = list(rows)
-        elif rows != self.order:
-            where = {r: i for i, r in enumerate(self.order)}
-            self.cache.reorder(torch.tensor([where[r] for r in rows], dtype=torch.long, device=dev))
-            for r in set(self.order) - set(rows):
-                del self.pending[r], self.pos[r]
-            self.order = list(rows)
+    def _new_cache(self, batch: int) -> KVCache:
+        cfg = self.model.config
+        return BMCCache(r=DRAFT_CHUNK, num_layers=cfg.num_layers, batch_size=batch, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, max_length=NO_CAP, dtype=self.model.dtype, device=self.model.device)
 
-    def _catch_up(self, rows: list[int]) -> torch.Tensor:
-        """Feed every row's pending tokens; returns the logits after each row's last token [B, V]."""
-        cache, dev = self.cache, self.model.device
+    def _sync_rows(self) -> None:
+        """Forgotten rows leave the cache and rows started since the last proposal join it: their contexts but
+        the last token are prefilled in a cache of their own and joined in one regroup (the last token is fed
+        with every row's catch-up, whose logits are the roots)."""
+        for r in self.gone:
+            del self.pending[r], self.pos[r], self.samplers[r]
+        kept = [i for i, r in enumerate(self.order) if r not in self.gone]
+        self.gone = set()
+        known = set(self.order)
+        new = [r for r in self.pending if r not in known]
+        if self.cache is None:
+            self.cache, self.order = self._new_cache(0), []
+            kept = []
+        joins: list[tuple[KVCache, list[int]]] = []
+        if new:
+            fresh = self._new_cache(len(new))
+            last = {r: self.pending[r][-1:] for r in new}
+            for r in new:
+                self.pending[r] = self.pending[r][:-1]
+            if any(self.pending[r] for r in new):
+                self._catch_up(new, fresh)
+            for r in new:
+                self.pending[r] = self.pending[r] + last[r]
+            joins.append((fresh, list(range(len(new)))))
+        if new or len(kept) < len(self.order):
+            self.cache.regroup(kept, joins)
+            self.order = [self.order[i] for i in kept] + new
+
+    def _catch_up(self, rows: list[int], cache: KVCache | None = None) -> torch.Tensor:
+        """Feed every row's pending tokens (into `cache`, default the draft's); returns the logits after each row's
+        last token [B, V]."""
+        cache, dev = cache if cache is not None else self.cache, self.model.device
         assert cache is not None
         counts = [len(self.pending[r]) for r in rows]
         m = max(counts)
@@ -123,7 +158,7 @@ class ModelDrafter(Drafter):
         done = 0
         for d, n in enumerate(sizes):
             width = max(rank for _, rank in static[d]) + 1 if static is not None else spec.width
-            cand_tok, rank_lp, q = self._candidates(logits, width)
+            cand_tok, rank_lp, q = self._candidates(logits, width, rows)
             score = front_score[:, :, None] + rank_lp  # non-increasing along each node's ranked children
             if static is not None:  # fixed (parent slot, rank) pairs
                 pick = torch.tensor([f * width + rank for f, rank in static[d]], device=dev).expand(B, n)
@@ -136,9 +171,11 @@ class ModelDrafter(Drafter):
             ok = sel_score > float("-inf")
             if q is not None:  # the distribution each valid node's siblings were drawn from, keyed by the parent
                 for b, (slots, valid, ids) in enumerate(zip(slot.tolist(), ok.tolist(), front_ids.tolist())):
+                    if q[b] is None:  # a greedy row: fixed children
+                        continue
                     for f, v in zip(slots, valid):
                         if v:
-                            q_maps[b][ids[f]] = q[b, f]
+                            q_maps[b][ids[f]] = q[b][f]
             ids = torch.arange(done, done + n, device=dev)
             has = parent >= 0
             anc = torch.zeros(B, n, n_max, dtype=torch.bool, device=dev)
@@ -156,24 +193,36 @@ class ModelDrafter(Drafter):
         cache.crop(start)
         return self._proposals(specs, toks, pars, oks, scores, q_maps)
 
-    def _candidates(self, logits: torch.Tensor, width: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _candidates(self, logits: torch.Tensor, width: int, rows: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
         """Ranked children of every frontier node: tokens [B, F, width]; the log of the r-th largest draft probability
-        for the r-th child (-inf: the distribution has fewer tokens), which scores it; and, when sampling, the
-        distributions q [B, F, V] the children were drawn from without replacement (in drawing order).
+        for the r-th child (-inf: the distribution has fewer tokens), which scores it; and per row, when it samples,
+        the distributions q [F, V] its children were drawn from without replacement (in drawing order), by its own
+        sampler's parameters and generator (None: every row is greedy).
 
         Sampled children are scored by their rank, never by the probability of the token actually drawn: whether a
         drawn child is kept (dynamic selection, trimming to the chunk) must not depend on its own value, or the kept
         children would no longer be draws from q and rejection sampling would be biased."""
         B, F, V = logits.shape
-        if self.greedy:
-            rank_lp, tok = torch.topk(torch.log_softmax(logits.float(), dim=-1), width, dim=-1)
+        by_sampler: dict[int, list[int]] = {}
+        for b, r in enumerate(rows):
+            if not self.samplers[r].params.greedy:
+                by_sampler.setdefault(id(self.samplers[r]), []).append(b)
+        rank_lp, tok = torch.topk(torch.log_softmax(logits.float(), dim=-1), width, dim=-1)
+        if not by_sampler:
             return tok, rank_lp, None
-        q = self.sampler.probs(logits.reshape(B * F, V).float()).view(B, F, V)
-        lq = q.log()
-        u = torch.rand(q.shape, generator=self.sampler.generator, device=q.device).clamp_(min=1e-20)
-        tok = torch.topk(lq - torch.log(-torch.log(u)), width, dim=-1).indices  # Gumbel-top-k: drawing order
-        return tok, torch.topk(lq, width, dim=-1).values, q
+        qs: list[torch.Tensor | None] = [None] * B
+        for idx in by_sampler.values():
+            sampler = self.samplers[rows[idx[0]]]
+            at = torch.tensor(idx, device=logits.device)
+            q = sampler.probs(logits.index_select(0, at).reshape(len(idx) * F, V).float()).view(len(idx), F, V)
+            lq = q.log()
+            u = torch.rand(q.shape, generator=sampler.generator, device=q.device).clamp_(min=1e-20)
+            tok[at] = torch.topk(lq - torch.log(-torch.log(u)), width, dim=-1).indices  # Gumbel-top-k: drawing order
+            rank_lp[at] = torch.topk(lq, width, dim=-1).values
+            for j, b in enumerate(idx):
+                qs[b] = q[j]
+        return tok, rank_lp, qs
 
     def _feed(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
               start: int) -> torch.Tensor:

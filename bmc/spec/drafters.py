@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from ..sampling import Sampler
 from .tree import TreeSpec
 
 
@@ -46,8 +47,10 @@ class Drafter(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def start(self, row: int, context: list[int]) -> None:
-        """A new row (prompt tokens plus its first generated token). Rows start before the first proposal."""
+    def start(self, row: int, context: list[int], sampler: Sampler | None = None) -> None:
+        """A new row (its prompt tokens; its tokens follow through `extend`), which may start at any step: rows join
+        and leave as the engine's batch does. `sampler`: the row's sampling (a drafter that draws children draws
+        them by its parameters, with its generator); None: the drafter's default."""
 
     @abstractmethod
     def extend(self, row: int, tokens: list[int]) -> None:
@@ -55,11 +58,11 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose_batch(self, rows: list[int], specs: list[TreeSpec | None]) -> list[Proposal]:
-        """A draft tree for each row of the batch, in batch order (None: no draft for that row). Rows missing
-        from `rows` have left the batch for good."""
+        """A draft tree for each row of the batch, in batch order (None: no draft for that row; its id need not be
+        a started row)."""
 
     def forget(self, row: int) -> None:
-        """A row left for good: drop what the drafter keeps for it (a server's rows come and go)."""
+        """A row left for good: drop what the drafter keeps for it."""
 
 
 class NGramDrafter(Drafter):
@@ -74,7 +77,7 @@ class NGramDrafter(Drafter):
         self.ctx: dict[int, list[int]] = {}
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {}
 
-    def start(self, row: int, context: list[int]) -> None:
+    def start(self, row: int, context: list[int], sampler: Sampler | None = None) -> None:
         self.ctx[row], self.index[row] = [], {}
         self.extend(row, context)
 
