@@ -16,6 +16,8 @@ kernel to read it as one matrix product, and a run stays contiguous (a 2000-toke
   the first generated token). A match that ends inside a node splits it: the head becomes a new parent and the
   original node keeps the tail, both views of the same tensor (nothing is copied, a running row's path is kept).
 - Children are keyed by their first block's ids, so two runs that diverge inside a block never share it.
+- A new run is merged into the chain of ancestors above it that no request reads and that have no other child
+  (one new tensor), so a conversation kept turn after turn stays one node: one segment, not one per turn.
 - A request that reads a path in place locks its last node; a locked node and its ancestors are never evicted.
 - Eviction is least-recently-used among unlocked leaves, until the bytes held fit the budget. Bytes are counted
   by tensor storage: a node split into views of one tensor frees it when the last view goes.
@@ -29,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from .hugepages import empty_mapped, whole_mapping
 from .kv import KVCache
 
 BLOCK = 16  # tokens a block: the granularity of a hit and of a split (vLLM's default block size)
@@ -52,6 +55,10 @@ class Node:
     locks: int = 0  # requests reading this node's path in place (never evicted while > 0)
     stamp: int = 0  # last use, for LRU
     _bias: torch.Tensor | None = None
+    # a node that owns a growable slab (a CPU mapping with room for the cache's max_length columns, pages written
+    # as used): [L, 2, 1, H_kv, max_length, width], kv being its columns [at, at + len); None: kv is all it has
+    _slab: torch.Tensor | None = None
+    _at: int = 0
 
     @property
     def end(self) -> int:
@@ -75,13 +82,11 @@ class Node:
         return out[::-1]
 
 
-def _storage(kv: torch.Tensor) -> tuple[int, int]:
-    s = kv.untyped_storage()
-    return s.data_ptr(), s.nbytes()
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, format_name: str, block: int = BLOCK) -> None:
+    def __init__(self, budget_bytes: int, format_name: str, block: int = BLOCK, max_length: int = 0) -> None:
+        """max_length: the longest path (a conversation's nodes grow in place up to it on a CPU; 0: no growth)."""
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         self.block = block  # tokens a block (generate()'s cache for one call: 1, any common length is shared)
@@ -93,7 +98,15 @@ class PrefixCache:
         self.version = 0  # bumped when a node is split or evicted (a running batch's segment table is rebuilt)
         self._storages: dict[int, list[int]] = {}  # storage pointer -> [nodes viewing it, its bytes]
         self._locked: dict[int, Node] = {}  # nodes with locks > 0, by id
+        self._written: dict[int, int] = {}  # slab storages: the bytes of the columns written (the rest is unmapped)
+        self.max_length = max_length
         self._clock = itertools.count(1)
+
+    def _storage(self, kv: torch.Tensor) -> tuple[int, int]:
+        """A node tensor's storage and the bytes it holds (a slab's: what was written of it)."""
+        s = kv.untyped_storage()
+        ptr = s.data_ptr()
+        return ptr, self._written.get(ptr, s.nbytes())
 
     # ---- lookups -------------------------------------------------------------------------------------
     def match(self, ids: list[int], salt: str | None, count: bool = True) -> Node | None:
@@ -151,7 +164,7 @@ class PrefixCache:
         for node in self._locked.values():
             for seg in node.path():
                 if seg.parent is not None and seg.parent.children.get(seg.ids[:self.block]) is seg:  # still in the tree
-                    ptr, nbytes = _storage(seg.kv)  # type: ignore[arg-type]
+                    ptr, nbytes = self._storage(seg.kv)  # type: ignore[arg-type]
                     storages[ptr] = nbytes
         return sum(storages.values())
 
@@ -193,18 +206,103 @@ class PrefixCache:
             node, pos = child, pos + n
         if pos < end and pos >= cache_start:
             src = kv[:, :, :, :, pos - cache_start : end - cache_start]
-            kv = torch.empty(src.shape, dtype=src.dtype, device=src.device).copy_(src)
-            new = Node(tuple(ids[pos:end]), kv, node, start=pos)
-            node.children[new.ids[:self.block]] = new
-            self._count(kv, +1)
             self.stats.inserted_blocks += (end - pos) // self.block
-            node = new
+            new = Node(tuple(ids[pos:end]), src, node, start=pos)
+            node.children[new.ids[:self.block]] = new
+            node = self._coalesce(new, counted=False)
+        elif node.kv is not None and not node.children and node.locks == 0:
+            node = self._coalesce(node, counted=True)  # nothing new: the path's last run may still merge up
         if node.kv is not None:
             self._touch(node)
             node.locks += 1  # older leaves go first
             self._evict()
             node.locks -= 1
             self._evict()  # and the new run too, if it alone does not fit
+
+    def _coalesce(self, leaf: Node, counted: bool) -> Node:
+        """Merge a leaf with the chain of ancestors above it that no request reads and that have no other child,
+        into one tensor of its own: a conversation kept turn after turn stays one node (one segment for the kernels
+        to read), for the price of copying that chain once a turn. `counted`: the leaf's kv is a node's own tensor
+        already counted (else a view of someone else's, which is copied in any case). Returns the node that now
+        holds the leaf's run."""
+        chain = [leaf]
+        while True:
+            parent = chain[0].parent
+            if parent is None or parent.kv is None or parent.locks or len(parent.children) != 1:
+                break
+            chain.insert(0, parent)
+        if counted and len(chain) == 1:
+            return leaf
+        top, tail = chain[0], chain[1:]
+        if counted or len(chain) > 1:  # chain[0] is a node's own tensor: append in place where its slab has room
+            grow = sum(len(n.ids) for n in tail)
+            if top._slab is not None and top._at + len(top.ids) + grow <= top._slab.shape[4]:
+                self._append(top, tail, counted)
+                return top
+        parts = [n.kv for n in chain]
+        width = sum(int(kv.shape[4]) for kv in parts)  # type: ignore[union-attr]
+        first = parts[0]
+        assert first is not None
+        # a run stored alone gets a tensor of its size; a chain that merged is a conversation: room to grow
+        slab = self._new_slab(first, width) if len(chain) > 1 else torch.empty(
+            (*first.shape[:4], width, first.shape[5]), dtype=first.dtype, device=first.device)
+        merged = slab[:, :, :, :, :width]
+        at = 0
+        for kv in parts:
+            assert kv is not None
+            merged[:, :, :, :, at : at + kv.shape[4]].copy_(kv)
+            at += kv.shape[4]
+        if slab.shape[4] > width:  # a growable slab: only its written columns count
+            self._written[merged.untyped_storage().data_ptr()] = self._column_bytes(first) * width
+        self._count(merged, +1)
+        for n in chain if counted else chain[:-1]:
+            self._count(n.kv, -1)  # type: ignore[arg-type]
+        top.ids, top.kv, top.children, top._bias = tuple(i for n in chain for i in n.ids), merged, {}, None
+        _unlink(chain[1:])
+        top._slab, top._at = (slab, 0) if slab.shape[4] > width else (None, 0)
+        if len(chain) > 1:
+            self.version += 1  # a running batch's segment table may hold the old tensors
+        return top
+
+    @staticmethod
+    def _column_bytes(kv: torch.Tensor) -> int:
+        L, two, b, H, _, width = kv.shape
+        return L * two * b * H * width * kv.element_size()
+
+    def _new_slab(self, like: torch.Tensor, width: int) -> torch.Tensor:
+        """A tensor for `width` columns of a node: on a CPU, a view of a mapping with room for max_length columns
+        per (layer, K/V, head) slab, whose pages cost memory only once written (later turns are appended in place:
+        no copy, no second tensor); else exactly `width` columns."""
+        L, two, b, H, _, w = like.shape
+        cap = max(self.max_length, width)
+        if like.device.type != "cpu" or self.max_length <= width:
+            return torch.empty((L, two, b, H, width, w), dtype=like.dtype, device=like.device)
+        flat = whole_mapping(empty_mapped((1,), like.dtype, reserve=L * two * b * H * cap * w))
+        if flat.numel() < L * two * b * H * cap * w:  # the reservation was refused: a tensor of its own size
+            return torch.empty((L, two, b, H, width, w), dtype=like.dtype, device=like.device)
+        return flat.as_strided((L, two, b, H, cap, w), (two * b * H * cap * w, b * H * cap * w, H * cap * w,
+                                                         cap * w, w, 1))
+
+    def _append(self, top: Node, tail: list[Node], counted: bool) -> None:
+        """Write the runs of `tail` (top's only descendants, in order) after top's columns in its slab (`counted`:
+        as _coalesce's)."""
+        assert top._slab is not None and top.kv is not None
+        end = top._at + len(top.ids)
+        for n in tail:
+            assert n.kv is not None
+            top._slab[:, :, :, :, end : end + n.kv.shape[4]].copy_(n.kv)
+            end += n.kv.shape[4]
+        grown = self._column_bytes(top.kv) * (end - top._at - len(top.ids))
+        ptr = top.kv.untyped_storage().data_ptr()
+        self._written[ptr] = self._written.get(ptr, 0) + grown
+        self._storages[ptr][1] += grown
+        self.nbytes += grown
+        for n in tail if counted else tail[:-1]:  # an uncounted last one is a view of someone else's tensor
+            self._count(n.kv, -1)  # type: ignore[arg-type]
+        top.ids = top.ids + tuple(i for n in tail for i in n.ids)
+        top.kv, top.children, top._bias = top._slab[:, :, :, :, top._at : end], {}, None
+        _unlink(tail)
+        self.version += 1
 
     def _split(self, node: Node, n: int) -> Node:
         """Cut `node` after its first n tokens: a new parent takes the head; `node` keeps the tail and its children
@@ -213,6 +311,7 @@ class PrefixCache:
         head = Node(node.ids[:n], node.kv[:, :, :, :, :n], node.parent, start=node.start, stamp=node.stamp)
         node.parent.children[head.ids[:self.block]] = head
         node.ids, node.kv, node.start, node.parent = node.ids[n:], node.kv[:, :, :, :, n:], node.start + n, head
+        node._at += n  # the tail keeps the slab's room after it; the head has a child after it
         head.children[node.ids[:self.block]] = node
         self._count(head.kv, +1)  # type: ignore[arg-type]
         self.version += 1
@@ -224,14 +323,15 @@ class PrefixCache:
             seg.stamp = next(self._clock)
 
     def _count(self, kv: torch.Tensor, delta: int) -> None:
-        ptr, nbytes = _storage(kv)
+        ptr, nbytes = self._storage(kv)
         entry = self._storages.setdefault(ptr, [0, nbytes])
         if entry[0] == 0:
             self.nbytes += nbytes
         entry[0] += delta
         if entry[0] == 0:
-            self.nbytes -= nbytes
+            self.nbytes -= entry[1]
             del self._storages[ptr]
+            self._written.pop(ptr, None)
 
     def _evictable(self, node: Node) -> bool:
         return not node.children and node.locks == 0 and node.kv is not None
@@ -281,13 +381,20 @@ class PrefixCache:
             assert node.start == node.parent.end, "a node starts where its parent ends"
             assert node.parent.children.get(node.ids[:self.block]) is node, "keyed by its first block"
             assert node.parent.kv is None or node.parent.stamp >= node.stamp, "a parent is as recent as its children"
-            ptr, nbytes = _storage(node.kv)
+            ptr, nbytes = self._storage(node.kv)
             storages[ptr] = nbytes
         assert sum(storages.values()) == self.nbytes, "nbytes counts the storages the nodes view"
         assert self.nbytes <= self.budget_bytes or not any(self._evictable(n) for n in self.nodes()), \
             "within the budget, or only locked paths are left"
         assert self.nbytes - self.pinned_bytes <= self.budget_bytes, "what running requests do not read fits"
         assert all(n.locks > 0 for n in self._locked.values()), "the locked set holds the locked nodes"
+
+
+def _unlink(merged: list[Node]) -> None:
+    """Nodes merged into another one leave the tree: their links go, so that no parent/child cycle keeps them (and
+    the tensors they view, a finished row's batch cache among them) alive until the garbage collector's next pass."""
+    for n in merged:
+        n.children, n.parent = {}, None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -189,7 +189,8 @@ class Scheduler:
         self.prefix_cache: PrefixCache | None = None
         self.prefix_cache_off = prefix_cache_unsupported(model, self.max_length) if prefix_cache_bytes > 0 else "off"
         if self.prefix_cache_off is None:
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name, block=prefix_block)
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name, block=prefix_block,
+                                            max_length=self.max_length)
         self.min_shared = prefix_block if min_shared is None else max(min_shared, prefix_block)
         self.keep_turns = keep_turns
         # A hit is read in place as shared segments (one copy for every row whose prompt starts with it) where the
@@ -308,6 +309,8 @@ class Scheduler:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
+        if self._segments_key is not None and not any(r.request.prefix_node for r in self.live_rows):
+            self._segments, self._segments_key = self.decode_attention, None  # it holds the nodes' tensors
         self._relong()
         self._forget_drafts()
         self._admit()
@@ -347,6 +350,8 @@ class Scheduler:
             self._finish_request(p.request, "abort")
         for row in self.live_rows:
             if row.request.cancelled and not row.request.done:
+                self._release(row.request)
+                self._keep_turn(row)  # what was said so far: a client that stops a reply may still go on from it
                 self._finish_request(row.request, "abort")
 
     def _leave_and_join(self) -> None:
@@ -570,8 +575,8 @@ class Scheduler:
             hit = None
             pc = self.prefix_cache
             if pc is not None and req.cache_prompt and (
-                    self.min_shared <= pc.block or pc.peek(req.prompt_ids, req.cache_salt) >= self.min_shared):
-                hit = pc.match(req.prompt_ids, req.cache_salt)
+                    self.min_shared <= pc.block or pc.peek(req.prompt_ids, self._salt(req)) >= self.min_shared):
+                hit = pc.match(req.prompt_ids, self._salt(req))
             start = hit.end if hit is not None and self.read_in_place else 0  # the cache holds the rest
             cache = make_cache(self.model, gen, 1, P - start, [0], GenerationStats())
             p = _Prefill(req, cache, start=start)
@@ -590,6 +595,17 @@ class Scheduler:
             self.prefilling.append(p)
         self.waiting.extendleft(reversed(deferred))
 
+    def _salt(self, req: Request, long: bool | None = None) -> str | None:
+        """The prefix cache's key space for a request's KV: its tenant (cache_salt) and, under longrope, the factors
+        its KV is rotated with (long: a prompt past the switch, or a row recomputed at it), since a stored block is
+        only what a prefill would compute for a prompt rotated the same way."""
+        switch = longrope_switch(self.model.config)
+        if switch is None:
+            return req.cache_salt
+        if long is None:
+            long = len(req.prompt_ids) > switch
+        return f"{req.cache_salt or ''}\x00longrope" if long else req.cache_salt
+
     def _shares_inflight_prompt(self, req: Request) -> bool:
         """Whether a prompt being prefilled (the same salt, both caching) shares at least half of what this prompt
         would prefill, and a whole block: once it is done, this one reads those tokens from the cache (a burst of
@@ -597,11 +613,11 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None or not req.cache_prompt or not self.prefilling:
             return False
-        cached = pc.peek(req.prompt_ids, req.cache_salt)
+        cached = pc.peek(req.prompt_ids, self._salt(req))
         usable = len(req.prompt_ids) - 1
         for p in self.prefilling:
             other = p.request
-            if other.cache_salt == req.cache_salt and other.cache_prompt:
+            if self._salt(other) == self._salt(req) and other.cache_prompt:
                 shared = min(common_prefix(req.prompt_ids, other.prompt_ids), usable) // pc.block * pc.block
                 if shared - cached >= self.min_shared and 2 * (shared - cached) >= usable - cached:
                     return True
@@ -732,7 +748,7 @@ class Scheduler:
         self.counters.prompt_tokens += len(req.prompt_ids)
         if self.prefix_cache is not None and req.cache_prompt:
             ids = req.prompt_ids if req.cache_limit is None else req.prompt_ids[: req.cache_limit]
-            self.prefix_cache.insert(ids, p.cache, req.cache_salt, cache_start=p.start)
+            self.prefix_cache.insert(ids, p.cache, self._salt(req), cache_start=p.start)
             # with CUDA graphs a single row keeps its prompt in its own columns: a step whose rows read cached
             # segments runs eagerly, and a prompt's own part is no one else's
             if self.read_in_place and (req.num_samples > 1 or self.graphs is None):
@@ -767,7 +783,7 @@ class Scheduler:
         assert pc is not None
         if (len(req.prompt_ids) - 1) // pc.block * pc.block - p.start < at_least:  # a match could not be long enough
             return
-        node = pc.match(req.prompt_ids, req.cache_salt, count=False)
+        node = pc.match(req.prompt_ids, self._salt(req), count=False)
         if node is None or node.end - p.start < at_least:
             return
         pc.lock(node)
@@ -850,6 +866,7 @@ class Scheduler:
         row.finish = finish
         req.emit(TokenOutput(row.sample_index, tid, text, finish, *(logprob or (None, None))))
         if finish is not None and not first and all(r.finish is not None for r in self.live_rows if r.request is req):
+            self._release(req)  # its rows read the cached path no more (they leave before the next forward)
             self._keep_turn(row)
             self._finish_request(req, finish)
 
@@ -869,7 +886,8 @@ class Scheduler:
                         req.request_id, length - lead, len(ids) - row.start)
             return
         try:
-            pc.insert_span(ids, self.cache.kv[:, :, i : i + 1, :, lead:length], req.cache_salt, row.start)
+            long = longrope_switch(self.model.config) is not None and row.history is None  # relonged, or born long
+            pc.insert_span(ids, self.cache.kv[:, :, i : i + 1, :, lead:length], self._salt(req, long), row.start)
         except Exception:  # the cache is an optimisation: its failure must not fail a request that has finished
             log.exception("request %s: keeping its turn in the prefix cache failed", req.request_id)
 
@@ -900,22 +918,21 @@ def prefix_cache_unsupported(model: Model, max_length: int | None = None) -> str
     """Why the prefix cache cannot serve this model for sequences of up to max_length positions (None: it can). A
     stored block is its tokens' KV at their positions from 0: a window on every layer (Mistral) lets a prefill cache
     drop leading columns (not where no sequence passes the window; a window on some layers only, as Gemma's, keeps
-    every column for the others), and longrope rotates a prompt by the factors its whole length picks."""
+    every column for the others). (Longrope is served: its short- and long-rotated blocks are kept apart.)"""
     window = model.config.sliding_window
     if window is not None and model.config.local_layers is None and (max_length is None or max_length > window):
         return "a sliding window on every layer (its prompt caches drop columns that left the window)"
-    if longrope_switch(model.config) is not None:
-        return "longrope (a prompt's rotation depends on its whole length)"
     return None
 
 
 def reads_in_place(model: Model, attention: str, speculative: str, max_length: int) -> bool:
     """Whether rows read prefix-cache hits in place as shared segments (else a hit is copied into the prompt's
     cache): the segment kernels merge into dense attention without soft-capping, and a segment's bias is
-    position-free (no sliding window that a sequence of max_length reaches)."""
+    position-free (no sliding window that a sequence of max_length reaches), and a longrope row is recomputed in
+    its own columns at the switch."""
     window = model.config.sliding_window
     return (attention == "dense" and speculative == "off" and model.config.attn_softcap is None
-            and (window is None or max_length <= window))
+            and (window is None or max_length <= window) and longrope_switch(model.config) is None)
 
 
 def served_attention(model: Model, cache: KVCache, attention: str, options: AttentionOptions) -> AttentionFn:

@@ -39,6 +39,22 @@ def model(chat_dir):
     return bmc.load(str(chat_dir))
 
 
+def assert_conversation_kept(chat: ChatSession, one_node: bool = True) -> None:
+    """Between turns the conversation's KV is in the prefix cache only (the batch is empty), holding every token
+    whose KV was computed: the prompt and the reply but its last token; as one node (one segment to read) where the
+    template renders the history as it was said."""
+    engine = chat.engine
+    engine.cache.check_integrity()
+    engine.prefix_cache.check_integrity()
+    assert engine.cache.batch_size == 0 and not engine.has_work()
+    said = chat.prompt_ids + chat._reply_ids
+    kept = chat.context_used - 1 if chat.last.finish_reason == "length" else chat.context_used
+    pc = engine.prefix_cache
+    assert max(pc.peek(said + [0], salt) for salt in pc.roots) == kept  # longrope: under its long rotation's key
+    if one_node:
+        assert len(pc.nodes()) == 1
+
+
 def reference(model, messages, max_new_tokens: int) -> str:
     """generate() on a conversation rendered and tokenized whole (a first turn: the same tokens as the session's)."""
     tok = model.tokenizer
@@ -66,8 +82,7 @@ def test_each_reply_equals_generate_on_the_whole_conversation(model, kv):
         assert st.generated_tokens >= 1 and st.finish_reason in ("stop", "length")
         if i:  # the earlier turns' KV was reused: only the new message (and the reply's end) was prefilled
             assert st.prefilled_tokens < st.prompt_tokens // 2, st
-        chat.cache.check_integrity()
-        assert chat.cache.length == chat.context_used
+        assert_conversation_kept(chat)
 
 
 def test_a_template_that_renders_history_differently_is_tokenized_again(tmp_path):
@@ -80,7 +95,7 @@ def test_a_template_that_renders_history_differently_is_tokenized_again(tmp_path
         tok = model.tokenizer
         assert chat.prompt_ids == tok.encode(tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True))
         assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=8)[0].text
-        chat.cache.check_integrity()
+        chat.engine.prefix_cache.check_integrity()
     assert chat.last.prefilled_tokens < chat.last.prompt_tokens  # the common prefix was still reused
 
 
@@ -89,7 +104,7 @@ def test_reset_and_a_full_context(model):
     "".join(chat.turn("hello"))
     assert chat.context_used > 0
     chat.reset()
-    assert chat.messages == [] and chat.context_used == 0 and chat.cache.length == 0
+    assert chat.messages == [] and chat.context_used == 0 and chat.engine.prefix_cache.nbytes == 0
     with pytest.raises(ContextFullError, match="/reset"):
         "".join(chat.turn("word " * 2000))
     assert chat.messages == []  # the refused message did not join the conversation
@@ -193,6 +208,7 @@ def test_longrope_conversation_switches_as_generate(tmp_path):
     for user in ["hi", "the quick brown fox", "ok"]:
         "".join(chat.turn(user))
         assert chat._reply_ids == bmc.generate(model, [chat.prompt_ids], max_new_tokens=10)[0].token_ids
-        chat.cache.check_integrity()
-        assert chat.cache.length == chat.context_used
+        assert_conversation_kept(chat, one_node=False)  # the tiny template rewrites history; two rotations
         assert len(chat.prompt_ids) > 24 or len(chat.prompt_ids) + chat.last.generated_tokens > 24
+    assert chat.engine.counters.relongs == 1  # the first reply passed the switch
+    assert chat.last.prefilled_tokens < chat.last.prompt_tokens  # later turns read the long-rotated history

@@ -156,6 +156,8 @@ def test_a_conversation_resent_whole_over_five_turns(long_dir):
         if turn:  # the earlier turns, their replies included (all but each reply's last token, never cached)
             assert req.cached_tokens == (len(history) - 11 - 1) // BLOCK * BLOCK, turn
         history += col.tokens[0]  # the assistant's reply, resent next turn
+        # the conversation is one node (one segment to read), its turns merged as each was kept
+        assert len(sched.prefix_cache.nodes()) == 1, turn
 
 
 def test_salts_never_share_and_opting_out_neither_reads_nor_writes(gqa_dir):

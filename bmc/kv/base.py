@@ -434,6 +434,8 @@ class KVCache(ABC):
         serve every later growth: each page is faulted in once per run, not once per copy (see _replace_kv)."""
         L, two, B, H, capacity, width = shape
         n = math.prod(shape)
+        if n == 0:  # no rows (an idle batch): a view of a mapping would keep all of it alive
+            return torch.empty(shape, dtype=self.format.storage, device=self.device), 0
         in_place = self.grow_in_place and self.device.type == "cpu"
         slab = max(capacity, self.max_length) if in_place else capacity
         total = L * two * B * H * slab * width
