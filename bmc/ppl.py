@@ -3,12 +3,13 @@ on the same file (the check users run on a quantized model):
 
 - the text is tokenized whole, without special tokens, and cut into chunks of `context` tokens (a partial last
   chunk is dropped); where the tokenizer adds a BOS token, it replaces each chunk's first token;
-- each chunk is one forward from an empty cache; the tokens of its second half are scored, each predicted from
-  the logits of the token before it (the first half is context only);
+- each chunk is prefilled from an empty cache (a request of the engine's step loop, `batch` chunks a step, scored
+  with prompt_logprobs); the tokens of its second half are scored, each predicted from the logits of the token
+  before it (the first half is context only);
 - PPL = exp(mean negative log-likelihood over the scored tokens), with the standard error llama.cpp prints:
   PPL * sqrt(var(NLL) / (n - 1)).
 
-Chunks are batched (`batch` chunks per forward) and reported as they finish."""
+Chunks are reported as they finish, in order."""
 from __future__ import annotations
 
 import math
@@ -18,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from .attention import dense_attention
-from .engine import GenerationConfig, GenerationStats, make_cache, prefill_attention
+from .engine import GenerationConfig
 from .errors import InvalidRequestError
 from .models import Model
+from .scheduler import Request, Scheduler, TokenOutput
 
 
 @dataclass
@@ -61,33 +62,49 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
     with_special = tok.encode("a")
     bos = with_special[0] if len(with_special) > len(tok.encode("a", add_special_tokens=False)) else None
     first = context // 2
-    dev, t0 = model.device, time.perf_counter()
+    t0 = time.perf_counter()
+    # every chunk a request of the engine's step loop: its prompt is the chunk but its last token, scored position by
+    # position (prompt_logprobs), the last token by the distribution after the prompt; `batch` chunks a step
+    engine = Scheduler(model, max_num_seqs=batch, max_num_batched_tokens=batch * context + 1, kv="upfront",
+                       kv_dtype=kv_dtype, max_length=context)
+    gen = GenerationConfig(max_new_tokens=1, kv="upfront", kv_dtype=kv_dtype)
+    requests: list[Request] = []
+    errors: dict[int, BaseException] = {}  # a chunk's failure, raised when its turn comes
+    for c in range(n_chunks):
+        chunk = ids[c * context : (c + 1) * context]
+        prompt = ([bos] + chunk[1:-1]) if bos is not None else chunk[:-1]
+        requests.append(Request(prompt, gen, lambda out, c=c: _keep_error(errors, c, out), device=model.device,
+                                prompt_logprobs=True))
+    for req in requests:
+        engine.add(req)
     nll_sum = nll_sq = 0.0
     count = 0
     running: list[float] = []
-    for c0 in range(0, n_chunks, batch):
-        b = min(batch, n_chunks - c0)
-        tokens = torch.tensor([ids[(c0 + i) * context : (c0 + i + 1) * context] for i in range(b)], device=dev)
-        targets = tokens[:, first + 1 :].clone()
-        if bos is not None:
-            tokens[:, 0] = bos
-        cache = make_cache(model, GenerationConfig(kv="upfront", kv_dtype=kv_dtype), b, context, [0] * b, GenerationStats())
-        positions = torch.arange(context, device=dev)[None].expand(b, -1)
-        cache.reserve(context, positions)
-        logits = model.net(tokens, positions, cache, prefill_attention(dense_attention, cache, context),
-                           cache.attention_bias(context), all_logits=True, prompt_len=torch.full((b,), context))
-        for i in range(b):  # one chunk's log-softmax at a time: [context/2, vocab] floats, not b of them
-            logp = torch.log_softmax(logits[i, first:-1].float(), dim=-1)
-            nll = -logp.gather(-1, targets[i, :, None])[:, 0].double()  # [context - 1 - first]
-            nll_sum += float(nll.sum())
-            nll_sq += float((nll**2).sum())
-            count += nll.shape[0]
-            running.append(math.exp(nll_sum / count))
-            if progress is not None:
-                progress(c0 + i + 1, n_chunks, running[-1])
+    for i, req in enumerate(requests):
+        while not req.done:
+            engine.step()
+        if i in errors:
+            raise errors[i]
+        assert req.next_logprobs is not None and req.prompt_logprobs is not None
+        target = ids[(i + 1) * context - 1]  # the chunk's last token: predicted after the prompt
+        nll = [-x for x in req.prompt_logprobs[first:]] + [-float(req.next_logprobs[target])]
+        nll_sum += sum(nll)
+        nll_sq += sum(x * x for x in nll)
+        count += len(nll)
+        req.prompt_logprobs = None  # the chunk's scores are summed
+        req.next_logprobs = None
+        running.append(math.exp(nll_sum / count))
+        if progress is not None:
+            progress(i + 1, n_chunks, running[-1])
     mean = nll_sum / count
     var = max(nll_sq / count - mean * mean, 0.0)
     ppl = math.exp(mean)
     return PerplexityResult(ppl=ppl, ppl_stderr=ppl * math.sqrt(var / max(count - 1, 1)), nll=mean,
                             scored_tokens=count, chunks=n_chunks, context=context,
                             seconds=time.perf_counter() - t0, chunk_ppl=running)
+
+
+def _keep_error(errors: dict[int, BaseException], chunk: int, out: TokenOutput | BaseException) -> None:
+    """A chunk's request reports its token (one, not needed) and its failure, which ends the run."""
+    if isinstance(out, BaseException):
+        errors[chunk] = out

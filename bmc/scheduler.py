@@ -87,12 +87,17 @@ class Request:
 
     def __init__(self, prompt_ids: list[int], gen: GenerationConfig, emit: Emit, *, logprobs: int | None = None,
                  request_id: str | None = None, device: torch.device | str = "cpu", cache_salt: str | None = None,
-                 cache_prompt: bool = True) -> None:
+                 cache_prompt: bool = True, prompt_logprobs: bool = False) -> None:
+        """prompt_logprobs: score the prompt (perplexity, the API's echo): `prompt_logprobs` gets each prompt token's
+        log-probability given the ones before it and `next_logprobs` the log-probabilities of the token after the
+        prompt, all computed (a prefix-cache hit would skip them: such a request reads and writes no cache)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         self.request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.prompt_ids, self.gen, self.emit, self.logprobs = prompt_ids, gen, emit, logprobs
-        self.cache_salt, self.cache_prompt = cache_salt, cache_prompt  # prefix cache: its tenant; False = opt out
+        self.cache_salt, self.cache_prompt = cache_salt, cache_prompt and not prompt_logprobs  # tenant; False = opt out
+        self.prompt_logprobs: list[float] | None = [] if prompt_logprobs else None
+        self.next_logprobs: torch.Tensor | None = None
         self.cache_limit: int | None = None  # keep at most this many prompt tokens in the prefix cache (None: all)
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
         self.prefix_node: Node | None = None  # the cached path its rows read in place (locked while it runs)
@@ -638,7 +643,7 @@ class Scheduler:
             P = len(p.request.prompt_ids)
             t = min(budget, P - p.done)
             budget -= t
-            if group and p.done == 0 and t == P and p.attention is None:
+            if group and p.done == 0 and t == P and p.attention is None and p.request.prompt_logprobs is None:
                 whole.append(p)
                 continue
             self._add_chunk(chunks, [p], lambda p=p, t=t: self._chunk_part(p, t))
@@ -700,14 +705,15 @@ class Scheduler:
         cache.reserve(t, positions)
         attention = p.attention if p.attention is not None else prefill_attention(dense_attention, cache, t)
         return StepPart(tokens, positions, cache, cache.attention_bias(t), attention,
-                        prompt_len=torch.tensor([len(p.request.prompt_ids)]))
+                        prompt_len=torch.tensor([len(p.request.prompt_ids)]),
+                        all_logits=p.request.prompt_logprobs is not None)
 
     def _forward(self, parts: list[StepPart]) -> list[torch.Tensor | BaseException]:
         """Last-token logits of every part: one fused step where the native kernel runs them all (the weights read
         once for the decode rows and the prompt chunks), else one forward each. A fused step that fails is run
         again part by part, so an error fails only the part it comes from."""
         net = self.model.net
-        if len(parts) > 1 and hasattr(net, "forward_parts"):
+        if len(parts) > 1 and hasattr(net, "forward_parts") and not any(part.all_logits for part in parts):
             try:
                 fused = net.forward_parts(parts)
             except Exception:
@@ -723,8 +729,8 @@ class Scheduler:
                     logits = self.graphs.step(part.cache, part.tokens[:, 0], part.positions[:, 0])
                 else:
                     logits = net(part.tokens, part.positions, part.cache, part.attention, part.bias,
-                                 prompt_len=part.prompt_len)
-                results.append(logits[:, -1])
+                                 prompt_len=part.prompt_len, all_logits=part.all_logits)
+                results.append(logits if part.all_logits else logits[:, -1])
             except Exception as e:
                 results.append(e)
         return results
@@ -739,6 +745,13 @@ class Scheduler:
             self._fail(req, result)
             return
         assert reserved is p.cache
+        if result.dim() == 3:  # every position's logits: the prompt scored
+            try:
+                result = self._score_prompt(p, t, result)
+            except Exception as e:
+                self.prefilling.remove(p)
+                self._fail(req, e)
+                return
         p.cache.commit(t)
         p.done += t
         self.counters.prefill_chunks += 1
@@ -772,6 +785,22 @@ class Scheduler:
             self._finish_request(req, rows[-1].finish or "stop")
         elif not req.done:
             self.joining.append((p, rows))
+
+    @staticmethod
+    def _score_prompt(p: _Prefill, t: int, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the chunk's next prompt tokens under its logits [1, t, V] (one position's
+        log-softmax row at a time would be slower; one chunk's is t * V floats); the last position's logits."""
+        req = p.request
+        assert req.prompt_logprobs is not None
+        ids, start = req.prompt_ids, p.done
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        targets = ids[start + 1 : start + t + 1]
+        if targets:
+            picked = lp[: len(targets)].gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0]
+            req.prompt_logprobs.extend(picked.double().tolist())
+        if start + t == len(ids):
+            req.next_logprobs = lp[-1].clone()
+        return logits[:, -1]
 
     def _share_prompt(self, p: _Prefill, at_least: int) -> None:
         """A prompt's rows read its blocks just cached in place instead of copies in the batch cache: its samples

@@ -137,6 +137,7 @@ class StepPart:
     bias: torch.Tensor
     attention: Any
     prompt_len: torch.Tensor | None = None  # [B]: the rows' whole prompt lengths, for a prompt chunk (longrope)
+    all_logits: bool = False  # the logits of every position (a prompt scored token by token), run as its own forward
 
     def native_ready(self) -> bool:
         """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense,
