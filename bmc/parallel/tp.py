@@ -195,8 +195,11 @@ class TensorParallelModel:
     def _call(self, cmd: str, args: Any, doing: str) -> Any:
         if not self.procs:
             raise TensorParallelError("the tensor parallel group was stopped")
-        for conn in self.conns:
-            conn.send((cmd, args))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((cmd, args))
+            except OSError as e:  # a rank that died before the call: its pipe is broken
+                raise self._stop(f"tensor parallel rank {rank} could not be sent the call ({e}) while {doing}")
         return self._collect(None, doing)[0]
 
     def _collect(self, timeout_s: float | None, doing: str) -> list[Any]:
@@ -209,11 +212,12 @@ class TensorParallelModel:
         while waiting:
             for rank in sorted(waiting):
                 conn = self.conns[rank]
-                if conn.poll(POLL_S / self.tp):
-                    try:
-                        kind, value = conn.recv()
-                    except EOFError:
-                        kind, value = "error", "its pipe closed"
+                try:
+                    ready = conn.poll(POLL_S / self.tp)
+                    kind, value = conn.recv() if ready else (None, None)
+                except (EOFError, OSError):  # closed, or reset by a rank that was killed
+                    ready, kind, value = True, "error", "its pipe closed"
+                if ready:
                     if kind == "error":
                         raise self._stop(f"tensor parallel rank {rank} failed while {doing}: {value}")
                     if kind == "invalid":
