@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from .engine import GenerationConfig, eos_ids
+from .engine_options import EngineOptions
 from .errors import InvalidRequestError
 from .kv import kv_format
 from .models import Model
@@ -82,9 +83,9 @@ class ChatSession:
         cfg, m = self.model.config, self.model
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_format(
             self.kv_dtype, m.dtype).bytes_per_value(cfg.head_dim)
-        return Scheduler(m, max_num_seqs=1, max_num_batched_tokens=PREFILL_CHUNK + 1, kv=self.kv,
-                         kv_dtype=self.kv_dtype, prefix_cache_bytes=int(per_token * (m.max_context + 64)),
-                         prefix_block=1, keep_turns=True)
+        return Scheduler(m, EngineOptions(max_num_seqs=1, max_num_batched_tokens=PREFILL_CHUNK + 1, kv=self.kv,
+                                          kv_dtype=self.kv_dtype, prefix_block=1, keep_turns=True,
+                                          prefix_cache_bytes=int(per_token * (m.max_context + 64))))
 
     @property
     def context_used(self) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from .engine import (MIN_SHARED_PREFIX, GenerationConfig, GenerationStats, TokenEvent, _pack_weights, _synchronize,
                      check_length)
+from .engine_options import EngineOptions
 from .kv import kv_format
 from .models import Model
 from .prefix_cache import common_prefix
@@ -55,12 +56,12 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_format(
             gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim)
         budget = per_token * sum(cached)
-    return Scheduler(
-        model, max_num_seqs=rows, max_num_batched_tokens=sum(len(p) for p in prompt_ids) + rows * verify_rows + 1,
+    return Scheduler(model, EngineOptions(
+        max_num_seqs=rows, max_num_batched_tokens=sum(len(p) for p in prompt_ids) + rows * verify_rows + 1,
         kv=gen.kv, r=gen.r, T=gen.T, kv_dtype=gen.kv_dtype, attention=gen.attention,
         attention_options=gen.attention_options, speculative=gen.speculative, tree=gen.tree, spec_max_tokens=None,
         spec_trim=not gen.spec_grow, prefix_cache_bytes=budget, cuda_graphs=gen.cuda_graphs, max_length=max_length,
-        prefix_block=1, min_shared=MIN_SHARED_PREFIX, keep_turns=False)
+        prefix_block=1, min_shared=MIN_SHARED_PREFIX, keep_turns=False))
 
 
 @torch.inference_mode()

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .engine import GenerationConfig
+from .engine_options import EngineOptions
 from .errors import InvalidRequestError
 from .models import Model
 from .scheduler import Request, Scheduler, TokenOutput
@@ -65,8 +66,8 @@ def perplexity(model: Model, text: str, *, context: int = 512, batch: int = 4, m
     t0 = time.perf_counter()
     # every chunk a request of the engine's step loop: its prompt is the chunk but its last token, scored position by
     # position (prompt_logprobs), the last token by the distribution after the prompt; `batch` chunks a step
-    engine = Scheduler(model, max_num_seqs=batch, max_num_batched_tokens=batch * context + 1, kv="upfront",
-                       kv_dtype=kv_dtype, max_length=context)
+    engine = Scheduler(model, EngineOptions(max_num_seqs=batch, max_num_batched_tokens=batch * context + 1,
+                                            kv="upfront", kv_dtype=kv_dtype, max_length=context))
     gen = GenerationConfig(max_new_tokens=1, kv="upfront", kv_dtype=kv_dtype)
     requests: list[Request] = []
     errors: dict[int, BaseException] = {}  # a chunk's failure, raised when its turn comes

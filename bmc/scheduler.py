@@ -29,19 +29,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .attention import ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, dense_attention
 from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
                      prefill_attention, relong)
+from .engine_options import EngineOptions
 from .errors import BmcError, InvalidRequestError
 from .graphs import DecodeGraphs
 from .kernels.native import StepPart, argmax
 from .kv import KVCache
 from .models import Model
-from .prefix_cache import BLOCK, Node, PrefixCache, common_prefix
+from .prefix_cache import Node, PrefixCache, common_prefix
 from .sampling import Sampler, SamplingError, SamplingParams
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
 from .spec.verify import sample_paths
@@ -152,64 +153,49 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, model: Model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                 max_queue: int | None = None, kv: str = "bmc", r: int | None = None, T: int | None = None,
-                 kv_dtype: str = "auto",
-                 attention: str = "dense", attention_options: AttentionOptions | None = None,
-                 speculative: str = "off", tree: str = "chain:4", spec_max_tokens: int | None = 24,
-                 prefix_cache_bytes: int = 0, cuda_graphs: bool = True, max_length: int | None = None,
-                 prefix_block: int = BLOCK, min_shared: int | None = None, spec_trim: bool = True,
-                 keep_turns: bool = True) -> None:
-        """max_length: the longest prompt + max_tokens a request may have (default: the model's context), which the
-        batch cache's T is chosen for. prefix_block: the prefix cache's block; min_shared: the fewest cached tokens a
-        prompt reads in place or waits for (default one block); keep_turns: keep finished turns (a prompt and its
-        reply) in the prefix cache for a next turn to read. spec_max_tokens: verify rows a step may hold in all
-        (None: no cap); spec_trim: trim a tree to its rows' free padding (else the cache grows for it)."""
-        if max_num_seqs < 1:
-            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens <= max_num_seqs:
-            raise InvalidRequestError(f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed max_num_seqs "
-                                      f"({max_num_seqs}): decode rows come first, prompts need the rest")
-        self.model, self.max_num_seqs, self.max_num_batched_tokens = model, max_num_seqs, max_num_batched_tokens
-        self.max_queue = max_queue
-        self.kv, self.r, self.T = kv, r, T
-        self.max_length = model.max_context if max_length is None else max_length
+    def __init__(self, model: Model, options: EngineOptions | None = None, **changes: Any) -> None:
+        """options: the engine's settings (engine_options.py), checked there; `changes` replace some of them by
+        name (Scheduler(model, max_num_seqs=4, kv="upfront"))."""
+        o = options if options is not None else EngineOptions()
+        o = o.replace(**changes) if changes else o
+        self.options = o
+        self.model, self.max_num_seqs, self.max_num_batched_tokens = model, o.max_num_seqs, o.max_num_batched_tokens
+        self.max_queue = o.max_queue
+        self.kv, self.r, self.T = o.kv, o.r, o.T
+        self.max_length = model.max_context if o.max_length is None else o.max_length
         if not 1 <= self.max_length <= model.max_context:
             raise InvalidRequestError(f"max_length must be in [1, {model.max_context}], got {self.max_length}")
         self.eos = eos_ids(model)
-        options = attention_options or AttentionOptions()
-        gen = GenerationConfig(kv=kv, r=r, T=T, kv_dtype=kv_dtype, attention=attention, attention_options=options,
-                               speculative=speculative, tree=tree)  # checks the names and the combination
+        gen = o.generation_defaults()
         # The batch cache: T chosen for a full batch at the longest context (with speculation, Eq. 9's k and m);
         # it starts with no rows.
         self.cache_stats = GenerationStats()  # how the batch cache was sized: r, T and where T came from
-        self.cache = make_cache(model, gen, max_num_seqs, self.max_length, [0] * max_num_seqs, self.cache_stats)
+        self.cache = make_cache(model, gen, o.max_num_seqs, self.max_length, [0] * o.max_num_seqs, self.cache_stats)
         self.cache.keep_spare = True  # joins and leaves copy into the last buffer (and growth too on CUDA): no fresh pages
         self.cache.regroup([])
-        self.decode_attention = served_attention(model, self.cache, attention, options)
+        self.decode_attention = served_attention(model, self.cache, o.attention, o.attention_options)
         # CUDA: the plain decode step (dense attention over the batch cache alone) captured once per capacity
         # bucket and batch, as generate() does; joins and leaves in place keep the buffers, so the graph replays
-        self.graphs = (DecodeGraphs(model, self.decode_attention) if cuda_graphs and model.device.type == "cuda"
-                       and attention == "dense" and kv in ("bmc", "upfront") else None)
+        self.graphs = (DecodeGraphs(model, self.decode_attention) if o.cuda_graphs and model.device.type == "cuda"
+                       and o.attention == "dense" and o.kv in ("bmc", "upfront") else None)
         self.prefix_cache: PrefixCache | None = None
-        self.prefix_cache_off = prefix_cache_unsupported(model, self.max_length) if prefix_cache_bytes > 0 else "off"
+        self.prefix_cache_off = (prefix_cache_unsupported(model, self.max_length) if o.prefix_cache_bytes > 0
+                                 else "off")
         if self.prefix_cache_off is None:
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, self.cache.format.name, block=prefix_block,
+            self.prefix_cache = PrefixCache(o.prefix_cache_bytes, self.cache.format.name, block=o.prefix_block,
                                             max_length=self.max_length)
-        self.min_shared = prefix_block if min_shared is None else max(min_shared, prefix_block)
-        self.keep_turns = keep_turns
+        self.min_shared = o.prefix_block if o.min_shared is None else max(o.min_shared, o.prefix_block)
+        self.keep_turns = o.keep_turns
         # A hit is read in place as shared segments (one copy for every row whose prompt starts with it) where the
         # decode attention is the dense one the segment kernels merge into; SparQ's and the speculative trees'
         # attention read the row's own cache only, and a sliding window within reach needs each column's position,
         # so there a hit is copied into the request's prompt cache.
-        self.read_in_place = reads_in_place(model, attention, speculative, self.max_length)
+        self.read_in_place = reads_in_place(model, o.attention, o.speculative, self.max_length)
         self._segments_key: tuple | None = None
         self._segments: AttentionFn = self.decode_attention
-        self.spec = served_speculation(model, speculative, tree, spec_trim)
+        self.spec = served_speculation(model, o.speculative, o.tree, o.spec_trim)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
-        if spec_max_tokens is not None and spec_max_tokens < 2:
-            raise InvalidRequestError(f"spec_max_tokens must be >= 2 (a root and one draft), got {spec_max_tokens}")
-        self.spec_max_tokens = spec_max_tokens
+        self.spec_max_tokens = o.spec_max_tokens
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []

@@ -295,3 +295,20 @@ def test_logprobs_are_the_models(gqa_dir):
     for i, o in enumerate(got):
         assert o.logprob == pytest.approx(float(lp[i, o.token_id]), abs=1e-4)
         assert [t for t, _ in o.top_logprobs] == lp[i].topk(2).indices.tolist()
+
+
+def test_engine_options_are_checked_in_one_place(gqa_dir):
+    """The engine's settings are one EngineOptions, checked when made; a scheduler takes it and changes by name."""
+    from bmc.engine_options import EngineOptions
+
+    model = bmc.load(str(gqa_dir))
+    with pytest.raises(InvalidRequestError, match="unknown engine option maxseqs"):
+        Scheduler(model, maxseqs=3)
+    with pytest.raises(InvalidRequestError, match="must exceed max_num_seqs"):
+        EngineOptions(max_num_seqs=8, max_num_batched_tokens=8)
+    with pytest.raises(InvalidRequestError, match="unknown speculative"):
+        EngineOptions(speculative="bogus")
+    with pytest.raises(InvalidRequestError, match="spec_max_tokens"):
+        EngineOptions(spec_max_tokens=1)
+    sched = Scheduler(model, EngineOptions(max_num_seqs=2, kv="upfront"), max_num_seqs=3)
+    assert (sched.options.max_num_seqs, sched.options.kv, sched.max_num_seqs) == (3, "upfront", 3)

@@ -231,6 +231,7 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(gqa_dir, monkeypatch)
     from fastapi.testclient import TestClient
 
     from bmc.scheduler import Scheduler
+    from bmc.engine_options import EngineOptions
     from bmc.server import ServeOptions, build_app
 
     real = Scheduler._chunk_part
@@ -241,7 +242,7 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(gqa_dir, monkeypatch)
         return real(self, p, t)
 
     monkeypatch.setattr(Scheduler, "_chunk_part", chunk)
-    app = build_app(ServeOptions(model=str(gqa_dir), max_num_seqs=2, max_num_batched_tokens=16))
+    app = build_app(ServeOptions(model=str(gqa_dir), engine=EngineOptions(max_num_seqs=2, max_num_batched_tokens=16)))
     with TestClient(app) as c:
         deadline = time.monotonic() + 60
         while c.get("/health").status_code != 200 and time.monotonic() < deadline:
@@ -336,6 +337,8 @@ def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, fla
 @pytest.mark.parametrize("flags, message", [(["--attention", "local"], "invalid choice"),
                                             (["--speculative", "draft:/nonexistent/x"], "does not exist"),
                                             (["--speculative", "bogus"], "unknown speculative"),
+                                            (["--max-num-seqs", "4", "--max-num-batched-tokens", "4"],
+                                             "--max-num-batched-tokens (4) must exceed --max-num-seqs (4)"),
                                             (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
                                             (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree")])
 def test_serve_refuses_what_it_does_not_serve(flags, message):

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -15,6 +15,9 @@ from ..errors import BmcError
 from ..kv import KV_STRATEGIES
 from ..server.limits import DEFAULT_MAX_BODY_BYTES
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
+
+if TYPE_CHECKING:
+    from ..engine_options import EngineOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,24 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags before anything loads: the HTTP and process flags here, the engine's through the one
+    EngineOptions they make (engine_options.py checks it)."""
     if not 0 <= args.port <= 65535:
         fail(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
-    if args.max_num_seqs < 1:
-        fail(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.max_num_batched_tokens <= args.max_num_seqs:
-        fail(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must exceed --max-num-seqs "
-             f"({args.max_num_seqs}): decode rows come first, prompts need the rest")
-    if args.max_queue is not None and args.max_queue < 0:
-        fail(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.r is not None and args.T is not None:
-        fail("give --r or --T, not both")
-    for name in ("r", "T"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1")
-    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
-        fail(f"--prefix-cache-bytes must be >= 0, got {args.prefix_cache_bytes}")
     if args.max_body_bytes < 1:
         fail(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.served_model_name is not None and not all(args.served_model_name):
@@ -111,23 +102,48 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--timeout-graceful-shutdown must be >= 0")
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         fail(f"model path does not exist: {args.model}")
-    try:
-        from ..attention import AttentionOptions, SparQOptions
-        from ..engine import GenerationConfig
-        from ..spec import parse_speculative
-
-        GenerationConfig(attention=args.attention, speculative=args.speculative, tree=args.tree,
-                         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k),
-                                                            window_k=args.window_k))
-        name, arg = parse_speculative(args.speculative) if args.speculative != "off" else ("off", None)
-    except BmcError as e:
-        fail(str(e))
-    if name == "draft" and not os.path.exists(os.path.expanduser(str(arg))):
-        fail(f"--speculative draft:PATH: the draft model path does not exist: {arg}")
-    if args.spec_max_tokens < 2:
-        fail(f"--spec-max-tokens must be >= 2 (a root and one draft), got {args.spec_max_tokens}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
         fail(f"--instances must be a number >= 1 or 'auto', got {args.instances!r}")
+    try:
+        from ..spec import parse_speculative
+
+        engine_options(args)
+        name, arg = parse_speculative(args.speculative) if args.speculative != "off" else ("off", None)
+    except BmcError as e:
+        fail(flag_names(str(e)))
+    if name == "draft" and not os.path.exists(os.path.expanduser(str(arg))):
+        fail(f"--speculative draft:PATH: the draft model path does not exist: {arg}")
+
+
+# the engine options' names as the flags spell them, for their errors
+FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+         "max_queue": "--max-queue", "spec_max_tokens": "--spec-max-tokens", "prefix_cache_bytes": "--prefix-cache-bytes",
+         "give r or T": "give --r or --T"}
+
+
+def flag_names(message: str) -> str:
+    for name, flag in FLAGS.items():
+        message = message.replace(name, flag)
+    for name in ("r", "T"):
+        if message.startswith(f"{name} must be"):
+            message = "--" + message
+    return message
+
+
+def engine_options(args: argparse.Namespace, prefix_cache_bytes: int | None = None) -> "EngineOptions":
+    """The engine's options from bmc-serve's flags (the only place they are mapped)."""
+    from ..attention import AttentionOptions, SparQOptions
+    from ..engine_options import EngineOptions
+
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = 0 if args.no_prefix_cache else (
+            args.prefix_cache_bytes if args.prefix_cache_bytes is not None else default_prefix_cache_bytes())
+    return EngineOptions(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
+        kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype, attention=args.attention,
+        attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k), window_k=args.window_k),
+        speculative=args.speculative, tree=args.tree, spec_max_tokens=args.spec_max_tokens,
+        prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=not args.no_cuda_graphs)
 
 
 def default_prefix_cache_bytes() -> int:
@@ -199,18 +215,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if bound is not None:
             logging.getLogger("bmc.serve").info("memory bound to NUMA node(s) %s", bound)
     torch.set_num_threads(args.threads or physical_cores())
-    opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
+    opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, engine=engine_options(args),
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins,
-                        max_body_bytes=args.max_body_bytes, kv=args.kv,
-                        prefix_cache_bytes=0 if args.no_prefix_cache else (
-                            args.prefix_cache_bytes if args.prefix_cache_bytes is not None
-                            else default_prefix_cache_bytes()), r=args.r, T=args.T, kv_dtype=args.kv_dtype,
-                        dtype=args.dtype,
-                        speculative=args.speculative, tree=args.tree, attention=args.attention,
-                        spec_max_tokens=args.spec_max_tokens,
-                        sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
-                        device=args.device, cuda_graphs=not args.no_cuda_graphs,
+                        max_body_bytes=args.max_body_bytes, dtype=args.dtype, device=args.device,
                         share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
                         activations=args.activations)
     app = build_app(opts)

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..attention import AttentionOptions, SparQOptions
 from ..engine import GenerationConfig
+from ..engine_options import EngineOptions
 from ..errors import InvalidRequestError
 from ..models import Model
 from ..scheduler import EngineStoppedError, QueueFullError, Scheduler, TokenOutput
@@ -44,32 +44,20 @@ from .limits import DEFAULT_MAX_BODY_BYTES
 
 @dataclass
 class ServeOptions:
+    """What bmc-serve serves: the model and how it is loaded, the HTTP side, and the engine's options (one
+    EngineOptions, checked where it is made)."""
+
     model: str | None = None  # HF directory or GGUF file; None = the embedded default model
     served_model_names: list[str] | None = None  # names clients may pass as `model`; the first is reported
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
-    max_queue: int | None = None
+    engine: EngineOptions = field(default_factory=EngineOptions)
     api_key: str | None = None
     allowed_origins: list[str] | None = None  # CORS: origins browsers may call from (None = CORS off)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    kv: str = "bmc"
-    kv_dtype: str = "auto"
-    r: int | None = None
-    T: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
     activations: str = "float"  # "int8": Q4 GEMMs on int8 activation blocks (bmc.load)
-    speculative: str = "off"  # a drafter (ngram, draft:PATH, layers:N, int8-self): verified in the padding rows
-    tree: str = "chain:4"
-    spec_max_tokens: int = 24  # verify rows per step at most
-    attention: str = "dense"  # or "sparq" / "window" (approximate decode attention)
-    sparq_r: int | None = None
-    sparq_k: int = 128
-    window_k: int = 256
-    prefix_cache_bytes: int = 0  # prompt KV kept across requests under this budget (0 = no prefix cache)
-    cuda_graphs: bool = True  # CUDA: the decode step captured once per capacity bucket and batch
 
 
 def default_served_name(path: str) -> str:
@@ -104,13 +92,8 @@ class ServerState:
             model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
                          activations=o.activations)
             self.names = list(o.served_model_names or [default_served_name(model.path)])
-            scheduler = Scheduler(model, max_num_seqs=o.max_num_seqs, max_num_batched_tokens=o.max_num_batched_tokens,
-                                  max_queue=o.max_queue, kv=o.kv, r=o.r, T=o.T, kv_dtype=o.kv_dtype, speculative=o.speculative,
-                                  tree=o.tree, spec_max_tokens=o.spec_max_tokens, attention=o.attention,
-                                  attention_options=AttentionOptions(sparq=SparQOptions(r=o.sparq_r, k=o.sparq_k),
-                                                                     window_k=o.window_k),
-                                  prefix_cache_bytes=o.prefix_cache_bytes, cuda_graphs=o.cuda_graphs)
-            if o.prefix_cache_bytes and scheduler.prefix_cache is None:
+            scheduler = Scheduler(model, o.engine)
+            if o.engine.prefix_cache_bytes and scheduler.prefix_cache is None:
                 log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)
             metrics = ServerMetrics(self.name)
             metrics.bind(lambda: scheduler.num_running, lambda: scheduler.num_waiting, lambda: scheduler.kv_bytes,
@@ -247,10 +230,11 @@ def build_app(opts: ServeOptions) -> FastAPI:
     async def serve(body: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         model, scheduler, metrics = state.require_ready()
         arrival = time.monotonic()
-        server_gen = GenerationConfig(kv=opts.kv, r=opts.r, T=opts.T, kv_dtype=opts.kv_dtype)
+        e = opts.engine
+        server_gen = GenerationConfig(kv=e.kv, r=e.r, T=e.T, kv_dtype=e.kv_dtype)
         # tokenizing (and rendering a chat template) takes ~1 ms per kB: off the event loop, so a long prompt does
         # not stall /health and the other streams' writes
-        parsed = await asyncio.to_thread(parse_request, body, model, state.names, max_num_seqs=opts.max_num_seqs,
+        parsed = await asyncio.to_thread(parse_request, body, model, state.names, max_num_seqs=e.max_num_seqs,
                                          server_gen=server_gen)
         group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
