@@ -494,13 +494,15 @@ class Scheduler:
         for i in live:
             if self._speculates(rows[i]) and not rows[i].request.sampler.params.greedy:
                 sampled.setdefault(id(rows[i].request), []).append(i)
+        probs = self._target_probs(logits, [rows[idx[0]].request for idx in sampled.values()], list(sampled.values()))
         for idx in sampled.values():
             req = rows[idx[0]].request
             try:
+                at = torch.tensor(idx, device=logits.device)
                 walked, drawn = sample_paths([nodes[i] for i in idx], [parents[i] for i in idx],
-                                             [valid[i] for i in idx],
-                                             logits.index_select(0, torch.tensor(idx, device=logits.device)),
-                                             [proposals[i].q for i in idx], req.sampler)
+                                             [valid[i] for i in idx], logits.index_select(0, at),
+                                             [proposals[i].q for i in idx], req.sampler,
+                                             probs[id(req)] if id(req) in probs else None)
             except Exception as e:
                 self._fail(req, e)
                 walked, drawn = [[0] for _ in idx], [0] * len(idx)
@@ -521,6 +523,31 @@ class Scheduler:
                 self._emit(row, tid, False, None)
                 if row.finish is not None or row.request.done:
                     break
+
+    @staticmethod
+    def _target_probs(logits: torch.Tensor, requests: list[Request], rows: list[list[int]]
+                      ) -> dict[int, torch.Tensor]:
+        """The target distribution at every verify position of each sampling request's rows, made in one
+        Sampler.probs call for all requests that sample with the same parameters (their generators differ, their
+        distributions do not); a group that fails is left to sample_paths, which fails its requests alone."""
+        groups: dict[tuple, list[int]] = {}
+        for j, req in enumerate(requests):
+            p = req.sampler.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(j)
+        out: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            idx = [i for j in members for i in rows[j]]
+            _, t, V = logits.shape
+            try:
+                picked = logits.index_select(0, torch.tensor(idx, device=logits.device)).reshape(-1, V).float()
+                probs = requests[members[0]].sampler.probs(picked).view(len(idx), t, V)
+            except Exception:
+                continue
+            at = 0
+            for j in members:
+                out[id(requests[j])] = probs[at : at + len(rows[j])]
+                at += len(rows[j])
+        return out
 
     def _forget_drafts(self) -> None:
         """Drop the drafter's state of rows that left (finished, cancelled, failed)."""

@@ -60,11 +60,14 @@ class NodeResidual:
 
 
 def sample_paths(tokens: list[list[int]], parents: list[list[int]], valid: list[list[bool]], logits: torch.Tensor,
-                 q: list[dict[int, torch.Tensor]], sampler: Sampler) -> tuple[list[list[int]], list[int]]:
+                 q: list[dict[int, torch.Tensor]], sampler: Sampler, probs: torch.Tensor | None = None
+                 ) -> tuple[list[list[int]], list[int]]:
     """Walk every row's tree by rejection sampling. logits [B, t, V]: the verify forward's logits (position 0 = the
-    root, node i = i + 1); q[b]: node index (-1 = root) -> the distribution its children were sampled from.
-    Returns per row the accepted verify positions (root first, as greedy_accept) and the next token drawn after
-    the last accepted node. Rows advance level by level so that one Sampler.probs call serves all rows."""
+    root, node i = i + 1); q[b]: node index (-1 = root) -> the distribution its children were sampled from;
+    probs: Sampler.probs of every position's logits [B, t, V] where the caller made them at once (several requests
+    with the same parameters), else made here level by level, one call for all rows. Returns per row the accepted
+    verify positions (root first, as greedy_accept) and the next token drawn after the last accepted node; every
+    draw comes from `sampler`'s generator."""
     B = len(tokens)
     children: list[dict[int, list[int]]] = []
     for par, ok in zip(parents, valid):
@@ -79,11 +82,12 @@ def sample_paths(tokens: list[list[int]], parents: list[list[int]], valid: list[
     gen = sampler.generator
     while active:
         at = torch.tensor([paths[b][-1] for b in active], device=logits.device)
-        probs = sampler.probs(logits[torch.tensor(active, device=logits.device), at].float())
+        rows = torch.tensor(active, device=logits.device)
+        level = probs[rows, at] if probs is not None else sampler.probs(logits[rows, at].float())
         still: list[int] = []
         for a, b in enumerate(active):
             cur = paths[b][-1]
-            node = NodeResidual(probs[a], q[b].get(cur - 1))
+            node = NodeResidual(level[a], q[b].get(cur - 1))
             nxt = None
             for c in children[b].get(cur, []):
                 x = tokens[b][c - 1]
