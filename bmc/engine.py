@@ -72,6 +72,11 @@ class GenerationConfig:
                                       "it does not combine with speculative decoding")
         if self.attention_options.window_k < 1:
             raise InvalidRequestError(f"window_k must be >= 1, got {self.attention_options.window_k}")
+        sparq = self.attention_options.sparq  # what needs no model (r <= head_dim is checked when it is bound)
+        if sparq.k < 1:
+            raise InvalidRequestError(f"sparq k must be >= 1, got {sparq.k}")
+        if sparq.r is not None and sparq.r < 1:
+            raise InvalidRequestError(f"sparq r must be >= 1, got {sparq.r}")
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(f"unknown kv_dtype {self.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
         if self.share_prefix not in ("auto", "off"):

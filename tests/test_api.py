@@ -167,6 +167,7 @@ BAD_REQUESTS = [
     (dict(max_new_tokens=500), "context"),
     (dict(stop=[""]), "stop strings must be non-empty"),
     (dict(attention="window", window_k=0), "window_k must be >= 1"),
+    (dict(attention="sparq", sparq_k=0), "sparq k must be >= 1"),
 ]
 
 

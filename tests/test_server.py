@@ -337,6 +337,7 @@ def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, fla
 @pytest.mark.parametrize("flags, message", [(["--attention", "local"], "invalid choice"),
                                             (["--speculative", "draft:/nonexistent/x"], "does not exist"),
                                             (["--speculative", "bogus"], "unknown speculative"),
+                                            (["--attention", "sparq", "--sparq-k", "0"], "sparq k must be >= 1"),
                                             (["--max-num-seqs", "4", "--max-num-batched-tokens", "4"],
                                              "--max-num-batched-tokens (4) must exceed --max-num-seqs (4)"),
                                             (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
