@@ -287,3 +287,17 @@ def test_real_gemma3_270m_matches_hf(tmp_path_factory):
 
     got = bmc.generate(model, prompts, max_new_tokens=12, ignore_eos=True)
     assert [c.token_ids for c in got] == hf_greedy(ref, prompts, 12)
+    # served with the prefix cache: prompts sharing a prefix past the window read it from the cache (copied in,
+    # the window on five layers in six) and give generate()'s tokens alone
+    from bmc.scheduler import Scheduler
+
+    from .test_scheduler import alone, drive, request
+
+    asks = [long + model.tokenizer.encode(f" question {q}: which item follows {q * 7}?", add_special_tokens=False)
+            for q in range(3)]
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=256, prefix_cache_bytes=1 << 30)
+    reqs = [request(p, 8) for p in asks]
+    drive(sched, {0: [reqs[0][0]], 4: [reqs[1][0]], 6: [reqs[2][0]]}, collectors=[c for _, c in reqs])
+    for (_, col), p in zip(reqs, asks):
+        assert col.tokens == {0: alone(model, p, 8)}
+    assert sched.counters.cached_prompt_tokens >= 2 * (len(long) // 16 * 16 - 16)
