@@ -148,6 +148,7 @@ class SchedulerCounters:
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
     relongs: int = 0  # rows whose KV was recomputed at longrope's switch
+    draft_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
@@ -467,7 +468,13 @@ class Scheduler:
         specs = [spec.spec.capped(min(r.request.gen.max_new_tokens - r.count, switch - r.pos if r.history is not None
                                       else r.request.gen.max_new_tokens) - 1) if self._speculates(r) else None
                  for r in rows]
-        tree, proposals, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
+        try:
+            tree, proposals, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
+        except Exception:  # a drafter that fails (a draft model's forward) costs speed, never a request: any
+            # proposal verifies to the same tokens, so this step decodes plainly
+            log.exception("the drafter failed; this step decodes without drafts")
+            self.counters.draft_failures += 1
+            return None
         share = self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1)
         if self.spec_max_tokens is not None:
             share = min(share, self.spec_max_tokens)

@@ -145,3 +145,28 @@ def test_what_is_not_served_is_refused_by_name(gqa_dir, kw, message):
     model = bmc.load(str(gqa_dir))
     with pytest.raises((InvalidRequestError, ModelLoadError), match=message):
         Scheduler(model, **kw)
+
+
+def test_a_failing_drafter_costs_drafts_not_requests(gqa_dir, monkeypatch):
+    """A draft model's forward that raises (out of memory, say) fails no request and stops no engine: those steps
+    decode without drafts, and every request still gets plain greedy generate()'s tokens."""
+    model = bmc.load(str(gqa_dir))
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=64, r=4, speculative="layers:1",
+                      tree="chain:3")
+    drafter = sched.spec.drafter
+    real = drafter.propose_batch
+    calls = []
+
+    def flaky(rows, specs):
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError("draft forward failed")
+        return real(rows, specs)
+
+    monkeypatch.setattr(drafter, "propose_batch", flaky)
+    reqs = [request(p, n) for p, n in zip(LOOPING[:3], [12, 9, 10])]
+    drive(sched, {0: [reqs[0][0]], 2: [reqs[1][0]], 5: [reqs[2][0]]}, collectors=[c for _, c in reqs])
+    for (req, col), p, n in zip(reqs, LOOPING, [12, 9, 10]):
+        assert col.error is None and col.tokens == {0: alone(model, p, n)}
+    assert sched.counters.draft_failures > 0 and sched.spec.stats.verify_steps > 0
+    assert_idle(sched)
