@@ -22,10 +22,9 @@ from typing import Iterator
 
 import torch
 
-from .engine import GenerationConfig, eos_ids
+from .engine import GenerationConfig, eos_ids, kv_bytes_per_token
 from .engine_options import EngineOptions
 from .errors import InvalidRequestError
-from .kv import kv_format
 from .models import Model
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, TokenOutput
@@ -80,9 +79,8 @@ class ChatSession:
     def _new_engine(self) -> Scheduler:
         """One row, prompts prefilled PREFILL_CHUNK tokens a step, and a prefix cache that can hold the model's
         whole context once (blocks of one token: every token of a turn is kept)."""
-        cfg, m = self.model.config, self.model
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_format(
-            self.kv_dtype, m.dtype).bytes_per_value(cfg.head_dim)
+        m = self.model
+        per_token = kv_bytes_per_token(m, self.kv_dtype)
         return Scheduler(m, EngineOptions(max_num_seqs=1, max_num_batched_tokens=PREFILL_CHUNK + 1, kv=self.kv,
                                           kv_dtype=self.kv_dtype, prefix_block=1, keep_turns=True,
                                           prefix_cache_bytes=int(per_token * (m.max_context + 64))))

@@ -343,13 +343,18 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_bytes_per_token(model: Model, kv_dtype: str = "auto") -> float:
+    """Bytes one token's K and V take over every layer, stored as kv_dtype (int8: its scales included)."""
+    cfg = model.config
+    return (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+            * kv_format(kv_dtype, model.dtype).bytes_per_value(cfg.head_dim))
+
+
 def check_kv_fits(model: Model, rows: int, max_length: int, kv_dtype: str = "auto") -> None:
     """Refuse a run whose KV cache alone (rows x max_length positions, stored as kv_dtype) exceeds the device's
     memory, before any allocation: an absurd num_samples or batch gets a clear error instead of an allocator failure
     or the OOM killer."""
-    cfg = model.config
-    need = (2 * cfg.num_layers * rows * cfg.num_kv_heads * max_length * cfg.head_dim
-            * kv_format(kv_dtype, model.dtype).bytes_per_value(cfg.head_dim))
+    need = rows * max_length * kv_bytes_per_token(model, kv_dtype)
     have = device_memory_bytes(model.device)
     if need > have:
         raise InvalidRequestError(f"{rows} rows of {max_length} positions need {need / 2**30:.1f} GiB of KV cache; "

@@ -19,9 +19,8 @@ from typing import Iterator
 import torch
 
 from .engine import (MIN_SHARED_PREFIX, GenerationConfig, GenerationStats, TokenEvent, _pack_weights, _synchronize,
-                     check_length)
+                     check_length, kv_bytes_per_token)
 from .engine_options import EngineOptions
-from .kv import kv_format
 from .models import Model
 from .prefix_cache import common_prefix
 from .scheduler import Request, Scheduler, TokenOutput, prefix_cache_unsupported, reads_in_place
@@ -52,10 +51,7 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
     verify_rows = 1 + (TreeSpec.parse(gen.tree).size if gen.speculative != "off" else 0)  # a root and its tree
     budget = 0
     if gen.share_prefix == "auto" and any(cached) and prefix_cache_unsupported(model, max_length) is None:
-        cfg = model.config
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_format(
-            gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim)
-        budget = per_token * sum(cached)
+        budget = int(kv_bytes_per_token(model, gen.kv_dtype) * sum(cached))
     return Scheduler(model, EngineOptions(
         max_num_seqs=rows, max_num_batched_tokens=sum(len(p) for p in prompt_ids) + rows * verify_rows + 1,
         kv=gen.kv, r=gen.r, T=gen.T, kv_dtype=gen.kv_dtype, attention=gen.attention,
