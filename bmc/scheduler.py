@@ -295,9 +295,7 @@ class Scheduler:
     # ---- the engine thread ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
+        self._intake()
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
@@ -329,6 +327,13 @@ class Scheduler:
         self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
                           "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),
                           "columns": self.cache.length}
+
+    def _intake(self) -> None:
+        """The requests added since the last step join the waiting queue (at a step boundary, so a step sees one
+        set of requests; a tensor-parallel leader also hands them to its followers here: parallel/serve.py)."""
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:

@@ -341,13 +341,19 @@ def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, fla
                                             (["--max-num-seqs", "4", "--max-num-batched-tokens", "4"],
                                              "--max-num-batched-tokens (4) must exceed --max-num-seqs (4)"),
                                             (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
-                                            (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree")])
-def test_serve_refuses_what_it_does_not_serve(flags, message):
-    import subprocess
-    import sys
+                                            (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree"),
+                                            (["--tp", "0"], "--tp must be in [1, "),
+                                            (["--tp", "2", "--instances", "2"], "--tp with --instances is not built"),
+                                            (["--tp", "2", "--quant", "q8_0"], "not sharded yet"),
+                                            (["--tp", "2", "--activations", "int8"], "not sharded yet")])
+def test_serve_refuses_what_it_does_not_serve(flags, message, capsys):
+    """Refused before anything loads, with exit code 2 (the CLI's own main, in this process: no server starts)."""
+    from bmc.cli.serve import main
 
-    proc = subprocess.run([sys.executable, "-m", "bmc.cli.serve", *flags], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
 
 
 def test_int8_kv_server_streams_equal_generate_alone(tiny_dir, model):

@@ -89,6 +89,24 @@ def test_tp2_equals_one_process(pair):
         one, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)]
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa"])
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_equals_one_gpu(tiny_dirs, variant, cuda_graphs):
+    """NCCL ranks on two GPUs, decode steps captured in graphs (collectives inside) or eager: one GPU's tokens."""
+    path = str(tiny_dirs[variant])
+    one, tp = bmc.load(path, quant="none", device="cuda"), bmc.load(path, tp=2, device="cuda")
+    try:
+        for kw in (dict(kv="bmc"), dict(kv="upfront"), dict(kv="bmc", speculative="ngram", tree="chain:3"),
+                   dict(num_samples=2)):
+            want = bmc.generate(one, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=cuda_graphs, **kw)
+            got = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=cuda_graphs, **kw)
+            assert [c.token_ids for c in got] == [c.token_ids for c in want], kw
+    finally:
+        tp.close()
+
+
 def test_refused_request_leaves_the_group_up(gqa_dir):
     tp = bmc.load(str(gqa_dir), tp=2)
     try:
@@ -148,3 +166,87 @@ def test_bmc_generate_tp_flag(gqa_dir):
         return done.stdout
 
     assert run("--tp", "2") == run()
+
+
+def _follower_pids(pid: int) -> list[int]:
+    """The spawned rank processes among a process's children (not multiprocessing's resource tracker)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    if b"spawn_main" in c.read():
+                        out.append(int(child))
+    return out
+
+
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+DEVICES = ["cpu", pytest.param("cuda", marks=TWO_GPUS)]
+
+
+@pytest.mark.parametrize("flags", [[], pytest.param(["--no-cuda-graphs"], marks=TWO_GPUS)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_bmc_serve_tp2_equals_generate_alone(gqa_dir, device, flags):
+    """bmc-serve --tp 2 (gloo CPU ranks, or NCCL over two GPUs, graphs on and off): concurrent greedy and seeded
+    requests (n=2), prefix-cache hits and a cancelled stream give what generate() gives each alone in one process;
+    killing a follower rank stops the engine: the request in flight gets an error and the server exits non-zero,
+    naming the rank."""
+    import concurrent.futures
+
+    import httpx
+
+    from .serving import ServerProcess
+
+    if flags and device == "cpu":
+        pytest.skip("graphs are CUDA's")
+    shared = list(range(60, 100))  # 40 tokens: two prefix-cache blocks
+    prompts = [shared + [5, 17, 33], shared + [40, 41], PROMPTS[0], shared + [5, 17, 33]]
+    one = bmc.load(str(gqa_dir), quant="none", device=device)
+    srv = ServerProcess(["--model", str(gqa_dir), "--tp", "2", "--device", device, "--no-weights-cache",
+                         "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--prefix-cache-bytes",
+                         str(1 << 22), *flags])
+    try:
+        def complete(ids: list[int], **kw) -> list[str]:
+            body = {"prompt": ids, "max_tokens": 10, "ignore_eos": True, "temperature": 0, **kw}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+        def tokens(ids: list[int], **kw) -> list[str]:
+            return [c.text for c in bmc.generate(one, [ids], max_new_tokens=10, ignore_eos=True, **kw)]
+
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": shared, "max_tokens": 80, "stream": True,
+                                "ignore_eos": True}) as cancelled:
+            next(cancelled.iter_lines())  # running: its rows leave at a step boundary on both ranks
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            greedy = [pool.submit(complete, p) for p in prompts[:3]]
+            sampled = pool.submit(complete, prompts[0], temperature=0.8, seed=5, n=2)
+            assert [f.result(timeout=180) for f in greedy] == [tokens(p) for p in prompts[:3]]
+            assert sampled.result(timeout=180) == tokens(prompts[0], temperature=0.8, seed=5, num_samples=2)
+        assert complete(prompts[3]) == tokens(prompts[3])  # the whole shared prefix read from the cache
+        assert srv.metric("bmc:prefix_cache_hits_total") >= len(shared)
+
+        followers = _follower_pids(srv.proc.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}, timeout=120)
+        assert r.status_code >= 500
+        assert srv.proc.wait(60) != 0
+        assert "rank 1" in srv.output()
+    finally:
+        srv.stop()
+
+
+def test_served_prefix_cache_needs_even_kv_heads():
+    """A rank's cached bytes decide its evictions: the prefix cache is served where every rank holds as many KV heads
+    (divided evenly, or replicated), and off where they differ (3 KV heads over 2 ranks)."""
+    from types import SimpleNamespace
+
+    from bmc.engine_options import EngineOptions
+    from bmc.parallel.serve import even_prefix_cache
+
+    on = EngineOptions(prefix_cache_bytes=1 << 20)
+    for heads, kv_heads, world, kept in ((8, 4, 2, True), (8, 1, 2, True), (6, 3, 2, False), (8, 2, 4, True)):
+        got = even_prefix_cache(SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), world, on)
+        assert (got.prefix_cache_bytes == on.prefix_cache_bytes) == kept, (heads, kv_heads, world)

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
     add_load_arguments(p)
     add_kv_dtype_argument(p)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over this many ranks (processes; GPUs with --device cuda): this process "
+                   "is rank 0 and schedules, the others follow it step by step; float weights (--quant none) on the "
+                   "PyTorch path; --threads is per rank (default: the physical cores split between the ranks)")
     p.add_argument("--cpus", help="CPUs to run on, e.g. 0-7; with --instances K, K sets split by '|', e.g. "
                    "'0-7|8-15' (default: the physical cores split evenly, hyper-thread siblings left out)")
     p.add_argument("--kv", default="bmc", choices=list(KV_STRATEGIES), help="KV cache strategy (default bmc)")
@@ -102,6 +106,16 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--timeout-graceful-shutdown must be >= 0")
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         fail(f"model path does not exist: {args.model}")
+    if not 1 <= args.tp <= MAX_THREADS:
+        fail(f"--tp must be in [1, {MAX_THREADS}], got {args.tp}")
+    if args.tp > 1:
+        if args.instances != "1":
+            fail("--tp with --instances is not built: run one tensor-parallel engine (--instances 1)")
+        if args.quant not in ("auto", "none") or args.activations != "float":
+            fail("--tp loads float weights and activations: quantized weights (--quant) and --activations int8 "
+                 "are not sharded yet")
+        if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+            fail(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; torch sees {torch.cuda.device_count()}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
         fail(f"--instances must be a number >= 1 or 'auto', got {args.instances!r}")
     try:
@@ -214,12 +228,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         bound = bind_memory_to(cpus)  # several NUMA nodes: memory beside the cores
         if bound is not None:
             logging.getLogger("bmc.serve").info("memory bound to NUMA node(s) %s", bound)
-    torch.set_num_threads(args.threads or physical_cores())
+    torch.set_num_threads(args.threads or max(1, physical_cores() // args.tp))
     opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, engine=engine_options(args),
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins,
                         max_body_bytes=args.max_body_bytes, dtype=args.dtype, device=args.device,
-                        share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
-                        activations=args.activations)
+                        share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,
+                        quant=args.quant, activations=args.activations, tp=args.tp)
     app = build_app(opts)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown))

@@ -58,6 +58,7 @@ class ServeOptions:
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
     activations: str = "float"  # "int8": Q4 GEMMs on int8 activation blocks (bmc.load)
+    tp: int = 1  # tensor parallel ranks: this process is rank 0 and runs the scheduler (parallel/serve.py)
 
 
 def default_served_name(path: str) -> str:
@@ -89,10 +90,15 @@ class ServerState:
 
         try:
             o = self.opts
-            model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
-                         activations=o.activations)
+            if o.tp > 1:
+                from ..parallel.serve import load_served
+
+                model, scheduler = load_served(o.model, o.tp, dtype=o.dtype, device=o.device, options=o.engine)
+            else:
+                model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
+                             activations=o.activations)
+                scheduler = Scheduler(model, o.engine)
             self.names = list(o.served_model_names or [default_served_name(model.path)])
-            scheduler = Scheduler(model, o.engine)
             if o.engine.prefix_cache_bytes and scheduler.prefix_cache is None:
                 log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)
             metrics = ServerMetrics(self.name)
@@ -136,6 +142,9 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        close_ranks = getattr(self.scheduler, "close_ranks", None)  # tensor parallel: the other ranks stop too
+        if close_ranks is not None:
+            close_ranks()
 
 
 async def client_gone(request: Request) -> None:
