@@ -29,44 +29,53 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.write_at: torch.Tensor | None = None  # the device index every captured step writes its K/V column at
+        self.captured_attention: AttentionFn | None = None  # what the graph reads (kept alive with it)
 
-    def step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor,
+             attention: AttentionFn | None = None) -> torch.Tensor:
         """One decode step (the cache has reserved its column): logits [B, 1, V]. Replays the bucket's graph, or
         runs the step eagerly (capturing a graph for the bucket when enough steps remain in it). The cache's
         write_at is this object's index tensor during the step only, so an eager step between two replays (the
-        scheduler's, with shared segments) writes at its Python column."""
+        scheduler's, with shared segments) writes at its Python column. attention: this step's (default: the
+        one given at construction); another one is another graph (the scheduler's segments: their tensors are
+        read in place, so the graph holds the attention, and with it them, until drop())."""
         if self.write_at is None:
             self.write_at = torch.zeros(1, dtype=torch.long, device=cache.device)
         cache.write_at = self.write_at
         try:
-            return self._step(cache, tok, pos)
+            return self._step(cache, tok, pos, self.attention if attention is None else attention)
         finally:
             cache.write_at = None
 
-    def _step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def drop(self) -> None:
+        """Forget the graph (and the attention it reads, with its tensors)."""
+        self.key, self.graph, self.captured_attention = None, None, None
+
+    def _step(self, cache: KVCache, tok: torch.Tensor, pos: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         assert cache.write_at is not None
         cache.write_at.fill_(cache.length)
-        key = (cache.kv.data_ptr(), cache.bias.data_ptr(), tok.shape[0], cache.capacity)
-        if key == self.key:
+        key = (cache.kv.data_ptr(), cache.bias.data_ptr(), tok.shape[0], cache.capacity, id(attention))
+        if key == self.key and attention is self.captured_attention:
             self.tok.copy_(tok[:, None])
             self.pos.copy_(pos[:, None])
             self.graph.replay()
             self.replays += 1
             return self.logits
-        self.key, self.graph = None, None  # the old bucket's graph is done: its private memory pool goes with it
+        self.drop()  # the old bucket's graph is done: its private memory pool goes with it
         tok_in, pos_in = tok[:, None].clone(), pos[:, None].clone()
         if cache.capacity - cache.length < MIN_BUCKET_STEPS:
-            return self.model.net(tok_in, pos_in, cache, self.attention, cache.bias)
+            return self.model.net(tok_in, pos_in, cache, attention, cache.bias)
         # the eager step on a side stream is also the warm-up capture needs; its logits are this step's result
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self.model.net(tok_in, pos_in, cache, self.attention, cache.bias)
+            logits = self.model.net(tok_in, pos_in, cache, attention, cache.bias)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # recorded, not run (the K/V written above stay as they are); a private memory pool, freed with the graph
         with torch.cuda.graph(graph):
-            self.logits = self.model.net(tok_in, pos_in, cache, self.attention, cache.bias)
+            self.logits = self.model.net(tok_in, pos_in, cache, attention, cache.bias)
         self.tok, self.pos, self.graph, self.key = tok_in, pos_in, graph, key
+        self.captured_attention = attention
         self.captures += 1
         return logits

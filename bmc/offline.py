@@ -127,7 +127,9 @@ def finish_stats(stats: GenerationStats, model: Model, engine: Scheduler, rows: 
         stats.attention_dense_transfers = attention.dense_transfers
     graphs = engine.graphs
     if graphs is not None:
-        stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
+        every = [graphs] + ([engine.segment_graphs] if engine.segment_graphs is not None else [])
+        stats.cuda_graph_captures = sum(g.captures for g in every)
+        stats.cuda_graph_replays = sum(g.replays for g in every)
     native = model.net.native_decoder() is not None
     stats.decode_kernel = ("cuda-graphs" if graphs is not None and graphs.replays else "native-cpu" if native
                            else "torch")

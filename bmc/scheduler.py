@@ -55,6 +55,7 @@ log = logging.getLogger("bmc")
 # would widen the right-aligned batch for every row, while a short one costs a segment of its own in every step
 # (a closed loop of 8 random 128-token prompts ran 1.06x slower whole-process with every prompt read in place)
 OWN_PROMPT_IN_PLACE = 512
+SEGMENT_GRAPH_AFTER = 4  # eager steps on one set of segments before its decode step is captured (CUDA)
 
 
 class QueueFullError(BmcError):
@@ -194,6 +195,10 @@ class Scheduler:
         self.read_in_place = reads_in_place(model, o.attention, o.speculative, self.max_length)
         self._segments_key: tuple | None = None
         self._segments: AttentionFn = self.decode_attention
+        self._segments_age = 0  # decode steps the current segments attention has run (a graph pays once it lasts)
+        # CUDA: steps whose rows read cached segments get graphs of their own (the plain step's graph stays beside)
+        self.segment_graphs = DecodeGraphs(model, self.decode_attention) if (
+            self.graphs is not None and self.read_in_place) else None
         self.spec = served_speculation(model, o.speculative, o.tree, o.spec_trim)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         self.spec_max_tokens = o.spec_max_tokens
@@ -301,6 +306,8 @@ class Scheduler:
         self._leave_and_join()
         if self._segments_key is not None and not any(r.request.prefix_node for r in self.live_rows):
             self._segments, self._segments_key = self.decode_attention, None  # it holds the nodes' tensors
+            if self.segment_graphs is not None:
+                self.segment_graphs.drop()
         self._relong()
         self._forget_drafts()
         self._admit()
@@ -436,7 +443,10 @@ class Scheduler:
                     readers.setdefault(id(seg), (seg, [-1] * len(nodes)))[1][b] = 0
             segments = [(seg.kv, seg.bias(self.cache.dtype), group) for seg, group in readers.values()]
             self._segments = SharedPrefix.of_segments(segments, read=self.cache.read).attention  # type: ignore
-            self._segments_key = key
+            self._segments_key, self._segments_age = key, 0
+            if self.segment_graphs is not None:  # its graph reads the old segments: let them go
+                self.segment_graphs.drop()
+        self._segments_age += 1
         return self._segments
 
     @property
@@ -749,9 +759,9 @@ class Scheduler:
         results: list[torch.Tensor | BaseException] = []
         for part in parts:
             try:
-                if (self.graphs is not None and part.cache is self.cache and part.attention is self.decode_attention
-                        and part.tokens.shape[1] == 1):
-                    logits = self.graphs.step(part.cache, part.tokens[:, 0], part.positions[:, 0])
+                graphs = self._graphs_for(part)
+                if graphs is not None:
+                    logits = graphs.step(part.cache, part.tokens[:, 0], part.positions[:, 0], part.attention)
                 else:
                     logits = net(part.tokens, part.positions, part.cache, part.attention, part.bias,
                                  prompt_len=part.prompt_len, all_logits=part.all_logits)
@@ -759,6 +769,19 @@ class Scheduler:
             except Exception as e:
                 results.append(e)
         return results
+
+    def _graphs_for(self, part: StepPart) -> DecodeGraphs | None:
+        """The graphs that run this part: the batch's decode step over its own cache, or over cached segments once
+        the same rows have read the same segments for SEGMENT_GRAPH_AFTER steps (a join or leave of a reader
+        changes them, and a capture costs a few steps); None: eager."""
+        if self.graphs is None or part.cache is not self.cache or part.tokens.shape[1] != 1:
+            return None
+        if part.attention is self.decode_attention:
+            return self.graphs
+        if (self.segment_graphs is not None and part.attention is self._segments
+                and self._segments_age > SEGMENT_GRAPH_AFTER):
+            return self.segment_graphs
+        return None
 
     def _finish_chunk(self, p: _Prefill, t: int, result: torch.Tensor | BaseException,
                       reserved: KVCache | None = None) -> None:
@@ -787,8 +810,8 @@ class Scheduler:
         if self.prefix_cache is not None and req.cache_prompt:
             ids = req.prompt_ids if req.cache_limit is None else req.prompt_ids[: req.cache_limit]
             self.prefix_cache.insert(ids, p.cache, self._salt(req), cache_start=p.start)
-            # with CUDA graphs a single row keeps its prompt in its own columns: a step whose rows read cached
-            # segments runs eagerly, and a prompt's own part is no one else's
+            # with CUDA graphs a single row keeps its prompt in its own columns: a prompt's own part is no one
+            # else's, and as a segment it would make the row's every step a segment step, whose graph a join redoes
             if self.read_in_place and (req.num_samples > 1 or self.graphs is None):
                 self._share_prompt(p, OWN_PROMPT_IN_PLACE if req.num_samples == 1 else self.prefix_cache.block)
         n = req.num_samples

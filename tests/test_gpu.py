@@ -221,6 +221,36 @@ def test_cuda_served_graphs_and_cached_prefixes_equal_generate_alone(tiny_dirs, 
         assert sched.counters.cached_prompt_tokens > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cuda_segment_steps_are_graphed_and_equal_generate_alone(tiny_dirs, kv_dtype):
+    """Rows that read a cached system prompt in place (shared segments) decode on a graph of their own once the same
+    rows have read the same segments for a few steps; the plain step's graph stays beside it. Tokens equal
+    generate() alone."""
+    from bmc.engine import GenerationConfig
+    from bmc.scheduler import Request, Scheduler
+
+    gpu = bmc.load(str(tiny_dirs["llama-gqa"]), device="cuda")
+    system = [(7 * i + 3) % 300 + 5 for i in range(48)]
+    prompts = [system + [11, 12]] + [system + p for p in PROMPTS]
+    sched = Scheduler(gpu, max_num_seqs=4, max_num_batched_tokens=96, T=1, prefix_cache_bytes=64 << 20,
+                      kv_dtype=kv_dtype)
+    got: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):  # the first alone (it caches the system prompt), then the rest together
+        sched.add(Request(p, GenerationConfig(max_new_tokens=4 if i == 0 else 40, ignore_eos=True),
+                          lambda o, i=i: got.setdefault(i, []).append(o.token_id), device="cuda"))
+        while i == 0 and sched.has_work():
+            sched.step()
+    while sched.has_work():
+        sched.step()
+        sched.cache.check_integrity()
+        sched.prefix_cache.check_integrity()
+    for i, p in enumerate(prompts):
+        want = bmc.generate(gpu, [p], max_new_tokens=4 if i == 0 else 40, ignore_eos=True, kv_dtype=kv_dtype)
+        assert got[i] == want[0].token_ids, i
+    assert sched.counters.cached_prompt_tokens >= len(system) * len(PROMPTS)
+    assert sched.segment_graphs is not None and sched.segment_graphs.replays > 0
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3"])
 def test_cuda_other_families_match_cpu(tmp_path, family):
     """Qwen2 (biases), Qwen3 (q/k norms, head_dim apart), Phi-3 (fused projections, longrope) and Gemma 1-3 (soft-caps,
