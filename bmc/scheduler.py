@@ -387,14 +387,19 @@ class Scheduler:
                 self.rows[slot] = row
             self.counters.joins_in_place += 1
         live = [i for i, r in enumerate(self.rows) if r is not None]
-        idle_slots = len(live) < len(self.rows) and not (self.waiting or self.prefilling)
+        # retired slots cost a step little (no columns read, and a GEMM row is cheap beside the weights' reads):
+        # the batch shrinks once half of it is idle, so a draining batch copies itself a few times, not per leave
+        idle_slots = len(live) <= len(self.rows) // 2 and not (self.waiting or self.prefilling)
         at_boundary = (cache.length + 1 > cache.capacity and bool(live)
                        and int(cache.left_pad.index_select(0, torch.tensor(live, device=cache.device)).min()) > 0)
         if not (overflow or idle_slots or at_boundary):
             return
+        self.counters.regroups += 1
+        if not (overflow or idle_slots):  # the compaction alone: retired slots stay for the requests on their way,
+            cache.regroup(range(len(self.rows)))  # and every row keeps its slot (moved in place on a CPU)
+            return
         # the prompt's KV, one copy per sample still running (only its columns after what is read in place)
         cache.regroup(live, [(p.cache, [0] * len(rows)) for p, rows in overflow])
-        self.counters.regroups += 1
         self.rows = [self.rows[i] for i in live] + [row for _, rows in overflow for row in rows]
 
     def _relong(self) -> None:

@@ -493,6 +493,44 @@ def test_reorder_of_a_cache_growing_in_place_keeps_its_room():
     assert cache.kv.untyped_storage().data_ptr() == at  # grew in place after the reorder
 
 
+@pytest.mark.parametrize("pads", [[4, 0, 2], [9, 9, 9], [1, 1, 1]])
+def test_compaction_of_a_cache_growing_in_place_moves_rows_within_their_slabs(pads):
+    """A regroup that keeps every row in its slot and joins none (the served batch's compaction) moves each row's
+    columns within its own slab: the same storage, no spare kept (an older one released), every row reads what it
+    read, a retired row stays retired, and writes go on. Leading dead columns short of, equal to and beyond the
+    kept width (overlapping and disjoint moves)."""
+    cache = BMCCache(r=4, batch_size=3, max_length=45, **SHAPE)
+    cache.grow_in_place = cache.keep_spare = True
+    fill(cache, steps=6, first=12)
+    cache.reorder(torch.tensor([0, 1, 2]))  # a copy: the first mapping becomes the spare
+    assert cache.spare is not None
+    cache.left_pad = torch.tensor(pads)  # rows hide their leading columns (read in place elsewhere)
+    cache._max_pad = max(pads)
+    for b, pad in enumerate(pads):
+        cache.bias[b, ..., :pad] = cache.min_value
+    cache.retire([1]) if pads[0] == 4 else None
+    before, at = visible_rows(cache), cache.kv.untyped_storage().data_ptr()
+    cache.regroup(range(3))
+    cache.check_integrity()
+    assert cache.kv.untyped_storage().data_ptr() == at and cache.spare is None and cache.spare_nbytes == 0
+    assert cache.length == 18 - min(p for b, p in enumerate(pads) if not (pads[0] == 4 and b == 1))
+    for got, want in zip(visible_rows(cache), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    fill(cache, steps=5, first=1)
+    assert cache.kv.untyped_storage().data_ptr() == at
+
+
+def test_a_draining_batch_keeps_no_spare():
+    """Fewer rows after a copy (the batch draining): the old, larger storage is let go, not kept as a spare."""
+    cache = BMCCache(r=4, batch_size=3, max_length=45, **SHAPE)
+    cache.grow_in_place = cache.keep_spare = True
+    fill(cache, steps=6)
+    cache.regroup([0, 2])
+    assert cache.batch_size == 2 and cache.spare is None
+    cache.regroup([0, 1], [cache])  # more rows again: the old storage is the spare for the next copy
+    assert cache.batch_size == 4 and cache.spare is not None
+
+
 def test_growth_in_place_falls_back_to_copies_without_address_space(monkeypatch):
     """Where the reservation is refused (strict overcommit: empty_mapped gives only the tensor's own size), the
     tensor is contiguous and every growth copies, as before: same contents, integrity holds."""

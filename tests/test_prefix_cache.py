@@ -160,6 +160,43 @@ def test_a_conversation_resent_whole_over_five_turns(long_dir):
         assert len(sched.prefix_cache.nodes()) == 1, turn
 
 
+@pytest.fixture(scope="module")
+def context_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("llama-1k"), "gqa", max_pos=1024)
+
+
+def test_a_shared_system_prompt_holds_one_copy_of_it_plus_the_rows_own(context_dir):
+    """Issue 42's shape, small: a closed loop of 16 over 32 requests sharing a 528-token prompt, each with its own 8
+    tokens, 24 generated. The rows read the prompt in place and keep only their own columns, and the compactions
+    move rows within their slabs (no spare): at every step's end the KV running requests read is within 1.3x of one
+    copy of the prompt plus the running rows' own columns. Tokens equal generate() alone."""
+    from bmc.engine import kv_bytes_per_token
+
+    model = bmc.load(str(context_dir))
+    rng = random.Random(0)
+    system = [rng.randrange(5, 300) for _ in range(528)]
+    prompts = [system + [rng.randrange(5, 300) for _ in range(8)] for _ in range(32)]
+    sched = Scheduler(model, max_num_seqs=16, max_num_batched_tokens=64, r=4, prefix_cache_bytes=64 << 20)
+    reqs = [request(p, 24) for p in prompts]
+    todo, finished, steps = list(reqs), 0, 0
+    for req, _ in todo[:16]:
+        sched.add(req)
+    todo = todo[16:]
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        sched.cache.check_integrity()
+        done = sum(req.done for req, _ in reqs)
+        while finished < done and todo:  # a closed loop: each finished request is replaced at once
+            sched.add(todo.pop(0)[0])
+            finished += 1
+    for (_, col), p in zip(reqs[::7], prompts[::7]):
+        assert col.tokens == {0: alone(model, p, 24)}
+    bound = 1.3 * (len(system) + 16 * (8 + 24)) * kv_bytes_per_token(model, "auto")
+    assert sched.counters.cached_prompt_tokens >= 31 * 528
+    assert sched.peak_running_kv_bytes <= bound, (sched.peak_running_kv_bytes, bound)
+
+
 def test_salts_never_share_and_opting_out_neither_reads_nor_writes(gqa_dir):
     model = bmc.load(str(gqa_dir))
     sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=32, prefix_cache_bytes=64 << 20)

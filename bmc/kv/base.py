@@ -271,7 +271,9 @@ class KVCache(ABC):
         that no row reads (the padding every row has: the compaction). Rows stay right-aligned on one write
         column: the new length is the longest row's and every other row is left-padded by the difference, so a
         row that joined late wastes at most the columns of the oldest row still running. Capacity follows the
-        strategy's growth rule with room for one more token. One allocation and one copy of the written columns."""
+        strategy's growth rule with room for one more token. One allocation and one copy of the written columns;
+        on a CPU cache that grows in place, keeping every row in its slot and joining none (the compaction) moves
+        each row's columns within its own slab instead: nothing allocated, and no spare needed (it is released)."""
         keep_idx = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         parts = [(self, keep_idx)]
         for j in joins:
@@ -286,8 +288,13 @@ class KVCache(ABC):
         B = sum(int(rows.numel()) for _, rows in parts)
         L, _, _, H, _, d = self.kv.shape
         capacity = self._grow_to(length + 1)
-        kv, written = self._new_kv((L, 2, B, H, capacity, d))
-        kv[:, :, :, :, length:].zero_()  # padding must be finite (0 * NaN garbage would poison attention) ...
+        in_place = (not joins and self.grow_in_place and self.device.type == "cpu" and B == self.batch_size > 0
+                    and list(keep) == list(range(B)) and capacity <= self.slab_columns)
+        if in_place:  # the same slabs, viewed at the new capacity
+            kv, written = self.kv.as_strided((L, 2, B, H, capacity, d), self.kv.stride()), self._kv_written
+        else:
+            kv, written = self._new_kv((L, 2, B, H, capacity, d))
+            kv[:, :, :, :, length:].zero_()  # padding must be finite (0 * NaN garbage would poison attention) ...
         bias = torch.full((B, 1, 1, capacity), self.min_value, dtype=self.dtype, device=self.device)
         col_pos = torch.zeros((B, capacity), dtype=torch.long, device=self.device) if self.window else None
         floors, pads, holes, b = [], [], False, 0
@@ -296,9 +303,16 @@ class KVCache(ABC):
             if n == 0:
                 continue
             at = length - (end - lead)  # where the part's first read column lands
-            kv[:, :, b : b + n, :, :at].zero_()  # ... and so must the left padding; the rest is overwritten
+            if not in_place:
+                kv[:, :, b : b + n, :, :at].zero_()  # ... and so must the left padding; the rest is overwritten
             for i, src in enumerate(rows.tolist()):  # row by row: one strided copy each, no gathered temporary
-                kv[:, :, b + i, :, at:length].copy_(cache.kv[:, :, src, :, lead:end])
+                columns = cache.kv[:, :, src, :, lead:end]
+                if in_place and at != lead:  # within its own slab: an overlapping move goes through one row's copy
+                    kv[:, :, b + i, :, at:length].copy_(columns.clone() if abs(at - lead) < end - lead else columns)
+                elif not in_place:
+                    kv[:, :, b + i, :, at:length].copy_(columns)
+            if in_place:
+                kv[:, :, b : b + n, :, :at].zero_()
             bias[b : b + n, ..., at:length] = cache.bias[..., lead:end].index_select(0, rows)
             pads.append(cache.left_pad.index_select(0, rows) - lead + at)
             if col_pos is not None:
@@ -309,8 +323,14 @@ class KVCache(ABC):
                               else torch.full((n,), -1, dtype=torch.long, device=self.device))
             holes = holes or cache.holes
             b += n
-        self.peak_bytes = max(self.peak_bytes, self.nbytes + kv.numel() * kv.element_size())
-        self._replace_kv(kv, written)
+        if in_place:
+            kv[:, :, :, :, length:].zero_()  # what the moves left behind: padding, kept finite
+            self.kv, self._kv_written = kv, max(written, kv.numel())
+            self.spare, self.spare_written = None, 0
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        else:
+            self.peak_bytes = max(self.peak_bytes, self.nbytes + kv.numel() * kv.element_size())
+            self._replace_kv(kv, written)
         self.bias, self.length, self.batch_size = bias, length, B
         if B == 0:
             self.spare = None  # idle: no KV memory held at all
@@ -322,7 +342,7 @@ class KVCache(ABC):
         self.holes = holes
         self.layout += 1
         self._recount_holes()
-        self.allocations += 1 if B else 0  # emptied: nothing allocated
+        self.allocations += 1 if B and not in_place else 0  # emptied or moved in place: nothing allocated
 
     def attention_bias(self, num_new: int, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Additive bias for the `num_new` queries of this forward: [B, 1, num_new, capacity]. Causal inside the
@@ -381,8 +401,8 @@ class KVCache(ABC):
             raise ValueError(f"a {src.format.name} KV cache's rows cannot join a {self.format.name} one")
 
     def _slide_window(self, start: int, end: int, positions: torch.Tensor | None) -> None:
-        """Record the new columns' positions and mask, in the kept bias, the earlier columns the forward's first
-        query no longer sees (position <= its position - window): no later query sees them either."""
+        """Record the new columns' positions and mask, in the kept bias, the columns the forward's first query no
+        longer sees (position <= its position - window): no later query sees them either."""
         if positions is None:
             raise ValueError("a sliding-window cache needs the new tokens' positions in reserve()")
         positions = positions.to(self.device, torch.long).expand(self.batch_size, end - start)
@@ -390,8 +410,9 @@ class KVCache(ABC):
         if not self.window_every_layer:
             return
         self.window_floor = torch.maximum(self.window_floor, positions[:, 0] - self.window)
-        left = self.col_pos[:, :start] <= self.window_floor[:, None]
-        self.bias[:, 0, 0, :start].masked_fill_(left, self.min_value)
+        # the new columns too: a live row's are past its floor, a retired slot's dummy token (position 0) is not
+        left = self.col_pos[:, :end] <= self.window_floor[:, None]
+        self.bias[:, 0, 0, :end].masked_fill_(left, self.min_value)
 
     def _window_queries(self, bias: torch.Tensor, num_new: int) -> torch.Tensor:
         """A forward's [B, 1, num_new, capacity] bias with each query's own window applied (the kept bias has the
@@ -490,10 +511,11 @@ class KVCache(ABC):
         allocation met never-touched memory (86k page faults at ~10 us, VM-backed); a BMC growth of an OPT-1.3B
         batch-8 cache (3.2 GB copied) took 0.4-3.9 s on fresh pages against ~0.09 s of copying alone. So a cache
         holds up to twice its KV instead. Only for a cache whose tensors nobody else holds (the scheduler's batch,
-        a generate() or chat decode cache)."""
+        a generate() or chat decode cache). A tensor of fewer rows than the old one keeps no spare: the batch is
+        draining, and memory held for the copies of a larger batch would outlast it."""
         old, old_written = self.kv, max(self._kv_written, self.kv.numel())
         self.kv, self._kv_written = new, written
-        if not self.keep_spare:
+        if not self.keep_spare or new.shape[2] < old.shape[2]:  # fewer rows: the batch is draining, let it go
             return
         flat = whole_mapping(old)
         if flat.numel() and (self.spare is None or flat.numel() > self.spare.numel()):
