@@ -25,7 +25,7 @@ from ..engine import GenerationConfig
 from ..engine_options import EngineOptions
 from ..ports import free_port
 from ..scheduler import Request, Scheduler, TokenOutput
-from .tp import POLL_S, TensorParallelError, _threads, load_rank
+from .tp import POLL_S, TensorParallelError, _threads, load_rank, reporting_rank, stop_ranks
 
 log = logging.getLogger("bmc.server")
 
@@ -56,10 +56,8 @@ class StepDigest:
 
 def _follow(rank: int, world: int, init: str, path: str | None, dtype: str, device: str, threads: int,
             timeout_s: float, conn: Any) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
-    try:
+    with reporting_rank(conn):  # an error goes to rank 0, which stops the engine with it
         model = load_rank(path, rank, world, dtype=dtype, device=device, timeout_s=timeout_s, init=init)
         conn.send(("ready", None))
         cmd, options = conn.recv()
@@ -87,19 +85,6 @@ def _follow(rank: int, world: int, init: str, path: str | None, dtype: str, devi
             for key in [k for k, r in requests.items() if r.done]:
                 del requests[key]
             conn.send(("step", digest.value))
-    except (EOFError, KeyboardInterrupt):
-        pass
-    except BaseException as e:  # sent back: rank 0 stops the engine with it
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except Exception:
-            pass
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
 
 
 class FollowerRanks:
@@ -193,17 +178,7 @@ class FollowerRanks:
         return error
 
     def close(self) -> None:
-        for conn, p in zip(self.conns, self.procs):
-            if p.is_alive():
-                try:
-                    conn.send(("stop", None))
-                except Exception:
-                    pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_ranks(self.conns, self.procs)
 
 
 class TensorParallelScheduler(Scheduler):

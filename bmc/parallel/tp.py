@@ -15,11 +15,12 @@ The ranks are spawned (a CUDA context and OpenMP pools do not survive fork): eac
 again, so a script calls bmc.load(..., tp=N) under `if __name__ == "__main__":`, as with any spawned pool."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -110,12 +111,33 @@ def prompt_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return out[0].float().cpu()
 
 
-def _worker(rank: int, world: int, init: str, path: str | None, dtype: str, device: str, threads: int,
-            timeout_s: float, random_weights: bool, conn: Any) -> None:
+@contextlib.contextmanager
+def reporting_rank(conn: Any) -> Iterator[None]:
+    """A rank process's body: an error is sent down its pipe (the caller raises it with the rank's name), a closed
+    pipe or an interrupt ends it quietly, and it leaves its process group on the way out."""
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
     try:
+        yield
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except Exception:
+            pass
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _worker(rank: int, world: int, init: str, path: str | None, dtype: str, device: str, threads: int,
+            timeout_s: float, random_weights: bool, conn: Any) -> None:
+    torch.set_num_threads(threads)
+    with reporting_rank(conn):
         model = load_rank(path, rank, world, dtype=dtype, device=device, timeout_s=timeout_s, init=init,
                           random_weights=random_weights)
         conn.send(("ready", (model.full_config, model.tokenizer) if rank == 0 else None))
@@ -129,19 +151,21 @@ def _worker(rank: int, world: int, init: str, path: str | None, dtype: str, devi
                 conn.send(("invalid", e))
                 continue
             conn.send(("ok", out if rank == 0 else None))
-    except (EOFError, KeyboardInterrupt):
-        pass
-    except BaseException as e:  # sent back: the caller raises it with the rank's name
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except Exception:
-            pass
-    finally:
-        if dist.is_initialized():
+
+
+def stop_ranks(conns: list[Any], procs: list[Any]) -> None:
+    """Ask each live rank to stop, then wait for it (killed if it does not exit within 5 s)."""
+    for conn, p in zip(conns, procs):
+        if p.is_alive():
             try:
-                dist.destroy_process_group()
+                conn.send(("stop", None))
             except Exception:
                 pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 class TensorParallelModel:
@@ -247,17 +271,7 @@ class TensorParallelModel:
         return TensorParallelError("; ".join(dead + [what]))
 
     def close(self) -> None:
-        for conn, p in zip(self.conns, self.procs):
-            if p.is_alive():
-                try:
-                    conn.send(("stop", None))
-                except Exception:
-                    pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_ranks(self.conns, self.procs)
         self.procs = [p for p in self.procs if p.is_alive()]
 
     def __del__(self) -> None:
