@@ -4,7 +4,7 @@ this CPU), at the default model's head shapes (9 query heads, 3 KV heads, d = 64
 One "step" is one decode query per row through `layers` distinct layers' caches (so the KV is not cache-resident,
 as in a real model), each a BMC buffer with masked padding rows beyond the context. SparQ reads its
 dimension-major K copy (kept by the runtime) for step 1, and runs in one fused C++ call per layer when it builds
-(bmc/kernels/sparq.cpp). Dense is the kernel a dense decode step runs here (the native CPU step's attention;
+(bmc/kernels/cpu/sparq.cpp). Dense is the kernel a dense decode step runs here (the native CPU step's attention;
 SDPA is reported beside it). Output is checked against dense at r = d, k = S first.
 
 `--kv-dtypes float32,int8` measures each KV format (bmc/kv/formats.py): both dense and SparQ read the rows as

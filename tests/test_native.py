@@ -360,3 +360,25 @@ def test_native_step_over_a_cache_growing_in_place_equals_a_contiguous_one(gqa_d
             assert cache.slab_columns == 40 > cache.capacity and cache.allocations > 3
         runs.append(logits)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
+    """A kernel build's name hashes its source, every header of the wing and the flags: changing any of them names
+    another build, so a stale one in the cache is never loaded (no hand-bumped version)."""
+    import bmc.kernels as kernels
+
+    wing = tmp_path / "cpu"
+    wing.mkdir()
+    (wing / "simd.h").write_text("// v1\n")
+    source = tmp_path / "step.cpp"
+    source.write_text('#include "cpu/simd.h"\n')
+    monkeypatch.setattr(kernels, "WING", str(wing))
+    names = {kernels.build_name("step", str(source))}
+    assert kernels.build_name("step", str(source)) in names  # the same sources, the same name
+    (wing / "simd.h").write_text("// v2\n")
+    names.add(kernels.build_name("step", str(source)))
+    source.write_text('#include "cpu/simd.h"\n// changed\n')
+    names.add(kernels.build_name("step", str(source)))
+    monkeypatch.setattr(kernels, "CFLAGS", [*kernels.CFLAGS, "-DNEW_FLAG"])
+    names.add(kernels.build_name("step", str(source)))
+    assert len(names) == 4 and all(n.startswith("step_") for n in names)

@@ -1,5 +1,5 @@
 """SparQ decode attention (steps 1-3) as one C++ call per layer on CPU float32 queries over any KV format as stored
-(`bmc/kernels/sparq.cpp`), built
+(`bmc/kernels/cpu/sparq.cpp`), built
 on first use with torch's cpp_extension (g++ and ninja; cached under ~/.cache/torch_extensions).
 
 Why: in eager PyTorch the step is ~30 op dispatches and ~10 passes over [B, H, G, S] score tensors; measured at 8K
@@ -16,11 +16,11 @@ from typing import Any
 
 from ..kernels import build
 
-_SOURCE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels", "sparq.cpp")
+_SOURCE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels", "cpu", "sparq.cpp")
 
 
 @functools.lru_cache(maxsize=None)
 def fused_decode() -> Any:
     """The compiled `sparq_decode`, or None (BMC_SPARQ_KERNEL=0, or the build failed: logged once)."""
-    mod = build("bmc_sparq_v10", _SOURCE_FILE, None, "BMC_SPARQ_KERNEL")
+    mod = build("bmc_sparq", _SOURCE_FILE, None, "BMC_SPARQ_KERNEL")
     return None if mod is None else mod.sparq_decode

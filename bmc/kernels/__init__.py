@@ -3,6 +3,8 @@
 fails (no compiler) or is switched off, bmc logs it once and runs the eager path."""
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
 import os
 import sys
@@ -14,20 +16,37 @@ log = logging.getLogger("bmc")
 # one made shared-prefix attention (one exp per key and query row) measurably faster here.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
+WING = os.path.join(os.path.dirname(__file__), "cpu")  # the kernels' sources and headers
 _built: dict[str, Any] = {}
 
 
-def build(name: str, source_file: str, functions: list[str] | None, switch: str) -> Any:
-    """The compiled module `name` from the C++ file `source_file`, or None when the environment variable `switch`
-    is "0" or the build fails (logged once). `functions=None` means the source has its own PYBIND11_MODULE. Called
-    on every use (a GEMM of the PyTorch path, a SparQ step): after the first call, one dictionary lookup."""
-    if name in _built:
-        return _built[name]
-    _built[name] = None
+def build_name(stem: str, source_file: str) -> str:
+    """`stem` and a hash of what the build reads: the source, every header of the wing, the flags and torch's version.
+    A changed source is a new name, so a stale build in the cache is never loaded."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in [source_file, *sorted(glob.glob(os.path.join(WING, "*.h")))]:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode())
+    return f"{stem}_{digest.hexdigest()[:12]}"
+
+
+def build(stem: str, source_file: str, functions: list[str] | None, switch: str) -> Any:
+    """The module compiled from the C++ file `source_file` (named by `build_name`), or None when the environment
+    variable `switch` is "0" or the build fails (logged once). `functions=None` means the source has its own
+    PYBIND11_MODULE. Called on every use (a GEMM of the PyTorch path, a SparQ step): after the first call, one
+    dictionary lookup."""
+    if stem in _built:
+        return _built[stem]
+    _built[stem] = None
     if os.environ.get(switch, "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+        name = build_name(stem, source_file)
 
         if not os.path.exists(os.path.join(_get_build_directory(name, False), name + ".so")):
             # a minute of silence would look like a hang: say what is happening, once per machine
@@ -36,10 +55,10 @@ def build(name: str, source_file: str, functions: list[str] | None, switch: str)
             sys.stderr.flush()
         with open(source_file) as f:
             source = f.read()
-        _built[name] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
-                                   extra_ldflags=LDFLAGS, verbose=False)
+        _built[stem] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
+                                   extra_ldflags=LDFLAGS, extra_include_paths=[os.path.dirname(WING)], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [repr(e)]
         log.warning("bmc: C++ kernel %s unavailable (%s); using the PyTorch path (set %s=0 to skip the build)",
-                    name, lines[-1][-300:], switch)
-    return _built[name]
+                    stem, lines[-1][-300:], switch)
+    return _built[stem]

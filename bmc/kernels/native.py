@@ -30,11 +30,11 @@ NO_SEGMENTS: Segments = ([], [], [])
 # at 2048 the eager path won (3992 vs 4496 ms: the native attention reads the whole masked square, SDPA's causal
 # kernel half of it).
 NATIVE_MAX_T = 1024
-_SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")
+_SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")  # includes the wing's headers (cpu/)
 
 
 def native_module() -> Any:
-    return build("bmc_cpu_decode_v64", _SOURCE_FILE, None, "BMC_NATIVE")
+    return build("bmc_cpu_decode", _SOURCE_FILE, None, "BMC_NATIVE")
 
 
 def native_enabled() -> bool:

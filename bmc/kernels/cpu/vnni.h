@@ -1,0 +1,136 @@
+// Quantized panels against int8 activations (AVX512-VNNI dot products), and the int8-KV feature switch.
+// One of the native step's headers: cpu_decode.cpp includes them all, in order, into one translation unit.
+#pragma once
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_I8_KV_DOTS 1  // int8 KV attended in integers (NativeDecoder::attend_i8)
+#else
+#define HAVE_I8_KV_DOTS 0
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+constexpr bool HAVE_INT8_DOT = true;
+// Quantized panels against activations quantized to int8 (int8_activations): each row's block of 32 values x as
+// x~ = dx * qx (dx = max|x| / 127, qx = round(x / dx)), and sum_k w_k x~_k = dx (d sum_k q_k qx_k) + m dx sum_k qx_k
+// (Q8X: d0 over rows 0-15, d1 over 16-31), the integer sums by VNNI's u8 x s8 dot products (vpdpbusd: 64 products
+// an instruction): exactly the weights times the quantized activations, so per output the error is at most
+// sum_k |w_k| dx / 2 (plus float rounding), a stated bound (tests/test_quant.py), not quant="none"'s logits.
+// (Taking the offsets' factor as the exact sum_k x_k was worse: the error became sum_k d q_k (x~_k - x_k) with q in
+// 0..15 all positive, where w's own signs cancel: Q4_0 perplexity 16.925 against 16.578, float activations 16.505.)
+// Why: batch-8 decode GEMMs, bound by the float path's dequantizing arithmetic (4 operations per 16 weights), take
+// half the time (default model's Q4_0 shapes: 14.3 -> 6.4 ms a step); batch 1, bound by memory, 3.4 -> 3.1 ms.
+// A block's quants are regrouped per 4 rows with one vpermb, so each 32-bit lane holds one column's 4 consecutive
+// rows, as vpdpbusd takes them: w[g] holds rows 4g .. 4g + 3, so w[0..3] are rows 0-15 and w[4..7] rows 16-31.
+// Q4's nibbles are unsigned and go in as they are (against the signed activations); Q8 and Q8X quants are signed,
+// so the activations go in as qx + 128 (their bytes' sign bits flipped) and 128 times each column's sum of quants
+// is taken back out (those sums by the same instruction against ones, once a block for all rows).
+struct VnniOrder {
+  alignas(64) int8_t idx[64];
+};
+constexpr VnniOrder make_vnni_order() {  // byte (row r, column c) of 4 rows x 16 columns -> lane c, byte r
+  VnniOrder o{};
+  for (int c = 0; c < P; ++c)
+    for (int r = 0; r < 4; ++r) o.idx[c * 4 + r] = static_cast<int8_t>(r * P + c);
+  return o;
+}
+constexpr VnniOrder VNNI_ORDER = make_vnni_order();
+
+template <int MB, int KIND>
+void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const uint8_t* wq, int64_t K,
+                        const float* bias, float* y, int64_t ldy, int64_t nw, bool accumulate, const float* xsum) {
+  const __m512i order = _mm512_load_si512(VNNI_ORDER.idx), low = _mm512_set1_epi8(15);
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+  constexpr int64_t bb = KIND_BLOCK[KIND];
+  v16 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = v16{};
+  const int64_t nblk = K / QK;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint8_t* blk = wq + b * bb;
+    if (prefetches_ahead(MB))
+      for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
+    __m512i w[8], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    if (is_q4(KIND)) {  // 16 rows of bytes: row j's low nibbles are row j, its high nibbles row j + 16
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + KIND_QUANTS[KIND] + g * 64));
+        w[g] = _mm512_and_si512(v, low);
+        w[4 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int g = 0; g < 8; ++g)
+        w[g] = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + KIND_QUANTS[KIND] + g * 64));
+      for (int g = 0; g < 4; ++g) {
+        c0 = _mm512_dpbusd_epi32(c0, ones, w[g]);
+        c1 = _mm512_dpbusd_epi32(c1, ones, w[4 + g]);
+      }
+      c0 = _mm512_slli_epi32(c0, 7);
+      c1 = _mm512_slli_epi32(c1, 7);
+    }
+    const v16 d0 = scale_vec<KIND>(blk, 0);
+    const v16 d1 = KIND == KQ8X ? load16(reinterpret_cast<const float*>(blk + 4 * P)) : d0;
+    const v16 m = has_offset(KIND) ? scale_vec<KIND>(blk, KIND_OFFSET[KIND]) : v16{};
+    for (int i = 0; i < MB; ++i) {
+      int32_t four[8];  // the row's activations 4 at a time: four[g] matches w[g]
+      std::memcpy(four, xq + i * ldq + b * QK, 32);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        if (is_q4(KIND)) {
+          s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(four[g]));
+          s1 = _mm512_dpbusd_epi32(s1, w[4 + g], _mm512_set1_epi32(four[4 + g]));
+        } else {
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(four[g]), flip), w[g]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(four[4 + g]), flip), w[4 + g]);
+        }
+      }
+      const v16 lo = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
+      const v16 hi = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));  // rows 16-31's
+      const v16 part = KIND == KQ8X ? (d0 * lo + d1 * hi) * dx[i * nblk + b] : d0 * ((lo + hi) * dx[i * nblk + b]);
+      acc[i] += has_offset(KIND) ? part + m * xsum[i * nblk + b] : part;
+    }
+  }
+  const v16 bv = load_bias(bias, nw);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
+}
+
+using Int8xKernel = void (*)(const int8_t*, const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
+                             int64_t, int64_t, bool, const float*);
+template <int KIND>
+constexpr Int8xKernel INT8X_KERNELS[8] = {
+    quant_int8x_kernel<1, KIND>, quant_int8x_kernel<2, KIND>, quant_int8x_kernel<3, KIND>,
+    quant_int8x_kernel<4, KIND>, quant_int8x_kernel<5, KIND>, quant_int8x_kernel<6, KIND>,
+    quant_int8x_kernel<7, KIND>, quant_int8x_kernel<8, KIND>};
+constexpr const Int8xKernel* INT8X_BY_KIND[4] = {INT8X_KERNELS<KQ8>, INT8X_KERNELS<KQ4>, INT8X_KERNELS<KQ8X>,
+                                                 INT8X_KERNELS<KQ4H>};
+
+// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: a
+// scalar loop with nearbyint per value took ~1 ms of a 4.5 ms batch-1 decode step (150 GEMMs a step).
+// cvtps_epi32 rounds to nearest even, as nearbyint does under the default rounding mode.
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t nblk = K / QK;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float* xb = x + i * ldx + b * QK;
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK + 16), _mm512_cvtepi32_epi8(qc));
+      dx[i * nblk + b] = d;
+      xsum[i * nblk + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+    }
+}
+#else
+constexpr bool HAVE_INT8_DOT = false;
+#endif
+
+float* scratch(int64_t floats) {  // a thread's panel buffer, grown as needed and kept
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
+  return buf.data();
+}
+
+
+}  // namespace
