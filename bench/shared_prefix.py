@@ -25,7 +25,7 @@ import torch
 import bmc
 from bmc.analytic.profile import device_name
 from bmc.attention import SharedPrefix, dense_attention, group_bias
-from bmc.kernels.native import attention_decoder
+from bmc.kernels.native import native_attention
 
 OUT = Path(__file__).resolve().parent / "out"
 H, KVH, D = 9, 3, 64
@@ -89,7 +89,7 @@ def attention_step(batch: int, prefix: int, suffix: int, seconds: float, peak_gf
                                    atol=1e-4, rtol=1e-4)
         t = timed_pair(replicated_torch, shared_torch, seconds)
     row = {"batch": batch, "prefix": prefix, "suffix": suffix, "layers": layers, **pair_row("torch", t)}
-    dec = attention_decoder(H, KVH, D)
+    dec = native_attention(H, KVH, D)
     if dec is not None:  # the native step's attention: q [B, 1, H*D], caches [L, 2, B, H_kv, n, D]
         qn = q.reshape(batch, 1, H * D)
         segs = ([pkv], [pbias], [torch.zeros(batch, dtype=torch.long)])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bmc.attention import dense_attention, sparq_attention, sparq_budget
-from bmc.kernels.native import attention_decoder
+from bmc.kernels.native import native_attention
 from bmc.kv.formats import KV_FORMATS
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -64,7 +64,7 @@ def measure(batch: int, S: int, layers: int, repeats: int, compressions: list[fl
     # on the kernel a dense decode step runs here (the native step's attention on CPU float32), and on SDPA
     t_sdpa = median_ms(lambda: [dense_attention(q, fmt.decode(x[0], q.dtype), fmt.decode(x[1], q.dtype), bias, scale)
                                 for x in kv], repeats) / layers
-    dec = attention_decoder(H, KVH, D)
+    dec = native_attention(H, KVH, D)
     t_dense = t_sdpa
     if dec is not None:
         qn, kv6 = q.reshape(batch, 1, H * D), [x[None] for x in kv]  # [1 layer, 2, B, kvh, cap, d]
@@ -142,7 +142,7 @@ def main() -> None:
     meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "kv_dtypes": args.kv_dtypes.split(","),
             "device": "cpu", "host": platform.node(),
             "sparq": "fused C++ kernel (steps 1-3)" if fused_decode() is not None else "PyTorch ops",
-            "dense": "native CPU step's attention" if attention_decoder(H, KVH, D) is not None else "SDPA",
+            "dense": "native CPU step's attention" if native_attention(H, KVH, D) is not None else "SDPA",
             "threads": torch.get_num_threads(), "layers_per_step": args.layers, "torch": torch.__version__}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

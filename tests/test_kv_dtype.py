@@ -71,9 +71,9 @@ def test_int8_attention_is_within_the_bound_its_rows_give():
 
 
 def int8_dots_decoder(h: int, kvh: int, hd: int):
-    """A layerless NativeDecoder attending int8 KV in integers (skips where the CPU lacks AVX512-VNNI)."""
+    """The native attention kernel alone, attending int8 KV in integers (skips where the CPU lacks AVX512-VNNI)."""
     require_native()
-    dec = native_module().NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    dec = native_module().Attention(h, kvh, hd, hd**-0.5)
     if not dec.int8_kv_dots():
         pytest.skip("integer int8 KV attention needs AVX512-VNNI and AVX512-BW")
     return dec
@@ -143,11 +143,11 @@ def test_int8_kv_dots_follow_the_environment(gqa_dir, monkeypatch):
     """BMC_INT8_KV_DOTS=0 (the A/B switch) builds decoders that widen int8 rows instead; by default they attend in
     integers where the CPU can."""
     require_native()
-    from bmc.kernels.native import attention_decoder
+    from bmc.kernels.native import native_attention
 
     int8_dots_decoder(3, 1, 64)  # skips where the CPU cannot
     monkeypatch.setenv("BMC_INT8_KV_DOTS", "0")
-    assert not attention_decoder(3, 1, 64).int8_kv_dots()
+    assert not native_attention(3, 1, 64).int8_kv_dots()
     assert not bmc.load(str(gqa_dir)).net.native_decoder().int8_kv_dots()
     monkeypatch.delenv("BMC_INT8_KV_DOTS")
     assert bmc.load(str(gqa_dir)).net.native_decoder().int8_kv_dots()

@@ -189,7 +189,7 @@ def test_attention_step_equals_brute_force(hd, t):
     mod = native_module()
     g = torch.Generator().manual_seed(hd + t)
     h, kvh, B, cap = 6, 2, 5, 37
-    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)  # the kernel alone, no decoder
     q = torch.randn(B, t, h * hd, generator=g)
     own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
     bias = torch.zeros(B, 1, t if t > 1 else 1, cap)
@@ -220,7 +220,7 @@ def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):
     mod = native_module()
     g = torch.Generator().manual_seed(kvh * 100 + hd + t)
     h, cap, fmin = 6, 300, torch.finfo(torch.float32).min
-    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)  # the kernel alone, no decoder
     q = torch.randn(1, t, h * hd, generator=g)
     own = torch.randn(1, 2, 1, kvh, cap, hd, generator=g)
     bias = torch.zeros(1, 1, t, cap)
@@ -244,7 +244,7 @@ def test_attention_step_many_rows_on_a_shared_segment(kvh, t):
     mod = native_module()
     g = torch.Generator().manual_seed(kvh + t)
     h, hd, B, cap, fmin = 6, 64, 37 if t == 1 else 2, 9, torch.finfo(torch.float32).min
-    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)  # the kernel alone, no decoder
     q = torch.randn(B, t, h * hd, generator=g)
     own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
     bias = torch.zeros(B, 1, t if t > 1 else 1, cap)
@@ -268,7 +268,7 @@ def test_attention_step_any_thread_count(threads, B):
     mod = native_module()
     g = torch.Generator().manual_seed(threads * 10 + B)
     h, kvh, hd, cap, fmin = 6, 2, 64, 300, torch.finfo(torch.float32).min
-    dec = mod.NativeDecoder(h * hd, h, kvh, hd, 8, True, True, "silu", 1e-5, hd**-0.5)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)  # the kernel alone, no decoder
     q = torch.randn(B, 1, h * hd, generator=g)
     own = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
     bias = torch.zeros(B, 1, 1, cap)

@@ -3,7 +3,7 @@
 - alpha*BW and C0: KVCache._reallocate (allocate + copy + zero the new rows) at several cache sizes, fitted as
   time = C0 + bytes / alpha*BW;
 - beta*C: the attention kernel decode runs here, of one query row (decode) and of t rows (verify) over several
-  capacities: the native CPU step's attention on a CPU in float32 (NativeDecoder.attention_step), else
+  capacities: the native CPU step's attention on a CPU in float32 (the native Attention.attention_step), else
   dense_attention (SDPA). Fitted as time = overhead + n * seconds_per_row, beta*C = FLOPs per row /
   seconds_per_row (the fixed per-call overhead is paid every step whatever T is, so it does not move T_opt)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..attention import dense_attention
-from ..kernels.native import attention_decoder
+from ..kernels.native import native_attention
 from ..kv import BMCCache
 from .model import Constants
 from .profile import attention_kernel
@@ -120,7 +120,7 @@ def attention_step(cfg: tuple[int, int, int, int], t: int, n: int, device: torch
     kv = torch.randn(1, 2, B, kvh, n, d, dtype=dtype, device=device)
     min_value = torch.finfo(dtype).min
     if attention_kernel(device, dtype) == "native-cpu":
-        dec = attention_decoder(h, kvh, d)
+        dec = native_attention(h, kvh, d)
         q = torch.randn(B, t, h * d, dtype=dtype, device=device)
         bias = torch.zeros(B, 1, t, n, dtype=dtype, device=device)
         bias[..., n - n // 8 :] = min_value

@@ -8,7 +8,7 @@ import torch
 
 from ..analytic.profile import attention_kernel
 from ..attention import dense_attention, group_bias
-from ..kernels.native import attention_decoder
+from ..kernels.native import native_attention
 from ..kv import KVCache
 
 Attend = Callable[[int], None]  # attend(t): t query rows over the cache as it is now (keys already written)
@@ -19,7 +19,7 @@ def layer_attention(cache: KVCache, heads: int, max_t: int = 1) -> Attend:
     batch, kvh, d = cache.kv.shape[2], cache.kv.shape[3], cache.kv.shape[5]
     scale = d**-0.5
     if attention_kernel(cache.device, cache.dtype) == "native-cpu":
-        dec = attention_decoder(heads, kvh, d)
+        dec = native_attention(heads, kvh, d)
         qn = torch.randn(batch, max_t, heads * d, dtype=cache.dtype)
 
         def native(t: int) -> None:  # reads cache.kv / bias at call time: the cache reallocates as it grows

@@ -93,20 +93,20 @@ def int8_kv_dots_enabled() -> bool:
 
 
 def with_env_settings(dec: Any) -> Any:
-    """A freshly built decoder with the process's settings applied (None passes through)."""
+    """A freshly built decoder or attention kernel with the process's settings applied (None passes through)."""
     if dec is not None and not int8_kv_dots_enabled():
         dec.set_int8_kv_dots(False)
     return dec
 
 
-def attention_decoder(heads: int, kv_heads: int, head_dim: int) -> Any:
-    """A NativeDecoder with no layers, for its attention_step alone (bmc-calibrate and the benchmarks time the
-    kernel a decode step runs with it); None when the native kernel is unavailable. The MLP settings are unused."""
+def native_attention(heads: int, kv_heads: int, head_dim: int) -> Any:
+    """The native step's attention alone (cpu/attention.h): `attention_step(q, kv, layer, bias, seg_kv, seg_bias,
+    seg_group)` runs the kernel a decode or verify step runs, without a decoder (bmc-calibrate, the benchmarks and
+    the tests call it); None when the native kernel is unavailable."""
     mod = native_module()
     if mod is None:
         return None
-    return with_env_settings(mod.NativeDecoder(heads * head_dim, heads, kv_heads, head_dim, 1, True, True, "silu",
-                                               1e-5, head_dim**-0.5))
+    return with_env_settings(mod.Attention(heads, kv_heads, head_dim, head_dim**-0.5))
 
 
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:

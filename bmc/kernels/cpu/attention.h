@@ -1,0 +1,678 @@
+// Attention over a step's rows: each row's own cache (float or int8 as stored) and shared segments read once
+// for every row that reads them, merged by an online softmax. No decoder needed: the native step holds one,
+// and the module's attention_step runs one alone (bmc-calibrate and the benchmarks time it).
+// One of the native step's headers: cpu_decode.cpp includes them all, in order, into one translation unit.
+#pragma once
+
+namespace {
+
+struct Segment {  // a shared prefix: KV of `groups` groups, each row reading group[b] (-1: none)
+  const uint8_t* kv;
+  KVLayout lay;
+  const float* bias;
+  const int64_t* group;
+  int64_t groups, len;
+  int64_t slab;  // rows per (group, KV head) slab: len, or more for a view of a longer segment (the prefix cache)
+};
+
+class Attention {
+ public:
+  Attention(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+      : h_(heads), kvh_(kv_heads), hd_(head_dim), scale_(scale) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  }
+
+  void set_softcap(double cap) {  // Gemma 2: scores soft-capped (cap * tanh(s / cap)) before the softmax; 0: none
+    TORCH_CHECK(cap >= 0.0, "set_softcap: cap >= 0");
+    softcap_ = cap;
+  }
+  // int8 KV attended in integers (attend_i8, a stated bound beside int8 rows' own) or widened to float32 first
+  void set_int8_kv_dots(bool on) {
+    TORCH_CHECK(!on || HAVE_I8_KV_DOTS, "integer int8 KV attention needs AVX512-VNNI and AVX512-BW");
+    int8_kv_dots_ = on;
+  }
+  bool int8_kv_dots() const { return int8_kv_dots_; }
+
+  // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate, the benchmarks and
+  // the tests call it): q [B, t, H*d] with RoPE applied, kv [L, 2, B, H_kv, cap, d] already holding the step's keys, bias
+  // [B, 1, 1 or t, cap], segments as in forward(). Returns [B, t, H*d].
+  torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
+                               std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
+                               std::vector<torch::Tensor> seg_group) const {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "q: float32");
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
+    const int64_t slab = slab_rows(kv, "kv");
+    TORCH_CHECK(kv.size(2) == q.size(0) && kv.size(3) == kvh_ && layer >= 0 && layer < kv.size(0),
+                "kv: a [L, 2, B, H_kv, cap, d] cache of these heads holding `layer`");
+    const KVLayout lay = kv_layout(kv, hd_, "kv");
+    const int64_t B = q.size(0), t = q.size(1), cap = kv.size(4);
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(-1) == cap && (bias.size(2) == 1 || bias.size(2) == t), "bias shape");
+    q = q.contiguous();
+    bias = bias.to(torch::kFloat).contiguous();
+    const std::vector<Segment> segs = parse_segments(seg_kv, seg_bias, seg_group, B, kv.size(0));
+    auto out = torch::empty_like(q);
+    const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
+    const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
+    attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
+              bias.size(2), B, t, segs, out.data_ptr<float>());
+    return out;
+  }
+
+  // Checks the shared segments against the heads and batch and makes them contiguous in place where they are
+  // not a view of one with more columns per slab (the vectors keep the tensors alive while the step runs). A row
+  // whose group is -1 does not read that segment.
+  std::vector<Segment> parse_segments(std::vector<torch::Tensor>& seg_kv, std::vector<torch::Tensor>& seg_bias,
+                                      std::vector<torch::Tensor>& seg_group, int64_t B, int64_t L) const {
+    TORCH_CHECK(seg_kv.size() == seg_bias.size() && seg_kv.size() == seg_group.size(), "segments: kv, bias, group");
+    std::vector<Segment> segs;
+    for (size_t n = 0; n < seg_kv.size(); ++n) {
+      if (!slab_view(seg_kv[n])) seg_kv[n] = seg_kv[n].contiguous();
+      seg_bias[n] = seg_bias[n].to(torch::kFloat).contiguous();
+      seg_group[n] = seg_group[n].to(torch::kLong).contiguous();
+      const auto& sk = seg_kv[n];
+      TORCH_CHECK(sk.dim() == 6 && sk.size(0) == L && sk.size(1) == 2 && sk.size(3) == kvh_ &&
+                      seg_bias[n].numel() == sk.size(2) * sk.size(4) && seg_group[n].numel() == B,
+                  "segment ", n, ": shapes do not match the heads and batch");
+      const KVLayout lay = kv_layout(sk, hd_, "segment");
+      const int64_t* grp = seg_group[n].data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(grp[b] >= -1 && grp[b] < sk.size(2), "segment ", n, ": row ", b, " reads group ", grp[b],
+                    " of ", sk.size(2));
+      segs.push_back(Segment{static_cast<const uint8_t*>(sk.data_ptr()), lay, seg_bias[n].data_ptr<float>(), grp,
+                             sk.size(2), sk.size(4), slab_rows(sk, "segment")});
+    }
+    return segs;
+  }
+
+
+  // softmax(q K^T * scale + bias) V for every query row, in two passes over one running softmax state per query
+  // row (max m, sum s, and the unnormalised output, kept in the output row itself):
+  //  1. shared segments (Hydragen's prefixes, stored once per group): the query rows of a group and KV head walk
+  //     the segment together in chunks of SEG_KEYS keys, so a chunk comes from memory once per step for many rows
+  //     and from L1/L2 for the rest -- the matrix-matrix product the technique is about -- with an online softmax
+  //     across chunks;
+  //  2. the row's own cache over its whole capacity with the additive bias (padding rows cost compute, as in the
+  //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
+  // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
+  void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
+                 int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
+                 const std::vector<Segment>& segs, float* out) const {
+    const int64_t G = h_ / kvh_, R = G * t;
+    const float scale = static_cast<float>(scale_);
+    const bool prior = !segs.empty();
+    TORCH_CHECK(!prior || softcap_ == 0.0, "soft-capped attention reads no shared segments");
+    std::vector<float> run_m, run_s;
+    if (prior) {
+      run_m.assign(B * t * h_, -FLT_MAX);
+      run_s.assign(B * t * h_, 0.0f);
+      std::fill(out, out + B * t * h_ * hd_, 0.0f);
+      for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
+    }
+    // Tasks are (row, KV head, span of the capacity). A step at batch 1 has only H_kv (row, KV head) pairs, fewer
+    // than twice the threads: the capacity is then split into spans (flash-decoding's split-K), each attended into
+    // its own partial state, and the partials are merged exactly by their maxima and sums. Each key is still read
+    // once; one span per pair writes straight into the output.
+    const int64_t pairs = B * kvh_, threads = at::get_num_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
+    const int64_t spans = split_spans(pairs, chunks, threads);
+    const int64_t span_chunks = (chunks + spans - 1) / spans;
+    std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
+    if (spans > 1) {
+      part_m.resize(pairs * spans * R);
+      part_s.resize(pairs * spans * R);
+      part_o.resize(pairs * spans * R * hd_);
+    }
+    auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
+    const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
+    const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
+    const float* kf = reinterpret_cast<const float*>(kc);
+    const float* vf = reinterpret_cast<const float*>(vc);
+    at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
+      Rows rows(R, OWN_KEYS * hd_);
+      std::vector<float> p(R * OWN_KEYS);
+      std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
+      std::vector<const float*> bias0(R);
+#if HAVE_I8_KV_DOTS
+      I8Buffers i8(dots ? R : 0, hd_ / 64);
+#endif
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
+        const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
+        // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
+        const int64_t next_pair = (task + 1) / spans, next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
+        const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
+                                      ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
+                                      : -1;
+        const bool direct = spans == 1;  // else the span's partial state goes to part_*
+        for (int64_t r = 0; r < R; ++r) {  // row r = g * t + i: query i of the KV head's g-th query head
+          const int64_t state = state_of(b, kh, r), i = r % t;
+          rows.q[r] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
+          rows.o[r] = direct ? out + state * hd_ : part_o.data() + (task * R + r) * hd_;
+          bias0[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
+          rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
+          rows.s[r] = direct && prior ? run_s[state] : 0.0f;
+        }
+#if HAVE_I8_KV_DOTS
+        if (dots)
+          for (int64_t r = 0; r < R; ++r) split_query(rows.q[r], hd_, scale, i8.q[r]);
+#endif
+        const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
+        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
+          const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
+          for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
+          // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
+          // the hardware prefetcher alone the KV stream ran at 9-10 GB/s here, against ~15 for the weights
+          const int64_t next = c0 + OWN_KEYS < k1 ? own + c0 + OWN_KEYS : next_task;
+          const bool more = (direct && prior) || c0 > k0;
+          if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
+            const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
+            if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
+              // two chunks ahead: a chunk's arithmetic (~1 us a thread) is short beside the time its 136 lines take
+              // to arrive; the first two of a span are left to the hardware prefetcher
+              constexpr int64_t D = I8_AHEAD;
+              const int64_t ahead = c0 + D * OWN_KEYS < k1 ? own + c0 + D * OWN_KEYS : -1;
+              if (c0 == k0) {  // the chunks before the first `ahead` one, at once
+                const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
+                const LinePrefetch pk{kc + (own + c0 + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
+                const LinePrefetch pv{vc + (own + c0 + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
+                if (n > 0) pk.share(0), pv.share(0);
+              }
+#if HAVE_I8_KV_DOTS
+              if (dots) {
+                attend_i8(rows, R, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(), OWN_KEYS,
+                          more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+                continue;
+              }
+#endif
+              widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
+                         ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                         ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+              attend_keys(rows, R, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
+                          v_at, lay.row_bytes);
+              continue;
+            }
+            widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
+                       next >= 0 ? kc + next * lay.row_bytes : nullptr);
+            widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
+            attend_keys(rows, R, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+          } else {
+            attend_keys(rows, R, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
+                        next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
+          }
+        }
+        if (k0 >= k1) {  // an empty span (more spans than the rounding left chunks for)
+          for (int64_t r = 0; r < R; ++r) std::fill(rows.o[r], rows.o[r] + hd_, 0.0f);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          if (direct) {
+            const float inv = 1.0f / rows.s[r];
+            for (int64_t e = 0; e < hd_; ++e) rows.o[r][e] *= inv;
+          } else {
+            part_m[task * R + r] = rows.m[r];
+            part_s[task * R + r] = rows.s[r];
+          }
+        }
+      }
+    });
+    if (spans == 1) return;
+    at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the exact merge of the spans
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t pair = n / R, r = n % R, state = state_of(pair % B, pair / B, r);
+        float* o = out + state * hd_;
+        float m = -FLT_MAX, sum = 0.0f;
+        if (prior) {
+          m = run_m[state];
+          sum = run_s[state];
+        } else {
+          std::fill(o, o + hd_, 0.0f);
+        }
+        for (int64_t sp = 0; sp < spans; ++sp) {
+          const int64_t at = (pair * spans + sp) * R + r;
+          fold_state(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
+      }
+    });
+  }
+
+  // Tasks are (KV head, group, a slice of up to SEG_QUERY_ROWS of the group's query rows, a span of the segment):
+  // the rows of a slice read each chunk of their span once, and with few (KV head, group, slice) triples the
+  // segment is split into spans so every thread has work; spans are merged by fold_state.
+  void attend_segment(int64_t l, const float* qkv, int64_t nq, int64_t B, int64_t t, const Segment& sg, float scale,
+                      float* run_m, float* run_s, float* out) const {
+    const int64_t G = h_ / kvh_;
+    std::vector<std::vector<int64_t>> members(sg.groups);
+    for (int64_t b = 0; b < B; ++b)
+      if (sg.group[b] >= 0) members[sg.group[b]].push_back(b);
+    const int64_t slice = std::max<int64_t>(1, SEG_QUERY_ROWS / (G * t)), rmax = slice * G * t;
+    const int64_t rpad = (rmax + P - 1) / P * P;
+    struct Task { int64_t kh, grp, first, count; };
+    std::vector<Task> row_tasks;
+    for (int64_t kh = 0; kh < kvh_; ++kh)
+      for (int64_t grp = 0; grp < sg.groups; ++grp)
+        for (int64_t first = 0; first < static_cast<int64_t>(members[grp].size()); first += slice)
+          row_tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
+    const int64_t nrt = static_cast<int64_t>(row_tasks.size()), chunks = (sg.len + SEG_KEYS - 1) / SEG_KEYS;
+    if (nrt == 0) return;  // no row of this batch reads the segment
+    const int64_t spans = split_spans(nrt, chunks, at::get_num_threads());
+    const int64_t span_chunks = (chunks + spans - 1) / spans;
+    // [row task, span, row] (and [.., d]) when spans > 1, written by the tasks (the outputs zeroed there, in
+    // parallel: zeroing all up front here was ~0.1 ms of a 0.35 ms step on 16 threads)
+    std::unique_ptr<float[]> part_m, part_s, part_o;
+    if (spans > 1) {
+      part_m.reset(new float[nrt * spans * rmax]);
+      part_s.reset(new float[nrt * spans * rmax]);
+      part_o.reset(new float[nrt * spans * rmax * hd_]);
+    }
+    auto state_of = [&](const Task& task, int64_t r) {  // row r = (member c, head g, query i)
+      const int64_t b = members[task.grp][task.first + r / (G * t)], g = r / t % G, i = r % t;
+      return (b * t + i) * h_ + task.kh * G + g;
+    };
+    const bool narrow = sg.lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
+    at::parallel_for(0, nrt * spans, 1, [&](int64_t begin, int64_t end) {
+      Rows rows(rpad, 0);
+      std::vector<float> p(rpad * SEG_KEYS), qt(hd_ * rpad);
+      std::vector<float> kbuf(narrow ? SEG_KEYS * hd_ : 0), vbuf(narrow ? SEG_KEYS * hd_ : 0);
+      for (int64_t n = begin; n < end; ++n) {
+        const Task& task = row_tasks[n / spans];
+        const int64_t span = n % spans, R = task.count * G * t, Rp = (R + P - 1) / P * P;
+        const bool cols = R >= WIDE_ROWS && hd_ % P == 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t state = state_of(task, r), b = state / h_ / t, i = state / h_ % t;
+          rows.q[r] = qkv + (b * t + i) * nq + (state % h_) * hd_;
+          if (spans == 1) {
+            rows.o[r] = out + state * hd_;
+            rows.m[r] = run_m[state];
+            rows.s[r] = run_s[state];
+          } else {
+            rows.o[r] = part_o.get() + (n * rmax + r) * hd_;
+            std::fill(rows.o[r], rows.o[r] + hd_, 0.0f);
+            rows.m[r] = -FLT_MAX;
+            rows.s[r] = 0.0f;
+          }
+        }
+        if (cols) {
+          for (int64_t r = R; r < Rp; ++r) {  // padding rows of the 16-row panels: an empty state, never read back
+            rows.m[r] = -FLT_MAX;
+            rows.s[r] = 0.0f;
+          }
+          transpose_queries(rows, R, Rp, scale, qt.data());
+        }
+        const int64_t head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, slab, d]
+        const int64_t k_row = (head + task.grp * kvh_ + task.kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
+        const float* Kf = reinterpret_cast<const float*>(sg.kv) + k_row * hd_;
+        const float* Vf = reinterpret_cast<const float*>(sg.kv) + v_row * hd_;
+        const int64_t k1 = std::min(sg.len, (span + 1) * span_chunks * SEG_KEYS);
+        for (int64_t c0 = span * span_chunks * SEG_KEYS; c0 < k1; c0 += SEG_KEYS) {
+          const int64_t nc = std::min<int64_t>(SEG_KEYS, k1 - c0);
+          const float* bias = sg.bias + task.grp * sg.len + c0;
+          const bool more = c0 + SEG_KEYS < k1;
+          const float *K = Kf + c0 * hd_, *V = Vf + c0 * hd_;
+          const float *K_next = more ? K + SEG_KEYS * hd_ : nullptr, *V_next = more ? V + SEG_KEYS * hd_ : nullptr;
+          if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
+            const uint8_t* k_at = sg.kv + (k_row + c0) * sg.lay.row_bytes;
+            const uint8_t* v_at = sg.kv + (v_row + c0) * sg.lay.row_bytes;
+            const int64_t skip = SEG_KEYS * sg.lay.row_bytes;
+            widen_rows(sg.lay, k_at, nc, hd_, kbuf.data(), more ? k_at + skip : nullptr);
+            widen_rows(sg.lay, v_at, nc, hd_, vbuf.data(), more ? v_at + skip : nullptr);
+            K = kbuf.data(), V = vbuf.data(), K_next = nullptr, V_next = nullptr;
+          }
+          if (cols) {
+            // the next chunk of this span is prefetched while this one is attended (K over the score blocks, V
+            // over the weighing passes), as in the own-cache path
+            attend_columns(rows, R, Rp, qt.data(), K, V, nc, bias, p.data(), K_next, V_next,
+                           more ? std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS) : 0);
+          } else {
+            for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
+            attend_keys(rows, R, K, V, nc, scale, p.data(), SEG_KEYS, true);
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          if (spans == 1) {
+            const int64_t state = state_of(task, r);
+            run_m[state] = rows.m[r];
+            run_s[state] = rows.s[r];
+          } else {
+            part_m[n * rmax + r] = rows.m[r];
+            part_s[n * rmax + r] = rows.s[r];
+          }
+        }
+      }
+    });
+    if (spans == 1) return;
+    at::parallel_for(0, nrt * rmax, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const Task& task = row_tasks[n / rmax];
+        const int64_t r = n % rmax;
+        if (r >= task.count * G * t) continue;
+        const int64_t state = state_of(task, r);
+        for (int64_t sp = 0; sp < spans; ++sp) {
+          const int64_t at = ((n / rmax) * spans + sp) * rmax + r;
+          fold_state(run_m[state], run_s[state], out + state * hd_, part_m[at], part_s[at], part_o.get() + at * hd_);
+        }
+      }
+    });
+  }
+
+  // The shared-segment path for R >= WIDE_ROWS rows of one group and KV head (all reading the same keys with the
+  // same bias): the queries are transposed once per task into qt [d][Rp] (pre-scaled, Rp = R rounded up to 16),
+  // so a chunk's scores come out as st [key][row] -- one broadcast per key, one load per 16 rows, no transpose of
+  // the keys per chunk -- and the softmax runs down the columns, 16 rows per instruction.
+  void transpose_queries(const Rows& rows, int64_t R, int64_t Rp, float scale, float* qt) const {
+    for (int64_t e = 0; e < hd_; ++e) {
+      float* dst = qt + e * Rp;
+      for (int64_t r = 0; r < R; ++r) dst[r] = rows.q[r][e] * scale;
+      std::fill(dst + R, dst + Rp, 0.0f);
+    }
+  }
+
+  // Merges keys [0, n) into the running state of the R rows whose queries are qt: scores into st [n][Rp], the
+  // online softmax per column, then the value rows weighed by columns of st. The next chunk's n_next keys and
+  // values (K_next, V_next; null for none) are prefetched over the score blocks and the weighing passes.
+  void attend_columns(Rows& rows, int64_t R, int64_t Rp, const float* qt, const float* K, const float* V, int64_t n,
+                      const float* bias, float* st, const float* K_next, const float* V_next, int64_t n_next) const {
+    const int64_t panels = Rp / P;
+    int64_t blocks = 0;  // score blocks below, over which the next chunk's keys are prefetched
+    for (int64_t i0 = 0; i0 < panels; i0 += COL_PANELS)
+      blocks += n / COL_KEYS[std::min<int64_t>(COL_PANELS, panels - i0) - 1];
+    const Lines kn = share(K_next, n_next, 0, 1);
+    Prefetch pf(kn.first, kn.second, blocks);
+    float* m = rows.m.data();
+    float* s = rows.s.data();
+    float* alpha = rows.alpha.data();
+    float* mx = rows.col.data();  // the column maxima, folded in by the score blocks as they store
+    float* sum = mx + Rp;
+    std::copy(m, m + Rp, mx);
+    std::fill(sum, sum + Rp, 0.0f);
+    for (int64_t i0 = 0; i0 < panels; i0 += COL_PANELS) {
+      const int64_t np = std::min<int64_t>(COL_PANELS, panels - i0), nk = COL_KEYS[np - 1];
+      int64_t j = 0;
+      for (; j + nk <= n; j += nk) {
+        pf.advance();
+        COL_BLOCKS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P, mx + i0 * P);
+      }
+#ifdef __AVX512F__
+      for (; j < n; ++j)
+        COL_TAILS[np - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P, mx + i0 * P);
+#else  // the < 6 keys left in one block: one key alone is a chain of d dependent FMAs
+      if (j < n) COL_REST[n - j - 1](K + j * hd_, bias + j, hd_, qt + i0 * P, Rp, st + j * Rp + i0 * P, mx + i0 * P);
+#endif
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float* row = st + j * Rp;
+      for (int64_t r = 0; r < Rp; ++r) {
+        row[r] = exp_fast(row[r] - mx[r]);
+        sum[r] += row[r];
+      }
+    }
+    for (int64_t r = 0; r < Rp; ++r) {
+      alpha[r] = exp_fast(m[r] - mx[r]);  // rescales what earlier keys contributed
+      s[r] = s[r] * alpha[r] + sum[r];
+      m[r] = mx[r];
+    }
+    weigh_rows(rows, R, st, Rp, true, V, n, true, V_next, n_next);
+  }
+
+  // (m, s, o) := the softmax state over the keys of both (m, s, o) and (m2, s2, o2): running maxima, sums of
+  // exp(score - max), and unnormalised outputs. Empty states are (-FLT_MAX, 0, 0).
+  void fold_state(float& m, float& s, float* o, float m2, float s2, const float* o2) const {
+    const float mx = std::max(m, m2), a = std::exp(m - mx), b = std::exp(m2 - mx);
+    s = s * a + s2 * b;
+    for (int64_t e = 0; e < hd_; ++e) o[e] = o[e] * a + o2[e] * b;
+    m = mx;
+  }
+
+  // Part i of `parts` of the lines of n key or value rows starting at `next` (the next chunk's), for a Prefetch
+  Lines share(const float* next, int64_t n, int64_t i, int64_t parts) const {
+    if (next == nullptr) return {nullptr, 0};
+    const int64_t lines = n * hd_ / P, lo = lines * i / parts;
+    return {next + lo * P, lines * (i + 1) / parts - lo};
+  }
+
+  // p[j] = cap * tanh(p[j] / cap) + bias[j] (Gemma 2's soft-capped attention scores, in HF's order)
+  void cap_scores(float* p, const float* bias, int64_t n) const {
+    const float cap = static_cast<float>(softcap_);
+    for (int64_t j = 0; j < n; ++j) p[j] = tanh_fast(p[j] / cap) * cap + bias[j];
+  }
+
+  // Merges keys [0, n) (K/V rows of hd floats; rows.bias[r][j] added to query r's score of key j) into the running
+  // state of R query rows. Without `prior` the state is empty and the output rows are not read.
+  // With `vq` (int8 rows row_bytes apart, weighs_int8), the values are read from there instead of V.
+  void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
+                   int64_t ldp, bool prior, const float* K_next = nullptr, const float* V_next = nullptr,
+                   const uint8_t* vq = nullptr, int64_t row_bytes = 0) const {
+    const bool wide = R >= WIDE_ROWS && hd_ % P == 0;
+    if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
+    for (int64_t r = 0; r < R; ++r) {
+      float* pr = p + r * ldp;
+      if (!wide) {
+        // soft-capped scores (Gemma 2): q.k * scale first (a zero bias), then capped and biased
+        const float* bias = softcap_ > 0.0 ? zeros_.data() : rows.bias[r];
+        switch (hd_) {
+          case 64: scores<4>(rows.q[r], K, n, bias, scale, pr, share(K_next, n, r, R)); break;
+          case 128: scores<8>(rows.q[r], K, n, bias, scale, pr, share(K_next, n, r, R)); break;
+          default:
+            for (int64_t j = 0; j < n; ++j) pr[j] = dot(rows.q[r], K + j * hd_, hd_) * scale + bias[j];
+        }
+        if (softcap_ > 0.0) cap_scores(pr, rows.bias[r], n);
+      }
+      softmax_row(rows, r, pr, n, prior);
+    }
+    if (vq != nullptr) {
+      weigh_int8(rows, R, p, ldp, vq, row_bytes, n, prior);
+      return;
+    }
+    weigh_rows(rows, R, p, ldp, false, V, n, prior, V_next);
+  }
+
+  // Whether this step's own-cache chunks of an int8 cache are attended in integers (attend_i8): with VNNI, at
+  // head_dim 64 or 128 and without soft-capping, unless set_int8_kv_dots turned it off
+  bool integer_dots(const KVLayout& lay) const {
+    return HAVE_I8_KV_DOTS && int8_kv_dots_ && lay.kind == KVKind::I8 && (hd_ == 64 || hd_ == 128) &&
+           softcap_ == 0.0;
+  }
+
+  // Whether int8 values are weighed straight from their rows: AVX-512 at head_dim 64 or 128 (elsewhere they are
+  // widened first, as every other format is)
+  bool weighs_int8(const KVLayout& lay) const {
+#ifdef __AVX512F__
+    return lay.kind == KVKind::I8 && (hd_ == 64 || hd_ == 128);
+#else
+    return false;
+#endif
+  }
+
+  // weigh_rows for int8 values: each row's weights p[r][j] take the value row's scale s_j first (p * (q * s) =
+  // (p * s) * q), then the values are converted in registers as they are read, so a chunk of values is neither
+  // written out as float32 nor read back. Measured on the 2-core EPYC (AVX-512), batch 8, 8K context: widening
+  // the values into a buffer first cost as much as weighing them.
+  void weigh_int8(Rows& rows, int64_t R, float* p, int64_t ldp, const uint8_t* vq, int64_t row_bytes, int64_t n,
+                  bool prior) const {
+#ifdef __AVX512F__
+    float sv[std::max(OWN_KEYS, SEG_KEYS)];
+    for (int64_t j = 0; j < n; ++j) std::memcpy(sv + j, vq + j * row_bytes + hd_, 4);
+    for (int64_t r = 0; r < R; ++r) {
+      float* pr = p + r * ldp;
+      for (int64_t j = 0; j < n; ++j) pr[j] *= sv[j];
+    }
+    const int64_t rstep = hd_ == 64 ? 6 : 4;
+    for (int64_t r0 = 0; r0 < R; r0 += rstep) {
+      const int64_t rc = std::min<int64_t>(rstep, R - r0);
+      (hd_ == 64 ? WEIGH_I8_64 : WEIGH_I8_128)[rc - 1](p + r0 * ldp, ldp, vq, row_bytes, n, rows.alpha.data() + r0,
+                                                       prior, rows.o.data() + r0);
+    }
+#else
+    TORCH_CHECK(false, "weigh_int8 is built for AVX-512 only");
+#endif
+  }
+
+#if HAVE_I8_KV_DOTS
+  // One chunk of a row's own int8 cache (n <= OWN_KEYS keys at K and V, row_bytes apart) merged into the running
+  // state of R query rows, in integers (see QueryI8; buf.q holds their digits); the lines at K_next / V_next are
+  // prefetched meanwhile. Up to I8_SCORE_ROWS rows transpose each key block as they score it; more read the chunk
+  // transposed once.
+  void attend_i8(Rows& rows, int64_t R, I8Buffers& buf, const uint8_t* K, const uint8_t* V, int64_t row_bytes,
+                 int64_t n, float* p, int64_t ldp, bool prior, const uint8_t* K_next, const uint8_t* V_next) const {
+    const int NG = static_cast<int>(hd_ / 64);
+    alignas(64) float sk[OWN_KEYS], sv[OWN_KEYS];  // the rows' scales, zero past n
+    gather_scales(K, row_bytes, n, hd_, sk);
+    gather_scales(V, row_bytes, n, hd_, sv);
+    const int64_t blocks = (n + 15) / 16, lines = (n * row_bytes + 63) / 64;
+    const LinePrefetch pk{K_next, lines, blocks}, pv{V_next, lines, blocks};
+    const QueryI8* qs = buf.q.data();
+    if (R <= I8_SCORE_ROWS) {
+      (NG == 1 ? I8_SCORES<1, false> : I8_SCORES<2, false>)[R - 1](qs, K, row_bytes, nullptr, n, sk,
+                                                                   rows.bias.data(), p, ldp, pk, pv);
+    } else {
+      (NG == 1 ? key_blocks<1> : key_blocks<2>)(K, row_bytes, n, buf.keys.data(), pk, pv);
+      for (int64_t r0 = 0; r0 < R; r0 += I8_SCORE_ROWS) {
+        const int64_t rc = std::min<int64_t>(I8_SCORE_ROWS, R - r0);
+        (NG == 1 ? I8_SCORES<1, true> : I8_SCORES<2, true>)[rc - 1](qs + r0, nullptr, 0, buf.keys.data(), n, sk,
+                                                                     rows.bias.data() + r0, p + r0 * ldp, ldp, pk,
+                                                                     pv);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) softmax_row(rows, r, p + r * ldp, n, prior);
+    // the weights p_j s_j of each row as 16 bits of their maximum, two u8 digits (buf.w: [R][2][ldw] bytes)
+    const int64_t ldw = OWN_KEYS + 4;
+    uint8_t* wq = buf.w.data();
+    float* wstep = buf.wstep.data();
+    for (int64_t r = 0; r < R; ++r) {  // 16 weights a vector; those past n are zero (sv is)
+      float* pr = p + r * ldp;
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(pr + j), _mm512_load_ps(sv + j));
+        _mm512_storeu_ps(pr + j, w);
+        vmax = _mm512_max_ps(vmax, w);
+      }
+      const float wmax = _mm512_reduce_max_ps(vmax);
+      wstep[r] = wmax / 65535.0f;
+      const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 65535.0f / wmax : 0.0f);
+      uint8_t *hi = wq + 2 * r * ldw, *lo = hi + ldw;
+      for (int64_t j = 0; j < n; j += 16) {  // rounded to nearest even, as nearbyint
+        const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pr + j), inv)),
+                                           _mm512_set1_epi32(65535));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + j), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + j),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += I8_WEIGH_ROWS) {
+      const int64_t rc = std::min<int64_t>(I8_WEIGH_ROWS, R - r0);
+      for (int g = 0; g < NG; ++g) {
+        __m512i sums[I8_WEIGH_ROWS][4];  // a 64-value group's sums, 4 registers a row (see i8_weigh)
+        for (int h = 0; h < 2; ++h)
+          I8_WEIGH[h][rc - 1](wq + 2 * r0 * ldw, wq + (2 * r0 + 1) * ldw, 2 * ldw, V + 64 * g, row_bytes, n, sums);
+        for (int64_t r = 0; r < rc; ++r)
+          i8_finish(sums[r], wstep[r0 + r], rows.alpha[r0 + r], prior, rows.o[r0 + r] + 64 * g);
+      }
+    }
+  }
+#endif
+
+  // o[r] = alpha[r] * o[r] (or 0 without prior) + sum_j p[r][j] V[j] for R rows, a few rows per register pass;
+  // p is [row][key] with row stride ldp, or with `cols` [key][row] with key stride ldp (the shared-segment path)
+  void weigh_rows(Rows& rows, int64_t R, const float* p, int64_t ldp, bool cols, const float* V, int64_t n,
+                  bool prior, const float* V_next = nullptr, int64_t n_next = -1) const {
+    if (n_next < 0) n_next = n;  // the next chunk's keys (to prefetch), by default as many as this one's
+#ifndef __AVX512F__
+    // AVX2: the blocks below are 24-48 accumulators of 16 ymm registers (they spilled on every key). Instead 12
+    // accumulators a pass: 6 rows x 16 dims (a shared segment's columns, a verify tree), else 3 rows x 32 dims
+    // (decode's G = 3 query heads of a KV head); the value rows are re-read from L1 by the passes.
+    if (hd_ % 32 == 0) {
+      const bool many = R >= 6;
+      const int64_t rstep = many ? 6 : 3, dstep = many ? 16 : 32;
+      const int64_t passes = (R + rstep - 1) / rstep * (hd_ / dstep);
+      for (int64_t r0 = 0, pass = 0; r0 < R; r0 += rstep) {
+        const int64_t rc = std::min<int64_t>(rstep, R - r0);
+        for (int64_t d0 = 0; d0 < hd_; d0 += dstep, ++pass)
+          (many ? WEIGH_PART16[cols][rc - 1] : WEIGH_PART32[cols][rc - 1])(
+              cols ? p + r0 : p + r0 * ldp, ldp, V + d0, hd_, n, rows.alpha.data() + r0, prior, rows.o.data() + r0,
+              d0, share(V_next, n_next, pass, passes));
+      }
+      return;
+    }
+#endif
+    const int64_t rstep = hd_ == 64 ? 6 : 4;  // rows per pass: rstep * d/16 accumulators + d/16 value registers
+    const int64_t passes = (R + rstep - 1) / rstep;
+    for (int64_t r0 = 0; r0 < R; r0 += rstep) {
+      const int64_t rc = std::min<int64_t>(rstep, R - r0);
+      const float* pr = cols ? p + r0 : p + r0 * ldp;
+      float* const* o = rows.o.data() + r0;
+      const float* alpha = rows.alpha.data() + r0;
+      if (hd_ == 64) {
+        WEIGH_64[cols][rc - 1](pr, ldp, V, n, alpha, prior, o, share(V_next, n_next, r0 / rstep, passes));
+      } else if (hd_ == 128) {
+        WEIGH_128[cols][rc - 1](pr, ldp, V, n, alpha, prior, o, share(V_next, n_next, r0 / rstep, passes));
+      } else {
+        for (int64_t r = 0; r < rc; ++r) {
+          if (prior)
+            for (int64_t j = 0; j < hd_; ++j) o[r][j] *= alpha[r];
+          else
+            std::fill(o[r], o[r] + hd_, 0.0f);
+          for (int64_t j = 0; j < n; ++j) axpy(o[r], cols ? pr[j * ldp + r] : pr[r * ldp + j], V + j * hd_, hd_);
+        }
+      }
+    }
+  }
+
+  // Scores of R >= WIDE_ROWS query rows against n keys as a matrix product (a verify step's tree, a shared
+  // segment's group): the chunk's keys are transposed once into 16-key panels, then blocks of up to 6 query rows x
+  // 4 panels (24 accumulators) take one broadcast per row and one load per panel for every FMA row -- instead of
+  // one dot product per (row, key) and a reduction across lanes.
+  void wide_scores(Rows& rows, int64_t R, const float* K, int64_t n, float scale, float* p, int64_t ldp) const {
+    const int64_t panels = (n + P - 1) / P;
+    float* kt = rows.kt.data();
+    for (int64_t j = 0; j < panels; ++j) {
+      float* panel = kt + j * hd_ * P;
+      const int64_t nk = std::min<int64_t>(P, n - j * P);
+      if (nk == P) {  // 16 x 16 blocks through registers
+        for (int64_t e0 = 0; e0 < hd_; e0 += P) {
+          v16 x[P];
+          for (int kk = 0; kk < P; ++kk) x[kk] = load16(K + (j * P + kk) * hd_ + e0);
+          transpose16(x);
+          for (int e = 0; e < P; ++e) store16(panel + (e0 + e) * P, x[e]);
+        }
+        continue;
+      }
+      for (int64_t kk = 0; kk < nk; ++kk) {
+        const float* key = K + (j * P + kk) * hd_;
+        for (int64_t e = 0; e < hd_; ++e) panel[e * P + kk] = key[e];
+      }
+      for (int64_t kk = nk; kk < P; ++kk)
+        for (int64_t e = 0; e < hd_; ++e) panel[e * P + kk] = 0.0f;
+    }
+#ifdef __AVX512F__
+    constexpr int64_t key_panels = 4;
+#else
+    constexpr int64_t key_panels = 1;  // AVX2: 6 rows x 1 panel, 12 accumulators of 16 registers
+#endif
+    for (int64_t r0 = 0; r0 < R; r0 += 6)
+      for (int64_t j0 = 0; j0 < panels; j0 += key_panels) {
+        const int64_t mb = std::min<int64_t>(6, R - r0), nb = std::min<int64_t>(key_panels, panels - j0);
+        SCORE_BLOCKS[(mb - 1) * 4 + nb - 1](rows.q.data() + r0, kt + j0 * hd_ * P, hd_, p + r0 * ldp + j0 * P, ldp);
+      }
+    for (int64_t r = 0; r < R; ++r) {  // scale and bias, over the n valid keys only
+      float* pr = p + r * ldp;
+      const float* br = rows.bias[r];
+      if (softcap_ > 0.0) {  // Gemma 2's cap * tanh(score / cap), before the bias
+        for (int64_t j = 0; j < n; ++j) pr[j] *= scale;
+        cap_scores(pr, br, n);
+        continue;
+      }
+      int64_t j = 0;
+      for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
+      for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
+    }
+  }
+
+ private:
+  int64_t h_, kvh_, hd_;
+  double scale_;
+  double softcap_ = 0.0;
+  bool int8_kv_dots_ = HAVE_I8_KV_DOTS;
+  std::vector<float> zeros_ = std::vector<float>(std::max(OWN_KEYS, SEG_KEYS), 0.0f);  // a bias that adds nothing
+};
+
+}  // namespace
