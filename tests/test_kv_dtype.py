@@ -90,7 +90,7 @@ def int8_dots_decoder(h: int, kvh: int, hd: int):
     (9, 3, 1, 40, 100, True),   # 120 query rows (a prompt chunk of 40 tokens) after a shared segment
 ])
 def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap, segment):
-    """The native step's integer attention over int8 rows (cpu_decode.cpp, attend_i8) against exact attention over
+    """The native step's integer attention over int8 rows (kernels/cpu/attention.h, attend_i8) against exact attention over
     the same rows decoded. Its stated bound: a query row as 16-bit digits moves each score by at most
     eps = c * max|q| / 32639 / 2 * sum|k| (so each weight by a factor within exp(+-2 eps)), and weights rounded to
     16 bits of their 64-key chunk's largest move the output by at most n * max|V| / 131070 over n keys. It is a

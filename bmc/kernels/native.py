@@ -86,7 +86,7 @@ class NativeDecoders:
 
 
 def int8_kv_dots_enabled() -> bool:
-    """Whether an int8 KV cache is attended in integers (VNNI dot products on the stored bytes, cpu_decode.cpp's
+    """Whether an int8 KV cache is attended in integers (VNNI dot products on the stored bytes, kernels/cpu/attention.h's
     attend_i8: a bound ~2^-16 of what it rounds, beside int8 rows' 2^-8), where the CPU can; `BMC_INT8_KV_DOTS=0`
     widens the rows to float32 first instead (the A/B of the two)."""
     return os.environ.get("BMC_INT8_KV_DOTS", "1") != "0"

@@ -11,7 +11,7 @@ moves rows without knowing the format:
   in float32: 3.8x fewer bytes for decode attention to stream. (s = max|x| * fl(1/127) and q = round(x * (1/s)):
   products, so that both sides round alike.)
 
-The native CPU step (bmc/kernels/cpu_decode.cpp) writes and reads these same bytes with the same arithmetic, so
+The native CPU step (bmc/kernels/cpu/kv_format.h) writes and reads these same bytes with the same arithmetic, so
 its KV equals the PyTorch path's bit for bit."""
 from __future__ import annotations
 

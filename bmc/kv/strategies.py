@@ -49,7 +49,7 @@ class BMCCache(KVCache):
         return max(needed, min(chunked, self.max_length))  # never past the run's maximum length N
 
 
-SCORE_BLOCK = 16  # keys the native CPU step scores together (cpu_decode.cpp, scores<NV> and sum16)
+SCORE_BLOCK = 16  # keys the native CPU step scores together (kernels/cpu/attend_float.h, scores<NV> and sum16)
 
 
 def whole_score_blocks(r: int, max_length: int) -> int:

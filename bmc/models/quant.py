@@ -2,7 +2,7 @@
 as llama.cpp's reference quantizers make them), re-laid into the native step's 16-column panels.
 
 A weight is read in panels of 16 output columns; each block of 32 input rows of a panel holds its 16 columns'
-scales and quants (the layout is described in kernels/cpu_decode.cpp). The kernel dequantizes a panel into a
+scales and quants (the layout is described in kernels/cpu/quant.h). The kernel dequantizes a panel into a
 thread's buffer and runs the float32 GEMM kernels on it, so a quantized model computes with exactly the float32
 weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the native step, bit for bit, reading
 4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
@@ -36,7 +36,7 @@ PANEL = 16
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
 PANEL_ROWS = 2048
-# The native step's panel formats (cpu_decode.cpp's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
+# The native step's panel formats (kernels/cpu/quant.h's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
 #   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others;
 #   q4h: q4 with d and m in fp16 (Q4_0 and Q4_1, whose scales GGUF stores in fp16; Q4_K's d * sc_j need float32).
 PANEL_FORMATS = {"q8": (4 * PANEL + QK * PANEL, torch.int8), "q4": (8 * PANEL + QK * PANEL // 2, torch.uint8),
