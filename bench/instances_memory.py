@@ -19,7 +19,7 @@ import time
 import httpx
 import psutil
 
-from bmc.ports import free_port
+from bmc.platform.ports import free_port
 
 
 

@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bmc.bench.results import write_result  # noqa: E402  (from this checkout when bmc is not installed)
-from bmc.ports import free_port  # noqa: E402
+from bmc.platform.ports import free_port  # noqa: E402
 
 
 # ---- the client --------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from .hugepages import empty_mapped, whole_mapping
+from .platform.hugepages import empty_mapped, whole_mapping
 from .kv import KVCache
 
 BLOCK = 16  # tokens a block: the granularity of a hit and of a split (vLLM's default block size)

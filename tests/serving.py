@@ -14,7 +14,7 @@ from typing import Sequence
 
 import httpx
 
-from bmc.ports import free_port
+from bmc.platform.ports import free_port
 
 
 class ServerProcess:

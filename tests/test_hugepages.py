@@ -1,4 +1,4 @@
-"""Weight panels on 2 MiB pages and KV mappings (bmc/hugepages.py): what the arena hands out is correct memory, the
+"""Weight panels on 2 MiB pages and KV mappings (bmc/platform/hugepages.py): what the arena hands out is correct memory, the
 advice covers exactly the 2 MiB-aligned interior of each allocation, and a KV mapping is zeroed, reserves room and
 takes no advice."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import mmap
 import pytest
 import torch
 
-from bmc import hugepages
-from bmc.hugepages import HugePageArena, empty_huge, empty_mapped, whole_mapping
+from bmc.platform import hugepages
+from bmc.platform.hugepages import HugePageArena, empty_huge, empty_mapped, whole_mapping
 
 HUGE = 2 << 20
 

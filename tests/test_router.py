@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 import bmc
-from bmc.server.router import bind_memory_to, core_sets_for, nodes_of, parse_cpu_list, physical_core_cpus
+from bmc.platform.topology import bind_memory_to, nodes_of, parse_cpu_list, physical_core_cpus
+from bmc.server.router import core_sets_for
 
 from .conftest import make_llama
 from .serving import ServerProcess

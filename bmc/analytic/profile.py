@@ -6,7 +6,6 @@ import json
 import math
 import logging
 import os
-import platform
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ..platform.topology import cpu_model
+
+    return cpu_model()
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:

@@ -201,7 +201,7 @@ def stream_read_gbps(mib: int = 512, repeats: int = 3) -> float:
     arithmetic) where it builds, else torch's sum. Why not sum alone: on the 2-core EPYC of 2026-11-25 an F32
     decode step read 42 GB/s where sum measured 31-36, bound by its own additions; on the EPYC of 2026-11-26 both
     read the same (one thread 42.6 / 42.9 GB/s, two 51.8 / 49.9)."""
-    from ..hugepages import empty_huge
+    from ..platform.hugepages import empty_huge
     from ..kernels.native import native_module
 
     x = empty_huge((mib * 2**18,), torch.float32)

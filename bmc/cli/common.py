@@ -2,36 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import NoReturn
 
+from ..platform.topology import physical_cores  # noqa: F401 (the CLIs' default thread count)
+
 
 MAX_THREADS = 1024  # more is a typo, not a machine
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyper-threads share a core's FPUs: one thread per core is fastest)."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores: set[tuple[str, str]] = set()
-    try:
-        phys = core = ""
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key, val = key.strip(), val.strip()
-                if key == "physical id":
-                    phys = val
-                elif key == "core id":
-                    core = val
-                elif not key and core:
-                    cores.add((phys, core))
-                    core = ""
-        if core:
-            cores.add((phys, core))
-    except OSError:
-        pass
-    return max(1, min(allowed, len(cores) or allowed))
 
 
 def fail(message: str) -> NoReturn:

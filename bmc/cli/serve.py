@@ -168,7 +168,7 @@ def default_prefix_cache_bytes() -> int:
 def instance_count(args: argparse.Namespace) -> int:
     if args.instances != "auto":
         return int(args.instances)
-    from ..server.router import numa_nodes
+    from ..platform.topology import numa_nodes
 
     return max(1, len(numa_nodes()))
 
@@ -216,14 +216,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     timeout_graceful_shutdown=args.timeout_graceful_shutdown)
         return
     if args.cpus:
-        from ..server.router import parse_cpu_list
+        from ..platform.topology import parse_cpu_list
 
         try:
             cpus = parse_cpu_list(args.cpus)
             os.sched_setaffinity(0, cpus)  # before torch starts its threads: they inherit the mask
         except (ValueError, OSError) as e:
             fail(f"--cpus {args.cpus}: {e}")
-        from ..server.router import bind_memory_to
+        from ..platform.topology import bind_memory_to
 
         bound = bind_memory_to(cpus)  # several NUMA nodes: memory beside the cores
         if bound is not None:

@@ -30,7 +30,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from ..hugepages import empty_mapped, whole_mapping
+from ..platform.hugepages import empty_mapped, whole_mapping
 from .formats import KVFormat, kv_format
 
 

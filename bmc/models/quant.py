@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
-from ..hugepages import HugePageArena
+from ..platform.hugepages import HugePageArena
 
 QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")

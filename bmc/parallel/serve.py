@@ -23,7 +23,7 @@ import torch
 
 from ..engine import GenerationConfig
 from ..engine_options import EngineOptions
-from ..ports import free_port
+from ..platform.ports import free_port
 from ..scheduler import Request, Scheduler, TokenOutput
 from .tp import POLL_S, TensorParallelError, _threads, load_rank, reporting_rank, stop_ranks
 

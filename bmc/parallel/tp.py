@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import BmcError, InvalidRequestError
-from ..ports import free_port
+from ..platform.ports import free_port
 
 POLL_S = 0.2
 
