@@ -137,7 +137,7 @@ def main() -> None:
     float_dense = {(r["batch"], r["context"]): r["dense_ms"] for r in rows if r["kv_dtype"] == "float32"}
     for r in rows:  # against float32 dense where it was measured, else against the same format's dense
         r["speedup_vs_float32_dense"] = float_dense.get((r["batch"], r["context"]), r["dense_ms"]) / r["sparq_ms"]
-    from bmc.attention.sparq_kernel import fused_decode
+    from bmc.kernels.sparq import fused_decode
 
     meta = {"heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "float32", "kv_dtypes": args.kv_dtypes.split(","),
             "device": "cpu", "host": platform.node(),

@@ -39,7 +39,8 @@ from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids
 from .engine_options import EngineOptions
 from .errors import BmcError, InvalidRequestError
 from .graphs import DecodeGraphs
-from .kernels.native import StepPart, argmax
+from .kernels.native import argmax
+from .models.step import StepPart
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import Node, PrefixCache, common_prefix

@@ -381,4 +381,7 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
     names.add(kernels.build_name("step", str(source)))
     monkeypatch.setattr(kernels, "CFLAGS", [*kernels.CFLAGS, "-DNEW_FLAG"])
     names.add(kernels.build_name("step", str(source)))
+    (wing / "unused.h").write_text("// included by nothing\n")
+    assert kernels.build_name("step", str(source)) in names  # a header it does not include changes nothing
     assert len(names) == 4 and all(n.startswith("step_") for n in names)
+    assert kernels.sources_of(str(source)) == [str(source), str(wing / "simd.h")]

@@ -224,7 +224,7 @@ def test_fused_cpu_kernel_matches_the_reference_path():
     import shutil
 
     from bmc.attention.sparq import bias_none
-    from bmc.attention.sparq_kernel import fused_decode
+    from bmc.kernels.sparq import fused_decode
 
     kernel = fused_decode()
     if kernel is None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..errors import InvalidRequestError
 from ..kv.formats import KVFormat
 from .dense import dense_attention
-from .sparq_kernel import fused_decode
+from ..kernels.sparq import fused_decode
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,7 +141,7 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
     ([B, H_kv, d, S], the stored values; with int8 rows their scales kt_scale [B, H_kv, S]; made here when not
     kept); v_mean [B, H_kv, 1, d] turns on step 3. With r = d and k >= S this is dense attention (alpha = 1) over
     the stored rows. Returns the output [B, H, 1, d] and the elements moved (the K rows and K/V positions gathered,
-    plus the new k, v and the mean vector's traffic). fused=True runs steps 1-3 in one C++ call (sparq_kernel.py)
+    plus the new k, v and the mean vector's traffic). fused=True runs steps 1-3 in one C++ call (kernels/sparq.py)
     on CPU float32 queries when it builds, reading any KV format as stored."""
     B, H, t, d = q.shape
     kvh = K.shape[1]

@@ -3,10 +3,10 @@
 fails (no compiler) or is switched off, bmc logs it once and runs the eager path."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -21,16 +21,33 @@ _built: dict[str, Any] = {}
 
 
 def build_name(stem: str, source_file: str) -> str:
-    """`stem` and a hash of what the build reads: the source, every header of the wing, the flags and torch's version.
-    A changed source is a new name, so a stale build in the cache is never loaded."""
+    """`stem` and a hash of what the build reads: the source, the wing's headers it includes (`#include "cpu/..."`,
+    followed through the headers), the flags and torch's version. A changed source is a new name, so a stale build
+    in the cache is never loaded."""
     import torch
 
     digest = hashlib.sha256()
-    for path in [source_file, *sorted(glob.glob(os.path.join(WING, "*.h")))]:
+    for path in sources_of(source_file):
         with open(path, "rb") as f:
             digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode())
     return f"{stem}_{digest.hexdigest()[:12]}"
+
+
+def sources_of(source_file: str) -> list[str]:
+    """The source and every wing header it includes, directly or through another header, in the order first met."""
+    seen, todo = [], [source_file]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        with open(path) as f:
+            todo += [os.path.join(os.path.dirname(WING), name) for name in _INCLUDE.findall(f.read())]
+    return seen
+
+
+_INCLUDE = re.compile(r'^#include "(cpu/[\w.]+)"', re.MULTILINE)
 
 
 def build(stem: str, source_file: str, functions: list[str] | None, switch: str) -> Any:

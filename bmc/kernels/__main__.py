@@ -16,8 +16,8 @@ def _timed(build: Callable[[], Any]) -> tuple[bool, float]:
 
 
 def main() -> None:
-    from ..attention.sparq_kernel import fused_decode
     from .native import native_module
+    from .sparq import fused_decode
 
     kernels = (("native decode step", native_module), ("SparQ attention", fused_decode))
     with ThreadPoolExecutor(max_workers=len(kernels)) as pool:  # each waits on its own g++ process

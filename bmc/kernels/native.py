@@ -13,16 +13,12 @@ rounding (tests compare both paths and HF). `BMC_NATIVE=0` switches it off."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..attention import SharedPrefix, causal_attention, dense_attention
 from . import build
 
-Segments = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
-NO_SEGMENTS: Segments = ([], [], [])
 
 # New tokens per row a native step takes; longer prompt chunks run eagerly. The native step runs prefill too: its
 # blocked GEMM (~185 GFLOP/s on 2 AVX2 cores) beat MKL's eager path on the default model, a prompt of t tokens
@@ -112,35 +108,3 @@ def native_attention(heads: int, kv_heads: int, head_dim: int) -> Any:
 def or_empty(t: torch.Tensor | None) -> torch.Tensor:
     """An optional tensor for the C++ side, where an empty tensor means absent."""
     return torch.empty(0) if t is None else t
-
-
-def native_segments(attention: Any) -> Segments | None:
-    """What the native step needs to compute `attention`: no shared segments for dense attention, the shared
-    prefixes' (kv, bias, group) lists for SharedPrefix.attention, None for other backends (SparQ, window: eager).
-    causal_attention is dense attention whose bias is causal: the native step reads that bias."""
-    if attention is dense_attention or attention is causal_attention:
-        return NO_SEGMENTS
-    owner = getattr(attention, "__self__", None)
-    if isinstance(owner, SharedPrefix) and attention.__func__ is SharedPrefix.attention:
-        return owner.native_segments()
-    return None
-
-
-@dataclass
-class StepPart:
-    """One batch of a fused step (`forward_parts`): tokens and positions [B, t], a cache that has reserved t
-    columns, its bias (cache.attention_bias(t)) and the attention it would run alone."""
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    cache: Any  # a KVCache
-    bias: torch.Tensor
-    attention: Any
-    prompt_len: torch.Tensor | None = None  # [B]: the rows' whole prompt lengths, for a prompt chunk (longrope)
-    all_logits: bool = False  # the logits of every position (a prompt scored token by token), run as its own forward
-
-    def native_ready(self) -> bool:
-        """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense,
-        causal or shared-prefix attention (no SparQ or window function) and a cache written at its length."""
-        return (self.tokens.shape[1] <= NATIVE_MAX_T and self.cache.write_at is None
-                and native_segments(self.attention) is not None)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from ..attention import AttentionFn, causal_attention, dense_attention, group_bias, softcapped_attention
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
-                              or_empty)
+from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_supported, or_empty
+from .step import StepPart, native_segments
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear, apply_rope, rms_norm, rope_tables

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn
-from ..kernels.native import (NATIVE_MAX_T, NativeDecoders, StepPart, native_module, native_segments, native_supported,
-                              or_empty)
+from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_supported, or_empty
+from .step import StepPart, native_segments
 from ..kv import KVCache
 from .config import ModelConfig
 from .ops import Linear

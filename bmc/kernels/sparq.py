@@ -14,9 +14,9 @@ import functools
 import os
 from typing import Any
 
-from ..kernels import build
+from . import build
 
-_SOURCE_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels", "cpu", "sparq.cpp")
+_SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu", "sparq.cpp")
 
 
 @functools.lru_cache(maxsize=None)
