@@ -285,8 +285,8 @@ def eos_ids(model: Model) -> set[int]:
 MIN_SHARED_PREFIX = 16  # generate(): shorter common prefixes are recomputed per row (the merge would cost more)
 
 
-PACK_MIN_ROWS = 2  # measured: MKL-packed GEMMs win at M = 8 (48 vs 69 ms/step), lose at M = 1 (35 vs 32 ms)
-PACK_MIN_STEPS = 96  # packing costs ~1 s for the default model; at M = 8 it saves ~25 ms per step
+PACK_MIN_ROWS = 2  # MKL-packed GEMMs win at M = 8 and lose at M = 1 (docs/performance.md: figures behind choices)
+PACK_MIN_STEPS = 96  # packing costs about a second of the default model: it pays back over this many steps
 
 
 def _pack_weights(model: Model, rows: int, steps_left: int, stats: GenerationStats) -> None:

@@ -98,11 +98,11 @@ def check_token_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of [B, V] probabilities by inverting the CDF with one uniform per row.
 
-    Why not torch.multinomial: on the CPU it took 88 ms for 32 rows of a 49k vocabulary (2.4 ms this way), more
-    than a whole decode step of the default model at batch 8. The CDF is summed in float64 so that every token's
+    Why not torch.multinomial: on the CPU it cost more than a whole decode step of the default model at batch 8
+    (figures: docs/performance.md, "Figures behind the code's choices"). The CDF is summed in float64 so that every token's
     interval keeps its width, and u is kept below the total, so the chosen token always has probability > 0
     (cdf[i] > u >= cdf[i-1])."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # no float64 copy of probs first (2.2 -> 1.5 ms at 32 x 49k)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # summed in float64, with no float64 copy of probs first
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))

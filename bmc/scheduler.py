@@ -10,8 +10,7 @@ One `step()` reads straight through:
      the token budget (`max_num_batched_tokens` minus the decode rows), the next chunk of each admitted prompt,
      oldest first. On a CPU the native step runs them as one fused forward (`forward_parts`): every weight is
      read once for the decode rows and the prompt chunks, so a chunk costs its FLOPs, not another pass over the
-     weights (the default model, 8 rows decoding and a 16-token chunk, 2 threads: 45.5 ms fused against 57.3 ms
-     as two forwards and 21.2 ms for the decode alone). A request whose prompt is done samples its first token
+     weights (measured: docs/performance.md, "Figures behind the code's choices"). A request whose prompt is done samples its first token
      here and joins at the next step.
 
 Exactness: a request's prompt is prefilled as generate() prefills it alone (its own cache from `make_cache` for its
@@ -479,10 +478,9 @@ class Scheduler:
         plain, fused decode).
 
         Why a cap on verify rows: drafts are free while the step is bound by reading the weights and cost their
-        FLOPs once it is bound by arithmetic. fp32 weights give 2 FLOP per 4 bytes read per token row, so with a
-        GEMM peak of ~160 GFLOP/s and ~20-26 GB/s (this 2-core EPYC) the step turns compute-bound at about 13-16
-        rows. Measured (default model, copy prompts, chain:4, no cap): 1 stream x 5 rows 1.92x plain, 4 x 5 = 20
-        rows 1.08x, 8 x 5 = 40 rows 0.94x."""
+        FLOPs once it is bound by arithmetic: fp32 weights give 2 FLOP per 4 bytes read per token row, so a CPU
+        turns compute-bound at (GEMM peak FLOP/s) / (2 x read bandwidth) rows, about a dozen on a few cores
+        (figures: docs/performance.md, "Figures behind the code's choices")."""
         spec, rows = self.spec, self.rows
         assert spec is not None
         switch = longrope_switch(self.model.config)  # a row still rotated short drafts up to the switch only

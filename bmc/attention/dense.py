@@ -33,9 +33,8 @@ def causal_attention(
     """dense_attention for a prefill into an empty cache with no left padding, where the bias is exactly causal
     over the t new columns and masks every later one: SDPA runs on those t keys with is_causal instead, so it skips
     the blocks above the diagonal (half the FLOPs) and reads no [G*t, capacity] mask. `bias` is not read. Same
-    values (bitwise, on the CPU flash kernel, for SmolLM2's shapes); prefill attention 69 -> 38 ms a layer at
-    t = 1920 on 2 cores; on an H100 at t = 4096 (32 heads, 8 KV heads) 7.7 -> 3.3 ms in float32, 1.0 -> 0.27 ms
-    in bfloat16."""
+    values (bitwise, on the CPU flash kernel, for SmolLM2's shapes), in about half the time on a CPU and less on
+    an H100 (docs/performance.md, "Figures behind the code's choices")."""
     t, groups = q.shape[2], q.shape[1] // k.shape[1]
     k, v = k[:, :, :t], v[:, :, :t]
     if groups > 1 and q.is_cuda and q.dtype == torch.float32:

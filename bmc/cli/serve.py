@@ -68,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's first N layers) or int8-self (the model in int8); drafts are verified in the BMC "
                    "cache's padding rows: greedy tokens are identical to plain greedy, sampled ones keep the exact "
                    "distribution")
-    # chain:4 by measurement (default model, copy prompts, 2 threads, generate()): batch 1 161 tok/s against 66
-    # plain and 117 for dynamic:4x6; batch 4 249 against 217 plain and 146 for dynamic:4x6 (a wide tree's verify
-    # FLOPs cost more than its extra accepted tokens once the CPU is compute-bound)
+    # chain:4 by measurement (docs/performance.md, "Figures behind the code's choices"): a wide tree's verify
+    # FLOPs cost more than its extra accepted tokens once the CPU is compute-bound
     p.add_argument("--tree", default="chain:4",
                    help="draft tree per row: chain:K, dynamic:KxDEPTH or static:SIZE (default chain:4); trees "
                    "take at most half of --max-num-batched-tokens while prompts wait")

@@ -2,9 +2,9 @@
 to NATIVE_MAX_T new tokens per row (decode, speculative verify, prompt chunks), and several batches in one step
 (`forward_parts`: the scheduler's decode rows with a prompt chunk, each weight read once for both).
 
-Why, measured on this 2-core AVX-512 machine with the default model: in eager PyTorch a batch-1 decode step
-spends ~13 ms in ~450 op dispatches on top of its GEMMs, and MKL's small-M sgemm reads the weights at
-11-14 GB/s. The native step packs each weight once into 16-column panels read as contiguous streams, keeps up
+Why: in eager PyTorch a batch-1 decode step spends a large share of its time in ~450 op dispatches on top of its
+GEMMs, and MKL's small-M sgemm reads the weights well below the memory's bandwidth (figures: docs/performance.md,
+"Figures behind the code's choices"). The native step packs each weight once into 16-column panels read as contiguous streams, keeps up
 to 8 rows in registers, and never returns to Python between layers.
 
 It computes what the eager path computes (the same attention over the cache's whole capacity with the additive
@@ -21,10 +21,8 @@ from . import build
 
 
 # New tokens per row a native step takes; longer prompt chunks run eagerly. The native step runs prefill too: its
-# blocked GEMM (~185 GFLOP/s on 2 AVX2 cores) beat MKL's eager path on the default model, a prompt of t tokens
-# into an empty cache, 2 threads: t = 128: 149 vs 216 ms, 256: 314 vs 386, 512: 696 vs 772, 1024: 1728 vs 1885;
-# at 2048 the eager path won (3992 vs 4496 ms: the native attention reads the whole masked square, SDPA's causal
-# kernel half of it).
+# blocked GEMM beat MKL's eager path up to 1024 tokens, and lost at 2048, where the native attention reads the whole
+# masked square and SDPA's causal kernel half of it (figures: docs/performance.md, "Figures behind the code's choices").
 NATIVE_MAX_T = 1024
 _SOURCE_FILE = os.path.join(os.path.dirname(__file__), "cpu_decode.cpp")  # includes the wing's headers (cpu/)
 
@@ -48,8 +46,8 @@ _argmax_rows: Any = None  # the native kernel's argmax_rows once looked up; Fals
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1): by the native kernel for float32 logits on the CPU (the same index: the first maximum,
-    or the first NaN), else by torch. torch's CPU argmax took ~0.5 ms for 8 rows of the default model's 49k
-    vocabulary, 1% of a batch-8 decode step."""
+    or the first NaN), else by torch, whose CPU argmax over a 49k vocabulary cost a visible share of a decode
+    step (docs/performance.md, "Figures behind the code's choices")."""
     global _argmax_rows
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() > 0 and native_enabled():
         if _argmax_rows is None:

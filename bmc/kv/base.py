@@ -507,10 +507,8 @@ class KVCache(ABC):
     def _replace_kv(self, new: torch.Tensor, written: int) -> None:
         """`new` (from _new_kv) becomes the KV tensor. With keep_spare the old one's storage, all of it (a CPU
         mapping's reserve too), becomes the next copy's target (the larger of the two is kept). Fresh pages cost
-        more than the copy itself: a 345 MB regroup took 85 ms in one process and 400 ms in another whose
-        allocation met never-touched memory (86k page faults at ~10 us, VM-backed); a BMC growth of an OPT-1.3B
-        batch-8 cache (3.2 GB copied) took 0.4-3.9 s on fresh pages against ~0.09 s of copying alone. So a cache
-        holds up to twice its KV instead. Only for a cache whose tensors nobody else holds (the scheduler's batch,
+        more than the copy itself (page faults on VM-backed memory: docs/performance.md, "Figures behind the code's
+        choices"). So a cache holds up to twice its KV instead. Only for a cache whose tensors nobody else holds (the scheduler's batch,
         a generate() or chat decode cache). A tensor of fewer rows than the old one keeps no spare: the batch is
         draining, and memory held for the copies of a larger batch would outlast it."""
         old, old_written = self.kv, max(self._kv_written, self.kv.numel())

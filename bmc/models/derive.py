@@ -4,11 +4,9 @@
   whose layer objects and tensors are the target's own (no weight is copied).
 - `quantize_int8(model)`: every matrix quantized to int8 per output channel (symmetric, scale = max|w| / 127).
 
-int8 matmul on CPU, measured on this machine (2-core AVX-512 Xeon without VNNI, SmolLM2-135M layer shapes, the 120
-layer GEMMs of one decode step, cold weights, median of 10): fp32 `x @ Wt` 33-36 ms at M = 1, 56-60 ms at M = 4,
-81 ms at M = 16; fbgemm's dynamic int8 linear (activations quantized per call to 7 bits) 22-28 / 22-25 / 45 ms,
-so 1.3-2.4x faster; `torch._weight_int8pack_mm` (int8 weights, fp32 activations) was slower than fp32 (0.7-7 s).
-So `Int8Linear` uses fbgemm where torch has it (x86 CPUs) and otherwise dequantizes on the fly (correct, slower
+int8 matmul on CPU: fbgemm's dynamic int8 linear (activations quantized per call to 7 bits) was faster than the fp32
+GEMMs at every M measured, and `torch._weight_int8pack_mm` (int8 weights, fp32 activations) slower than fp32 (figures:
+docs/performance.md, "Figures behind the code's choices"). So `Int8Linear` uses fbgemm where torch has it (x86 CPUs) and otherwise dequantizes on the fly (correct, slower
 than the fp32 original). The draft's numerics only change how many drafts get accepted, never the output."""
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Small shared kernels of the model files, written for a CPU decode step where every op costs ~10 µs of
 dispatch and the GEMMs are matrix-vector-like (M = batch).
 
-Weights are stored transposed, [in, out] contiguous: measured on a 2-core AVX-512 Xeon, `x @ Wt` runs at
-20-24 GB/s for the fused QKV / gate-up matrices at M = 8 where `F.linear(x, W)` reaches 3-11 GB/s
-(MKL's transposed-B path), and the same at M = 1."""
+Weights are stored transposed, [in, out] contiguous: `x @ Wt` streams the fused QKV / gate-up matrices several
+times faster than `F.linear(x, W)` (MKL's transposed-B path) at small M (docs/performance.md, "Figures behind the
+code's choices")."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,9 +32,8 @@ def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """A weight held [in, out] (+ bias), optionally with an MKL-packed copy for one row count M.
 
-    Packing (cblas_sgemm_pack, the path torch.compile's CPU freezing uses) re-lays the weight for a fixed M:
-    measured here with cold weights, a whole decode step of the default model's GEMMs takes 48 ms at M = 8
-    packed vs 69 ms unpacked, 35 vs 38 ms at M = 1. Any other M falls back to `x @ wt`."""
+    Packing (cblas_sgemm_pack, the path torch.compile's CPU freezing uses) re-lays the weight for a fixed M, which
+    pays at M = 8 and not at M = 1 (engine.PACK_MIN_ROWS). Any other M falls back to `x @ wt`."""
 
     __slots__ = ("wt", "b", "packed", "packed_m", "panels", "device_q", "in_features", "out_features", "quant",
                  "int8_activations")

@@ -8,14 +8,14 @@ rounding, as the `gguf` package's d * q - dm), so the weights a GEMM multiplies 
 quant="none" loads; cast to the model's dtype afterwards, as quant="none" casts them. The GEMM is the model dtype's
 cuBLAS call, so quant="gguf" gives quant="none"'s logits within that GEMM's rounding and its greedy tokens. It
 saves the weights' memory, not time: each GEMM reads the quants, writes the dequantized matrix and reads it again
-(H100, SmolLM2-135M shape, decode at batch 1: 161 tok/s at Q8_0 against float32's 275).
+(slower than float32 on an H100: docs/performance.md, "Figures behind the code's choices").
 
 The int4 path (`_weight_int4pack_mm`, Q4_0 / Q4_1 / Q4_K in bfloat16 on CUDA): tinygemm computes
 w = (q - 8) * s + z with s and z in bfloat16, so a block's fp16 scale d and offset m + 8 d are rounded to bfloat16
 (relative error <= 2^-9 each): every weight is within 2^-9 (|d| |q - 8| + |m + 8 d|) + its own bfloat16 rounding of
 the exact value, the same order as quant="none"'s bfloat16 cast of it (2^-9 |w|). A stated bound, not quant="none"'s
-weights: tests hold the logits to bfloat16's tolerance of quant="none"'s. On the H100 its GEMMs over the default
-model's shapes took 2.06 ms a decode step at M = 1 against cuBLAS bfloat16's 3.12 and the dequantizing path's 19.8.
+weights: tests hold the logits to bfloat16's tolerance of quant="none"'s. At M = 1 its GEMMs beat cuBLAS bfloat16's
+and the dequantizing path's (figures: docs/performance.md).
 torch's `_weight_int8pack_mm` takes one scale per output channel, not per 32 values: GGUF's Q8_0 cannot use it."""
 from __future__ import annotations
 

@@ -18,9 +18,8 @@ class HugePageArena:
     """Weight panels carved out of chunks whose aligned interior is asked to be backed by 2 MiB pages (madvise
     before the first touch; Linux with transparent huge pages in "madvise" mode, elsewhere a no-op). Why: the
     decode step streams every panel once a step, and most matrices of a small model are under 2 MiB each, so
-    allocated one by one they sit on 4 KiB pages. Measured (2-core EPYC, 2 threads, batch 1, int8 activations): a
-    200-300 MB matrix streamed at 27-42 GB/s on 4 KiB pages and at 33-63 GB/s on 2 MiB pages in the same runs.
-    A chunk lives while any panel in it does; its untouched tail costs no memory."""
+    allocated one by one they sit on 4 KiB pages, where a stream misses the TLB every 4 KiB (measured: docs/
+    performance.md, "Figures behind the code's choices"). A chunk lives while any panel in it does; its untouched tail costs no memory."""
 
     CHUNK = 64 << 20
 
@@ -44,11 +43,9 @@ def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -
     a larger tensor (`whole_mapping`); a page costs memory only once written. For the KV cache: a decode cache's
     tensor is a view whose slabs have room for the run's maximum length, widened in place at each growth, and the
     copies that remain (reorder, regroup) land in the mapping the last one left (kv/base.py, _new_kv and
-    _replace_kv), so that each page is faulted in once a run. On 4 KiB pages, not THP: in "madvise" mode a fault on an advised region
-    compacts memory for its 2 MiB page, ~5 ms a page on the 2-core EPYC. Measured there, the BMC growths of a run
-    with two mappings taking turns: default model, 32 -> +256 tokens, 8 growths 49-50 ms advised against 10-11 ms
-    not (decode 363-371 against 377-388 tok/s, 3 runs each); an OPT-1.3B batch-8 cache, 128 -> 1152 columns, 4.9-12.7
-    s against 2.2 s. Without anonymous mmap it is torch.zeros."""
+    _replace_kv), so that each page is faulted in once a run. On 4 KiB pages, not THP: in "madvise" mode a fault
+    on an advised region compacts memory for its 2 MiB page, which made growths slower, not faster (measured:
+    docs/performance.md, "Figures behind the code's choices"). Without anonymous mmap it is torch.zeros."""
     numel, element = math.prod(shape), dtype.itemsize
     nbytes = max(numel, reserve) * element
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)

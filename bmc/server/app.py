@@ -114,7 +114,7 @@ class ServerState:
             self.engine.on_death = lambda error: self.on_engine_death()
             self.engine.start()
             # The load leaves ~200k long-lived Python objects (vocabulary, merges, modules); a full collection
-            # walks them all (~80 ms here) and stalls every stream while it holds the GIL. Frozen, they are skipped.
+            # walks them all and stalls every stream while it holds the GIL. Frozen, they are skipped.
             gc.collect()
             gc.freeze()
             self.model, self.scheduler, self.metrics = model, scheduler, metrics
@@ -241,8 +241,8 @@ def build_app(opts: ServeOptions) -> FastAPI:
         arrival = time.monotonic()
         e = opts.engine
         server_gen = GenerationConfig(kv=e.kv, r=e.r, T=e.T, kv_dtype=e.kv_dtype)
-        # tokenizing (and rendering a chat template) takes ~1 ms per kB: off the event loop, so a long prompt does
-        # not stall /health and the other streams' writes
+        # tokenizing (and rendering a chat template) costs in proportion to the text: off the event loop, so a long
+        # prompt does not stall /health and the other streams' writes
         parsed = await asyncio.to_thread(parse_request, body, model, state.names, max_num_seqs=e.max_num_seqs,
                                          server_gen=server_gen)
         group = RequestGroup(state.engine, asyncio.get_running_loop())
