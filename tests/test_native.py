@@ -118,8 +118,8 @@ def test_panel_linear_equals_matmul(M, K, N):
     x, w, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N, generator=g)
     packed = mod.pack_panels(w)
     assert packed.shape == ((N + 15) // 16, K, 16)
-    torch.testing.assert_close(mod.panel_linear(x, packed, N, b), torch.addmm(b, x, w), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mod.panel_linear(x, packed, N, None), x @ w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mod.panel_linear(x, mod.Weight(packed), N, b), torch.addmm(b, x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mod.panel_linear(x, mod.Weight(packed), N, None), x @ w, atol=1e-5, rtol=1e-5)
 
 
 def test_stream_read_reads_every_line():
@@ -383,5 +383,9 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
     names.add(kernels.build_name("step", str(source)))
     (wing / "unused.h").write_text("// included by nothing\n")
     assert kernels.build_name("step", str(source)) in names  # a header it does not include changes nothing
-    assert len(names) == 4 and all(n.startswith("step_") for n in names)
+    import bmc.kernels.block_kinds as block_kinds
+
+    monkeypatch.setattr(block_kinds, "cpp_header", lambda: "// another table of block kinds\n")
+    names.add(kernels.build_name("step", str(source)))  # the generated headers are read too
+    assert len(names) == 5 and all(n.startswith("step_") for n in names)
     assert kernels.sources_of(str(source)) == [str(source), str(wing / "simd.h")]

@@ -39,7 +39,7 @@ def test_panels_dequantize_to_what_gguf_dequantizes(kind):
     assert lin.quant == kind and lin.wt is None
     assert torch.equal(lin.dense_weight(), w.dequantize().t())  # bit for bit
     ids = torch.tensor([0, 7, 16, 49])
-    assert torch.equal(native_module().quant_rows(lin.panels, 96, ids), w.dequantize()[ids])
+    assert torch.equal(native_module().quant_rows(lin.native_weight(), 96, ids), w.dequantize()[ids])
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
@@ -60,7 +60,7 @@ def test_quantized_gemm_equals_the_float_gemm_on_the_dequantized_weights(kind, r
     got = lin(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     packed = native_module().pack_panels(w.dequantize().t().contiguous())  # the float kernels, same panel values
-    torch.testing.assert_close(got, native_module().panel_linear(x, packed, 50, lin.b), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, native_module().panel_linear(x, native_module().Weight(packed), 50, lin.b), rtol=1e-6, atol=1e-6)
 
 
 def uniform_plan(qtype) -> list:
@@ -116,7 +116,7 @@ def test_16_bit_float_panels_compute_the_float_gemm_bit_for_bit(kind):
     packed = native_module().pack_panels(want.t().contiguous())
     for rows in (1, 3, 4, 5, 8, 9, 17, 33):
         xs = torch.randn(rows, K)
-        assert torch.equal(lin(xs), native_module().panel_linear(xs, packed, N, lin.b, False)), rows
+        assert torch.equal(lin(xs), native_module().panel_linear(xs, native_module().Weight(packed), N, lin.b, False)), rows
     q8 = random_blocks("q8_0", (16, K))
     assert not QuantWeight.can_cat([w, q8]) and QuantWeight.can_cat([w, w]) and QuantWeight.can_cat([q8, q8])
 
@@ -308,7 +308,7 @@ def test_k_quant_panels_dequantize_to_what_gguf_dequantizes(kind):
     assert lin.panels.shape[-1] == (384 if kind == "q4_k" else 704)
     assert torch.equal(lin.dense_weight(), w.dequantize().t())
     ids = torch.tensor([0, 7, 16, 31, 32, 49])
-    assert torch.equal(native_module().quant_rows(lin.panels, 512, ids), w.dequantize()[ids])
+    assert torch.equal(native_module().quant_rows(lin.native_weight(), 512, ids), w.dequantize()[ids])
 
 
 @pytest.mark.parametrize("kind", ["q5_k", "q6_k", "mixed"])
@@ -553,3 +553,43 @@ def test_int8_activation_tokens_do_not_depend_on_the_cache_growth(tmp_path):
     up = bmc.generate(model, [ids[0, :15].tolist()], max_new_tokens=40, ignore_eos=True, kv="upfront")
     assert auto.stats.r % 16 == 0 or auto.stats.r == auto.stats.max_length
     assert auto[0].token_ids == up[0].token_ids
+
+
+def test_the_kernels_are_built_from_the_one_table_of_block_kinds():
+    """C++ reads the block kinds Python lays weights out by (block_kinds.py, rendered into the build), and every
+    GGUF type kept as stored names one of them or a 16-bit float dtype."""
+    from bmc.kernels.block_kinds import BLOCK_KINDS
+    from bmc.models.quant import GGUF_TYPES, block_kind_of
+
+    assert native_module().block_kinds() == [
+        (k.name, k.block_bytes, k.quants_at, k.vector_at("d_hi"), k.vector_at("m"), k.scale_bytes == 2, k.nibbles)
+        for k in BLOCK_KINDS]
+    for name, t in GGUF_TYPES.items():
+        assert (t.panel is None) != (t.half is None), name
+        if t.panel is not None:  # the panels made for the type are the kind's layout (zero blocks: valid in each)
+            blocks = np.zeros((20, 256 // t.block_values * t.block_bytes), np.uint8)
+            p = QuantWeight(name, (20, 256), blocks).panels()
+            assert p.dtype == block_kind_of(name).storage and p.shape[-1] == block_kind_of(name).block_bytes
+
+
+def test_quantized_panels_are_refused_without_their_kind_or_with_another():
+    """The kernels take a weight's block kind from the caller: panels without one, or with a kind whose layout
+    they do not have, are refused by name, never read as a kind guessed from their width."""
+    mod = native_module()
+    w = random_blocks("q8_0", (32, 64))
+    lin = bmc.models.ops.Linear(w)
+    x = torch.randn(2, 64)
+    want = mod.panel_linear(x, lin.native_weight(), 32, None)
+    torch.testing.assert_close(want, x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="quantized panels need their block kind"):
+        mod.panel_linear(x, mod.Weight(lin.panels), 32, None)
+    with pytest.raises(RuntimeError, match="not q4h panels"):
+        mod.panel_linear(x, mod.Weight(lin.panels, block_kind_code("q4h")), 32, None)
+    with pytest.raises(RuntimeError, match="no block kind 9"):
+        mod.quant_rows(mod.Weight(lin.panels, 9), 64, torch.tensor([0]))
+
+
+def block_kind_code(name: str) -> int:
+    from bmc.kernels.block_kinds import BLOCK_KIND
+
+    return BLOCK_KIND[name].code

@@ -22,14 +22,16 @@ _built: dict[str, Any] = {}
 
 def build_name(stem: str, source_file: str) -> str:
     """`stem` and a hash of what the build reads: the source, the wing's headers it includes (`#include "cpu/..."`,
-    followed through the headers), the flags and torch's version. A changed source is a new name, so a stale build
-    in the cache is never loaded."""
+    followed through the headers), the headers rendered from Python tables, the flags and torch's version. A changed
+    source is a new name, so a stale build in the cache is never loaded."""
     import torch
 
     digest = hashlib.sha256()
     for path in sources_of(source_file):
         with open(path, "rb") as f:
             digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    for header, text in generated_headers().items():
+        digest.update(header.encode() + b"\0" + text.encode())
     digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode())
     return f"{stem}_{digest.hexdigest()[:12]}"
 
@@ -50,6 +52,30 @@ def sources_of(source_file: str) -> list[str]:
 _INCLUDE = re.compile(r'^#include "(cpu/[\w.]+)"', re.MULTILINE)
 
 
+def generated_headers() -> dict[str, str]:
+    """Headers rendered from Python tables, by file name (the kernels include them as `#include "<name>"`)."""
+    from .block_kinds import cpp_header
+
+    return {"block_kinds.h": cpp_header()}
+
+
+def write_generated(build_dir: str) -> str:
+    """The generated headers written under `build_dir`/generated; returns that folder (an include path)."""
+    folder = os.path.join(build_dir, "generated")
+    os.makedirs(folder, exist_ok=True)
+    for header, text in generated_headers().items():
+        path = os.path.join(folder, header)
+        if os.path.exists(path):
+            with open(path) as f:
+                if f.read() == text:
+                    continue
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: a build beside this one never reads half a header
+    return folder
+
+
 def build(stem: str, source_file: str, functions: list[str] | None, switch: str) -> Any:
     """The module compiled from the C++ file `source_file` (named by `build_name`), or None when the environment
     variable `switch` is "0" or the build fails (logged once). `functions=None` means the source has its own
@@ -64,16 +90,17 @@ def build(stem: str, source_file: str, functions: list[str] | None, switch: str)
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
         name = build_name(stem, source_file)
-
-        if not os.path.exists(os.path.join(_get_build_directory(name, False), name + ".so")):
+        build_dir = _get_build_directory(name, False)
+        if not os.path.exists(os.path.join(build_dir, name + ".so")):
             # a minute of silence would look like a hang: say what is happening, once per machine
             sys.stderr.write(f"bmc: compiling the C++ kernel {name} (first use on this machine, about a minute; "
                              f"cached afterwards; {switch}=0 skips it)\n")  # one write: kernels build side by side
             sys.stderr.flush()
         with open(source_file) as f:
             source = f.read()
+        includes = [os.path.dirname(WING), write_generated(build_dir)]
         _built[stem] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
-                                   extra_ldflags=LDFLAGS, extra_include_paths=[os.path.dirname(WING)], verbose=False)
+                                   extra_ldflags=LDFLAGS, extra_include_paths=includes, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [repr(e)]
         log.warning("bmc: C++ kernel %s unavailable (%s); using the PyTorch path (set %s=0 to skip the build)",

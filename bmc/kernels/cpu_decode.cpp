@@ -48,7 +48,7 @@ namespace {
 
 struct Layer {
   torch::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // *_b undefined for RMSNorm
-  torch::Tensor qkv, o, up, down;            // panels; up = fused gate|up (gated MLP) or fc1
+  Weight qkv, o, up, down;                   // panels; up = fused gate|up (gated MLP) or fc1
   torch::Tensor qkv_b, o_b, up_b, down_b;    // optional biases
   torch::Tensor q_norm, k_norm;              // Qwen3: RMSNorm weights over head_dim of each query / key head
   torch::Tensor post_attn, post_mlp;         // Gemma 2/3: RMSNorms of the attention's and the MLP's outputs
@@ -69,10 +69,10 @@ class NativeDecoder {
                 act_, " not supported");
   }
 
-  void add_layer(const torch::Tensor& ln1_w, const torch::Tensor& ln1_b, const torch::Tensor& qkv,
-                 const torch::Tensor& qkv_b, const torch::Tensor& o, const torch::Tensor& o_b,
-                 const torch::Tensor& ln2_w, const torch::Tensor& ln2_b, const torch::Tensor& up,
-                 const torch::Tensor& up_b, const torch::Tensor& down, const torch::Tensor& down_b) {
+  void add_layer(const torch::Tensor& ln1_w, const torch::Tensor& ln1_b, const Weight& qkv,
+                 const torch::Tensor& qkv_b, const Weight& o, const torch::Tensor& o_b,
+                 const torch::Tensor& ln2_w, const torch::Tensor& ln2_b, const Weight& up,
+                 const torch::Tensor& up_b, const Weight& down, const torch::Tensor& down_b) {
     const int64_t nq = (h_ + 2 * kvh_) * hd_, nu = gated_ ? 2 * I_ : I_;
     layers_.push_back(Layer{f32(ln1_w), f32(ln1_b), f32(ln2_w), f32(ln2_b), panels(qkv, D_, nq, "qkv"),
                             panels(o, h_ * hd_, D_, "o"), panels(up, D_, nu, "up"), panels(down, I_, D_, "down"),
@@ -80,9 +80,8 @@ class NativeDecoder {
   }
 
   // lm_head: [hidden, vocab], or its panels with `vocab` given
-  void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const torch::Tensor& lm_head,
-                int64_t vocab) {
-    vocab_ = lm_head.dim() == 3 ? vocab : lm_head.size(1);  // panels (float or quantized) carry no exact width
+  void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const Weight& lm_head, int64_t vocab) {
+    vocab_ = lm_head.data.dim() == 3 ? vocab : lm_head.data.size(1);  // panels carry no exact width
     norm_w_ = f32(norm_w);
     norm_b_ = f32(norm_b);
     head_ = panels(lm_head, D_, vocab_, "lm_head");
@@ -127,20 +126,21 @@ class NativeDecoder {
 
   // A weight as the GEMMs read it: [in, out] float32 packed here, or panels packed beforehand by pack_panels
   // ([ceil(out/16), in, 16]: a memory-mapped file shared by several processes hands them over as they are).
-  static torch::Tensor panels(const torch::Tensor& w, int64_t in, int64_t out, const char* name) {
-    if (w.dim() == 3 && is_quant(w)) {
-      check_quant(w, in, out, name);
-      return w;
+  static Weight panels(const Weight& weight, int64_t in, int64_t out, const char* name) {
+    if (weight.blocks()) {
+      check_quant(weight, in, out, name);
+      return weight;
     }
+    const torch::Tensor& w = weight.data;
     if (w.dim() == 3) {
       TORCH_CHECK((w.scalar_type() == torch::kFloat || is_half_panels(w)) && w.is_contiguous() &&
                       w.size(0) == (out + P - 1) / P &&
                       w.size(1) == in && w.size(2) == P,
-                  name, ": panels do not match the decoder");
-      return w;
+                  name, ": panels do not match the decoder (quantized panels need their block kind)");
+      return weight;
     }
     TORCH_CHECK(w.dim() == 2 && w.size(0) == in && w.size(1) == out, name, ": weight shape does not match the decoder");
-    return pack_panels(w);
+    return Weight{pack_panels(w), NOT_BLOCKS};
   }
 
   // Seconds per phase over the decode steps (t = 1) run since profiling was switched on (the paper's Table IV).
@@ -438,16 +438,29 @@ class NativeDecoder {
   bool int8_x_ = false;
   Attention attn_;  // the step's attention over own rows and shared segments (cpu/attention.h)
   std::vector<Layer> layers_;
-  torch::Tensor norm_w_, norm_b_, head_;
+  torch::Tensor norm_w_, norm_b_;
+  Weight head_;
   int64_t vocab_ = 0;
 };
 
 #pragma GCC visibility pop
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Weight>(m, "Weight", pybind11::module_local())
+      .def(pybind11::init<torch::Tensor, int64_t>(), "panels (or a float32 [in, out] matrix) and their block kind "
+           "(bmc/kernels/block_kinds.py; -1: float)", py::arg("data"), py::arg("kind") = NOT_BLOCKS)
+      .def_readonly("data", &Weight::data)
+      .def_readonly("kind", &Weight::kind);
+  m.def("block_kinds", []() {
+    std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, bool, bool>> rows;
+    for (int k = 0; k < NUM_BLOCK_KINDS; ++k)
+      rows.emplace_back(KIND_NAME[k], KIND_BLOCK[k], KIND_QUANTS[k], KIND_SCALE_HI[k], KIND_OFFSET[k],
+                        KIND_HALF_SCALES[k], KIND_NIBBLES[k]);
+    return rows;
+  }, "the block kinds this build was compiled with: (name, block bytes, quants at, d_hi at, m at, fp16, nibbles)");
   m.def("pack_panels", &pack_panels, "[in, out] float32 -> [ceil(out/16), in, 16] panels");
   m.def("panel_linear", &panel_linear, "x @ W (+ b) with W packed by pack_panels (int8_activations: Q4 panels "
-        "against int8 activation blocks, where the CPU has VNNI)", py::arg("x"), py::arg("wp"), py::arg("N"),
+        "against int8 activation blocks, where the CPU has VNNI)", py::arg("x"), py::arg("w"), py::arg("N"),
         py::arg("bias"), py::arg("int8_activations") = false);
   m.def("has_int8_dot", []() { return HAVE_INT8_DOT; }, "whether int8 activations can run (AVX512-VNNI and VBMI)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) for float32 x, NaN included");

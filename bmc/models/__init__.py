@@ -206,7 +206,7 @@ def set_activations(model: Model, activations: str) -> None:
         return
     from ..kernels.native import native_module, native_supported
 
-    quantized = [lin for lin in model.linears() if lin.panels is not None and lin.panels.dtype in (torch.int8, torch.uint8)]
+    quantized = [lin for lin in model.linears() if lin.block_kind() is not None]
     if not native_supported(model.device, model.dtype):
         raise InvalidRequestError("activations='int8' runs on the native CPU step in float32 (here: "
                                   f"{model.device.type}, {str(model.dtype).split('.')[-1]})")

@@ -16,7 +16,7 @@ import torch
 from ..errors import BmcError, ModelLoadError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .gguf_file import GGUFFile
-from .quant import BLOCK_BYTES, BLOCK_VALUES, QuantWeight, q5_0_as_q8_0
+from .quant import GGUF_TYPES, QuantWeight, q5_0_as_q8_0
 
 # GGUF tensor names (llama.cpp) -> HF llama names.
 _TOP_NAMES = {
@@ -158,7 +158,7 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             widen = kind == "q5_0"  # kept as the Q8_0 blocks of the same values (quant.q5_0_as_q8_0)
             if widen:
                 kind = "q8_0"
-            if keep_blocks and len(shape) == 2 and kind in BLOCK_BYTES and shape[1] % BLOCK_VALUES[kind] == 0:
+            if keep_blocks and len(shape) == 2 and kind in GGUF_TYPES and shape[1] % GGUF_TYPES[kind].block_values == 0:
                 blocks, release = None, None
                 if not shapes_only:
                     data = tensors[name].data

@@ -153,15 +153,15 @@ class LlamaModel:
         if tied:
             self.embed = None  # looked up in the LM head's panels
         for i, L in enumerate(self.layers):
-            dec.add_layer(L.ln1, none, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(), or_empty(L.o.b),
-                          L.ln2, none, L.gate_up.gemm_weight(), or_empty(L.gate_up.b), L.down.gemm_weight(),
+            dec.add_layer(L.ln1, none, L.qkv.native_weight(), or_empty(L.qkv.b), L.o.native_weight(), or_empty(L.o.b),
+                          L.ln2, none, L.gate_up.native_weight(), or_empty(L.gate_up.b), L.down.native_weight(),
                           or_empty(L.down.b))
             if L.q_norm is not None:  # Qwen3, Gemma 3
                 dec.set_qk_norm(i, L.q_norm, L.k_norm)
             if L.post_attn_norm is not None:  # Gemma 2/3
                 dec.set_post_norms(i, L.post_attn_norm, L.post_mlp_norm)
             dec.set_local(i, L.local)
-        dec.set_head(self.norm, none, self.lm_head.gemm_weight(), self.lm_head.out_features)
+        dec.set_head(self.norm, none, self.lm_head.native_weight(), self.lm_head.out_features)
         return dec
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from ..kernels.block_kinds import BlockKind
     from .quant import QuantWeight
     from .quant_torch import TorchQuantWeight
 
@@ -61,9 +62,22 @@ class Linear:
             self.wt = wt
             self.in_features, self.out_features = wt.shape
 
-    def gemm_weight(self) -> torch.Tensor:
-        """What the native step is given: its panels where a weight file holds them, else wt (packed there)."""
-        return self.panels if self.panels is not None else self.wt
+    def block_kind(self) -> "BlockKind | None":
+        """The block kind of quantized panels; None for float ones (32 or 16 bits) and float matrices."""
+        from .quant import block_kind_of
+
+        return block_kind_of(self.quant) if self.panels is not None and self.quant is not None else None
+
+    def native_weight(self) -> object:
+        """What the native step is given (kernels' Weight): the panels with their block kind, or wt (packed
+        there)."""
+        from ..kernels.block_kinds import NOT_BLOCKS
+        from ..kernels.native import native_module
+
+        if self.panels is None:
+            return native_module().Weight(self.wt, NOT_BLOCKS)
+        block = self.block_kind()
+        return native_module().Weight(self.panels, NOT_BLOCKS if block is None else block.code)
 
     def dense_weight(self) -> torch.Tensor:
         """[in, out] in float: wt, or the panels laid out again (quantized ones dequantized): a copy."""
@@ -74,8 +88,8 @@ class Linear:
         from ..kernels.native import native_module
 
         p = self.panels
-        if p.dtype in (torch.int8, torch.uint8):
-            p = native_module().dequantize_panels(p, self.in_features)  # [np, K, 16]
+        if self.block_kind() is not None:
+            p = native_module().dequantize_panels(self.native_weight(), self.in_features)  # [np, K, 16]
         p = p.float()  # 16-bit float panels widened (exact)
         return p.permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features].contiguous()
 
@@ -85,11 +99,11 @@ class Linear:
             return self.wt.t()[ids]
         if self.device_q is not None:
             return self.device_q.dense(ids)
-        if self.panels.dtype not in (torch.int8, torch.uint8):  # float panels, in 32 or 16 bits
+        if self.block_kind() is None:  # float panels, in 32 or 16 bits
             return self.panels[ids // 16, :, ids % 16].float()
         from ..kernels.native import native_module
 
-        return native_module().quant_rows(self.panels, self.in_features, ids)
+        return native_module().quant_rows(self.native_weight(), self.in_features, ids)
 
     def keep_panels_only(self) -> None:
         """Pack wt into the native step's panels (where not packed yet) and drop wt: one copy of the weight in
@@ -114,7 +128,7 @@ class Linear:
         if self.wt is None:  # quantized panels: the native GEMM, each panel dequantized as it is read
             from ..kernels.native import native_module
 
-            y = native_module().panel_linear(x.reshape(-1, self.in_features).float(), self.panels,
+            y = native_module().panel_linear(x.reshape(-1, self.in_features).float(), self.native_weight(),
                                              self.out_features, self.b, self.int8_activations)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.packed is not None and x.numel() == self.packed_m * x.shape[-1]:

@@ -79,11 +79,11 @@ class OPTModel:
                                      [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")),
                                       self.lm_head]))
         for L in self.layers:
-            dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.gemm_weight(), or_empty(L.qkv.b), L.o.gemm_weight(),
-                          or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.gemm_weight(), or_empty(L.fc1.b),
-                          L.fc2.gemm_weight(), or_empty(L.fc2.b))
+            dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.native_weight(), or_empty(L.qkv.b), L.o.native_weight(),
+                          or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.native_weight(), or_empty(L.fc1.b),
+                          L.fc2.native_weight(), or_empty(L.fc2.b))
         final_w, final_b = self.final_ln if self.final_ln is not None else (none, none)
-        dec.set_head(final_w, final_b, self.lm_head.gemm_weight(), self.lm_head.out_features)
+        dec.set_head(final_w, final_b, self.lm_head.native_weight(), self.lm_head.out_features)
         return dec
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -2,17 +2,16 @@
 as llama.cpp's reference quantizers make them), re-laid into the native step's 16-column panels.
 
 A weight is read in panels of 16 output columns; each block of 32 input rows of a panel holds its 16 columns'
-scales and quants (the layout is described in kernels/cpu/quant.h). The kernel dequantizes a panel into a
-thread's buffer and runs the float32 GEMM kernels on it, so a quantized model computes with exactly the float32
-weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the native step, bit for bit, reading
-4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
+scales and quants (the block kinds and their layouts: kernels/block_kinds.py, one table read by C++ too). The
+kernel dequantizes a panel into a thread's buffer and runs the float32 GEMM kernels on it, so a quantized model
+computes with exactly the float32 weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the
+native step, bit for bit, reading 4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
 
 Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
-Q5_K and Q6_K matrices of a GGUF file as stored (16-bit floats as float panels in 16 bits, widened as they are read;
-K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same values (q5_0_as_q8_0; other types, e.g.
-Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize
-the float matrices of any checkpoint at load; "auto" is "gguf" for a GGUF file where the native step runs (CPU,
-float32) and "none" otherwise."""
+Q5_K and Q6_K matrices of a GGUF file as stored (GGUF_TYPES: 16-bit floats as float panels in 16 bits, widened as
+they are read; K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same values (q5_0_as_q8_0; other
+types, e.g. Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize the float matrices of any checkpoint at
+load; "auto" is "gguf" for a GGUF file where the native step runs (CPU, float32) and "none" otherwise."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,28 +21,52 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..kernels.block_kinds import BLOCK_KIND, PANEL, QK, BlockKind
 from ..platform.hugepages import HugePageArena
 
-QK = 32  # values per block of the panels
 QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
-# GGUF's block sizes (bytes, values): K-quants in super-blocks of 256; 16-bit floats a "block" per value
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210, "f16": 2, "bf16": 2}
-BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "f16": 1, "bf16": 1}
-# 16-bit float matrices kept as stored: the float panels' layout [ceil(N/16), K, 16] in this dtype; the native
-# GEMM widens each weight as it loads it (exact), so they compute quant="none"'s float32 GEMM bit for bit
-HALF_KINDS = {"f16": torch.float16, "bf16": torch.bfloat16}
-PANEL = 16
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
 PANEL_ROWS = 2048
-# The native step's panel formats (kernels/cpu/quant.h's QuantKind): bytes per block of 32 rows x 16 columns, dtype.
-#   q8: d | int8 q;  q4: d | m | nibbles;  q8x: d (rows 0-15) | d (rows 16-31) | m | int8 q: any of the others;
-#   q4h: q4 with d and m in fp16 (Q4_0 and Q4_1, whose scales GGUF stores in fp16; Q4_K's d * sc_j need float32).
-PANEL_FORMATS = {"q8": (4 * PANEL + QK * PANEL, torch.int8), "q4": (8 * PANEL + QK * PANEL // 2, torch.uint8),
-                 "q8x": (12 * PANEL + QK * PANEL, torch.int8), "q4h": (4 * PANEL + QK * PANEL // 2, torch.uint8)}
-VECTOR_BYTES = {"q8": 4, "q4": 4, "q8x": 4, "q4h": 2}  # bytes of each scale / offset
-# "mixed": a fused matrix (q|k|v, gate|up) whose parts a GGUF file stores in different types
-FORMAT_OF = {"q8_0": "q8", "q4_0": "q4h", "q4_1": "q4h", "q4_k": "q4", "q5_k": "q8x", "q6_k": "q8x", "mixed": "q8x"}
+
+
+@dataclass(frozen=True)
+class GgufType:
+    """How bmc keeps one GGUF tensor type on the native step: its blocks (bytes, values; K-quants in super-blocks of
+    256, a 16-bit float a "block" of one) and the panels it is laid out in: a block kind (kernels/block_kinds.py),
+    or, for 16-bit floats, the float panels' layout [ceil(N/16), K, 16] in that dtype, widened as the GEMM loads
+    each weight (exact: quant="none"'s float32 GEMM bit for bit)."""
+
+    block_bytes: int
+    block_values: int
+    panel: str | None = None  # a BLOCK_KIND name
+    half: torch.dtype | None = None
+
+
+GGUF_TYPES: dict[str, GgufType] = {
+    "q8_0": GgufType(34, 32, panel="q8"),
+    "q4_0": GgufType(18, 32, panel="q4h"),
+    "q4_1": GgufType(20, 32, panel="q4h"),
+    "q4_k": GgufType(144, 256, panel="q4"),
+    "q5_k": GgufType(176, 256, panel="q8x"),
+    "q6_k": GgufType(210, 256, panel="q8x"),
+    "f16": GgufType(2, 1, half=torch.float16),
+    "bf16": GgufType(2, 1, half=torch.bfloat16),
+}
+MIXED_PANEL = "q8x"  # "mixed": a fused matrix (q|k|v, gate|up) whose parts are of different types: any fits q8x
+
+
+def is_half(kind: str) -> bool:
+    """A 16-bit float type (kept as float panels of that dtype)."""
+    return kind in GGUF_TYPES and GGUF_TYPES[kind].half is not None
+
+
+def block_kind_of(kind: str) -> BlockKind | None:
+    """The panel kind a QuantWeight kind ("q8_0", ..., "mixed") is laid out in; None for 16-bit floats."""
+    if kind == "mixed":
+        return BLOCK_KIND[MIXED_PANEL]
+    panel = GGUF_TYPES[kind].panel
+    return None if panel is None else BLOCK_KIND[panel]
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -56,7 +79,7 @@ def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     qs = b[..., 6:]
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # values 0-15 in the low nibbles, 16-31 in the high
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    out = np.empty((N, b.shape[1], BLOCK_BYTES["q8_0"]), dtype=np.uint8)
+    out = np.empty((N, b.shape[1], GGUF_TYPES["q8_0"].block_bytes), dtype=np.uint8)
     out[..., :2] = b[..., :2]
     out[..., 2:] = ((low | high).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
     return out.reshape(N, -1)
@@ -96,7 +119,7 @@ def decode(kind: str, blocks: np.ndarray, N: int, K: int) -> Values32:
 
     nblk = K // QK
     if kind in ("q8_0", "q4_0", "q4_1"):
-        b = blocks.reshape(N, nblk, BLOCK_BYTES[kind])
+        b = blocks.reshape(N, nblk, GGUF_TYPES[kind].block_bytes)
         d = _fp16(b[..., 0:2])
         if kind == "q8_0":
             return Values32(d, d, np.zeros_like(d), b[..., 2:].view(np.int8))
@@ -104,7 +127,7 @@ def decode(kind: str, blocks: np.ndarray, N: int, K: int) -> Values32:
             return Values32(d, d, -8.0 * d, None, b[..., 2:])
         return Values32(d, d, _fp16(b[..., 2:4]), None, b[..., 4:])
     ns = K // 256
-    b = blocks.reshape(N * ns, BLOCK_BYTES[kind])
+    b = blocks.reshape(N * ns, GGUF_TYPES[kind].block_bytes)
     if kind in ("q4_k", "q5_k"):  # eight 32-value sub-blocks: w = (d * sc_j) * q - dmin * m_j
         d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
         sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
@@ -137,17 +160,17 @@ def _by_panel(x: np.ndarray) -> np.ndarray:
     return pad.reshape(npanels, PANEL, *x.shape[1:]).swapaxes(1, 2)
 
 
-def panels_of(v: Values32, fmt: str) -> torch.Tensor:
-    """Values32 in panel format `fmt` (PANEL_FORMATS): each block's scale and offset vectors (float32, or fp16 in
-    q4h), then its quants, per 16 columns. q8 needs d0 == d1 and m == 0, q4 and q4h d0 == d1 and q in 0-15, q4h
-    d0 and m exact in fp16 (the kinds FORMAT_OF maps there)."""
+def panels_of(v: Values32, kind: BlockKind) -> torch.Tensor:
+    """Values32 in the panels of block kind `kind`: each block's vectors (float32, or fp16), then its quants, per
+    16 columns. A kind without d_hi needs d0 == d1, without m needs m == 0, with nibbles q in 0-15, with fp16
+    vectors d0 and m exact in fp16 (the types GGUF_TYPES lays out there)."""
     N, nblk = v.d0.shape
     npanels = (N + PANEL - 1) // PANEL
-    vectors = {"q8": [v.d0], "q4": [v.d0, v.m], "q8x": [v.d0, v.d1, v.m], "q4h": [v.d0, v.m]}[fmt]
-    q = v.packed() if fmt in ("q4", "q4h") else v.quants().view(np.uint8)
-    size = VECTOR_BYTES[fmt]
+    vectors = [{"d": v.d0, "d_hi": v.d1, "m": v.m}[name] for name in kind.vectors]
+    q = v.packed() if kind.nibbles else v.quants().view(np.uint8)
+    size = kind.scale_bytes
     vtype = np.float16 if size == 2 else np.float32
-    out = np.empty((npanels, nblk, PANEL_FORMATS[fmt][0]), dtype=np.uint8)
+    out = np.empty((npanels, nblk, kind.block_bytes), dtype=np.uint8)
     for i, x in enumerate(vectors):
         with np.errstate(over="ignore"):  # an overflow is caught just below
             narrow = x.astype(vtype)
@@ -156,8 +179,8 @@ def panels_of(v: Values32, fmt: str) -> torch.Tensor:
                                       "load this file with quant='none'")
         out[..., size * PANEL * i : size * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(narrow)).view(
             np.uint8).reshape(npanels, nblk, -1)
-    out[..., size * PANEL * len(vectors) :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]
-    return torch.from_numpy(out).view(PANEL_FORMATS[fmt][1])
+    out[..., kind.quants_at :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]
+    return torch.from_numpy(out).view(kind.storage)
 
 
 @dataclass
@@ -165,7 +188,7 @@ class QuantWeight:
     """An [out N, in K] matrix in GGUF blocks along K: blocks [N, K/32 * block bytes] uint8 (None: shape only, for
     a model whose panels a weight file supplies); kind "mixed": `parts` of different kinds stacked along N."""
 
-    kind: str  # a key of BLOCK_BYTES, or "mixed"
+    kind: str  # a key of GGUF_TYPES, or "mixed"
     shape: tuple[int, int]
     blocks: np.ndarray | None
     parts: list["QuantWeight"] | None = None
@@ -178,10 +201,10 @@ class QuantWeight:
         if self.kind == "mixed":
             assert self.parts and sum(p.shape[0] for p in self.parts) == N and {p.shape[1] for p in self.parts} == {K}
             return
-        per = BLOCK_VALUES[self.kind]
+        per = GGUF_TYPES[self.kind].block_values
         if K % per:
             raise InvalidRequestError(f"a {self.kind} matrix needs rows of whole blocks of {per}, got {K} columns")
-        if self.blocks is not None and self.blocks.shape != (N, K // per * BLOCK_BYTES[self.kind]):
+        if self.blocks is not None and self.blocks.shape != (N, K // per * GGUF_TYPES[self.kind].block_bytes):
             raise ValueError(f"{self.kind} blocks {self.blocks.shape} do not match the shape {self.shape}")
 
     @staticmethod
@@ -189,7 +212,7 @@ class QuantWeight:
         """Whether cat can stack them as they are stored: one kind, or block types (whose values all fit q8x panels);
         16-bit floats beside other types cannot (the caller fuses their float32 values instead)."""
         kinds = {p.kind for p in parts}
-        return len(kinds) == 1 or not kinds & HALF_KINDS.keys()
+        return len(kinds) == 1 or not any(is_half(k) for k in kinds)
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
@@ -215,13 +238,13 @@ class QuantWeight:
         return all(p.blocks is not None for p in self.parts) if self.parts else self.blocks is not None
 
     def half_rows(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Rows [r0, r1) of a 16-bit float matrix (HALF_KINDS) as a tensor of that dtype (a copy)."""
-        assert self.kind in HALF_KINDS and self.blocks is not None
-        return torch.from_numpy(self.blocks[r0:r1].copy().view(np.int16)).view(HALF_KINDS[self.kind])
+        """Rows [r0, r1) of a 16-bit float matrix (is_half) as a tensor of that dtype (a copy)."""
+        assert is_half(self.kind) and self.blocks is not None
+        return torch.from_numpy(self.blocks[r0:r1].copy().view(np.int16)).view(GGUF_TYPES[self.kind].half)
 
     def decode(self, r0: int = 0, r1: int | None = None) -> Values32:
         """Rows [r0, r1) as Values32 (block types only)."""
-        assert self.has_values() and self.kind not in HALF_KINDS
+        assert self.has_values() and not is_half(self.kind)
         N, K = self.shape
         r1 = N if r1 is None else r1
         if not self.parts:
@@ -242,7 +265,7 @@ class QuantWeight:
         assert self.has_values()
         if self.parts:
             return torch.cat([p.dequantize() for p in self.parts])
-        if self.kind in HALF_KINDS:
+        if is_half(self.kind):
             return self.half_rows().float()
         qtype = getattr(gguf.GGMLQuantizationType, self.kind.upper())
         return torch.from_numpy(np.require(gguf.quants.dequantize(self.blocks, qtype), np.float32, ["C", "W"])
@@ -250,27 +273,30 @@ class QuantWeight:
 
     def panel_shape(self) -> tuple[int, int, int]:
         N, K = self.shape
-        if self.kind in HALF_KINDS:
+        block = block_kind_of(self.kind)
+        if block is None:
             return (N + PANEL - 1) // PANEL, K, PANEL
-        return (N + PANEL - 1) // PANEL, K // QK, PANEL_FORMATS[FORMAT_OF[self.kind]][0]
+        return (N + PANEL - 1) // PANEL, K // QK, block.block_bytes
 
     def panel_dtype(self) -> torch.dtype:
-        return HALF_KINDS[self.kind] if self.kind in HALF_KINDS else PANEL_FORMATS[FORMAT_OF[self.kind]][1]
+        block = block_kind_of(self.kind)
+        return GGUF_TYPES[self.kind].half if block is None else block.storage
 
     def panels(self) -> torch.Tensor:
-        """The native step's layout, PANEL_FORMATS[FORMAT_OF[kind]]: int8 [np, K/32, 576] (q8), uint8 [np, K/32,
-        384] (q4) or int8 [np, K/32, 704] (q8x); for 16-bit floats [np, K, 16] in float16 / bfloat16;
-        uninitialised when only the shape is known."""
+        """The native step's layout: the panels of block_kind_of(kind) [np, K/32, block bytes] (int8, or uint8 for
+        4-bit quants); for 16-bit floats [np, K, 16] in float16 / bfloat16; uninitialised when only the shape is
+        known."""
         if not self.has_values():
             return torch.empty(self.panel_shape(), dtype=self.panel_dtype())
         out = PANEL_ARENA.empty(self.panel_shape(), self.panel_dtype())
         N = self.shape[0]
         for r0 in range(0, N, PANEL_ROWS):  # a slice of rows at a time: the temporaries stay a few MB
             r1 = min(N, r0 + PANEL_ROWS)
-            if self.kind in HALF_KINDS:
+            block = block_kind_of(self.kind)
+            if block is None:
                 out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = _half_panels(self.half_rows(r0, r1))
             else:
-                out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = panels_of(self.decode(r0, r1), FORMAT_OF[self.kind])
+                out[r0 // PANEL : (r1 + PANEL - 1) // PANEL] = panels_of(self.decode(r0, r1), block)
             if not self.parts:
                 self.done(r0, r1)
         if self.parts:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
-from .quant import FORMAT_OF, QK, QuantWeight
+from .quant import QK, QuantWeight, block_kind_of
 
 INT4_GROUP = 32  # values per tinygemm scale and zero point: GGUF's blocks
 
@@ -42,7 +42,7 @@ class TorchQuantWeight:
         self.scales = torch.from_numpy(np.stack([v.d0, v.d1], axis=-1)).to(device)  # [N, K/32, 2]: rows 0-15, 16-31
         self.offsets = torch.from_numpy(np.ascontiguousarray(v.m)).to(device)  # [N, K/32]
         # Q4 kinds keep their nibbles packed (byte j: value j low, j + 16 high); the others int8 values
-        q4 = FORMAT_OF[qw.kind] in ("q4", "q4h")
+        q4 = block_kind_of(qw.kind).nibbles
         self.nibbles = torch.from_numpy(np.ascontiguousarray(v.packed())).to(device) if q4 else None
         self.q = None if q4 else torch.from_numpy(np.ascontiguousarray(v.quants())).to(device)
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from .quant import HALF_KINDS, QuantWeight, quantize
+from .quant import QuantWeight, is_half, quantize
 
 if TYPE_CHECKING:
     from .quant_torch import TorchQuantWeight
@@ -74,7 +74,7 @@ class WeightSource:
         if isinstance(w, QuantWeight):
             from ..kernels.native import native_supported
 
-            if not native_supported(self.device, self.dtype) and w.kind in HALF_KINDS:  # torch's own GEMM
+            if not native_supported(self.device, self.dtype) and is_half(w.kind):  # torch's own GEMM
                 return w.dequantize().to(device=self.device, dtype=self.dtype).t().contiguous()
             if not native_supported(self.device, self.dtype):
                 from .quant_torch import TorchQuantWeight

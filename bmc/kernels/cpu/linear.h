@@ -4,13 +4,21 @@
 
 namespace {
 
+// A GEMM weight as the bindings hand it over: quantized panels with their block kind's code (block_kinds.h), or,
+// with kind NOT_BLOCKS, float32 / 16-bit float panels [ceil(out/16), in, 16] or a float32 [in, out] matrix still to
+// be packed. The kind is given, never inferred from the tensor.
+struct Weight {
+  torch::Tensor data;
+  int64_t kind = NOT_BLOCKS;
+  bool blocks() const { return kind != NOT_BLOCKS; }
+};
+
 // gemm() over quantized panels: the same row and panel blocking (so the same float kernels see the same panel
 // values in the same order), each group of panels dequantized into the thread's buffer first.
-void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int64_t N,
+void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
                 const float* bias, float* y, bool accumulate, bool int8_x) {
   const int64_t np = wq.size(0);
 #ifdef __AVX512F__
-  const QuantKind kind = quant_kind(wq);
   const int64_t panel_bytes = K / QK * KIND_BLOCK[kind], nblk = K / QK;
   const uint8_t* base = static_cast<const uint8_t*>(wq.data_ptr());
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -59,7 +67,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     return;
   }
   if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (the others) panels a pass
-    const int64_t per = kind == KQ8 ? 3 : 2, groups = (np + per - 1) / per;
+    const int64_t per = KIND_VECTORS[kind] == 1 ? 3 : 2, groups = (np + per - 1) / per;
     at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = per * g, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
@@ -79,7 +87,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
       const int64_t p0 = g * per, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
       const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
       const float* b = bias == nullptr ? nullptr : bias + n0;
-      dequant_panels(wq, p0, nb, K, buf);
+      dequant_panels(wq, kind, p0, nb, K, buf);
       if (blocked(M)) {
         const int64_t blocks = (M + 5) / 6;
         for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
@@ -151,9 +159,11 @@ inline bool is_half_panels(const torch::Tensor& w) {
   return w.scalar_type() == torch::kHalf || w.scalar_type() == torch::kBFloat16;
 }
 
-void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int64_t N, const float* bias,
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Weight& w, int64_t N, const float* bias,
           float* y, bool accumulate, bool int8_x = false) {
+  const torch::Tensor& wp = w.data;
   const int64_t np = wp.size(0);
+  if (w.blocks()) return gemm_quant(x, ldx, M, K, wp, static_cast<int>(w.kind), N, bias, y, accumulate, int8_x);
   switch (wp.scalar_type()) {
     case torch::kFloat:
       return gemm_panels(x, ldx, M, K, wp.data_ptr<float>(), np, N, bias, y, accumulate);
@@ -162,7 +172,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor
     case torch::kBFloat16:
       return gemm_panels(x, ldx, M, K, static_cast<const BHalf16*>(wp.data_ptr()), np, N, bias, y, accumulate);
     default:
-      return gemm_quant(x, ldx, M, K, wp, N, bias, y, accumulate, int8_x);
+      TORCH_CHECK(false, "gemm: float panels of dtype ", wp.scalar_type());
   }
 }
 
@@ -201,29 +211,35 @@ torch::Tensor pack_panels(const torch::Tensor& wt) {
   return out;
 }
 
-// A quantized weight's panels, checked against its [in K, out N] shape.
-void check_quant(const torch::Tensor& wq, int64_t K, int64_t N, const char* name) {
-  TORCH_CHECK(quant_kind_or_none(wq) >= 0 && wq.is_contiguous() && K % QK == 0 && wq.size(0) == (N + P - 1) / P &&
-                  wq.size(1) == K / QK,
+// A quantized weight's panels, checked against its block kind and its [in K, out N] shape.
+void check_quant(const Weight& w, int64_t K, int64_t N, const char* name) {
+  TORCH_CHECK(w.kind >= 0 && w.kind < NUM_BLOCK_KINDS, name, ": no block kind ", w.kind);
+  const torch::Tensor& wq = w.data;
+  TORCH_CHECK(wq.dim() == 3 && wq.scalar_type() == KIND_STORAGE[w.kind] && wq.size(2) == KIND_BLOCK[w.kind],
+              name, ": not ", KIND_NAME[w.kind], " panels (", KIND_STORAGE[w.kind], " [.., .., ", KIND_BLOCK[w.kind],
+              "]), got ", wq.scalar_type(), " ", wq.sizes());
+  TORCH_CHECK(wq.is_contiguous() && K % QK == 0 && wq.size(0) == (N + P - 1) / P && wq.size(1) == K / QK,
               name, ": quantized panels do not match the weight's shape");
 }
 
 // A quantized weight's panels dequantized: float32 [ceil(N/16), K, 16] (pack_panels' layout).
-torch::Tensor dequantize_panels(const torch::Tensor& wq, int64_t K) {
-  check_quant(wq, K, wq.size(0) * P, "dequantize_panels");
+torch::Tensor dequantize_panels(const Weight& w, int64_t K) {
+  check_quant(w, K, w.data.size(0) * P, "dequantize_panels");
+  const torch::Tensor& wq = w.data;
   auto out = torch::empty({wq.size(0), K, P}, torch::kFloat);
   at::parallel_for(0, wq.size(0), 16, [&](int64_t begin, int64_t end) {
-    dequant_panels(wq, begin, end - begin, K, out.data_ptr<float>() + begin * K * P);
+    dequant_panels(wq, static_cast<int>(w.kind), begin, end - begin, K, out.data_ptr<float>() + begin * K * P);
   });
   return out;
 }
 
 // Rows `ids` of the [N, K] matrix a quantized weight holds (a tied embedding table looked up from the LM head's
 // panels): float32 [len(ids), K].
-torch::Tensor quant_rows(const torch::Tensor& wq, int64_t K, const torch::Tensor& ids) {
-  check_quant(wq, K, wq.size(0) * P, "quant_rows");
+torch::Tensor quant_rows(const Weight& w, int64_t K, const torch::Tensor& ids) {
+  check_quant(w, K, w.data.size(0) * P, "quant_rows");
+  const torch::Tensor& wq = w.data;
   auto idx = ids.to(torch::kLong).contiguous();
-  const QuantKind kind = quant_kind(wq);
+  const int kind = static_cast<int>(w.kind);
   const int64_t n = idx.numel(), nblk = K / QK, bb = KIND_BLOCK[kind];
   auto out = torch::empty({n, K}, torch::kFloat);
   const int64_t* id = idx.data_ptr<int64_t>();
@@ -240,19 +256,20 @@ torch::Tensor quant_rows(const torch::Tensor& wq, int64_t K, const torch::Tensor
   return out;
 }
 
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t N,
+torch::Tensor panel_linear(const torch::Tensor& x, const Weight& w, int64_t N,
                            const c10::optional<torch::Tensor>& bias, bool int8_activations) {
+  const torch::Tensor& wp = w.data;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && wp.dim() == 3, "panel_linear: float32 x, packed weight");
   auto xc = x.contiguous();
   const int64_t K = xc.size(-1), M = xc.numel() / K;
-  if (is_quant(wp))
-    check_quant(wp, K, N, "panel_linear");
+  if (w.blocks())
+    check_quant(w, K, N, "panel_linear");
   else
     TORCH_CHECK((wp.scalar_type() == torch::kFloat || is_half_panels(wp)) && wp.size(2) == P && wp.size(1) == K &&
                     wp.size(0) * P >= N,
-                "panel_linear: weight does not match x");
+                "panel_linear: float panels do not match x (quantized panels need their block kind)");
   auto y = torch::empty({M, N}, xc.options());
-  gemm(xc.data_ptr<float>(), K, M, K, wp, N, bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+  gemm(xc.data_ptr<float>(), K, M, K, w, N, bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
        false, int8_activations);
   return y;
 }

@@ -51,7 +51,7 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
     if (prefetches_ahead(MB))
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk + 8 * bb + line);
     __m512i w[8], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
-    if (is_q4(KIND)) {  // 16 rows of bytes: row j's low nibbles are row j, its high nibbles row j + 16
+    if (KIND_NIBBLES[KIND]) {  // 16 rows of bytes: row j's low nibbles are row j, its high nibbles row j + 16
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + KIND_QUANTS[KIND] + g * 64));
         w[g] = _mm512_and_si512(v, low);
@@ -68,14 +68,14 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
       c1 = _mm512_slli_epi32(c1, 7);
     }
     const v16 d0 = scale_vec<KIND>(blk, 0);
-    const v16 d1 = KIND == KQ8X ? load16(reinterpret_cast<const float*>(blk + 4 * P)) : d0;
+    const v16 d1 = has_scale_hi(KIND) ? scale_vec<KIND>(blk, KIND_SCALE_HI[KIND]) : d0;
     const v16 m = has_offset(KIND) ? scale_vec<KIND>(blk, KIND_OFFSET[KIND]) : v16{};
     for (int i = 0; i < MB; ++i) {
       int32_t four[8];  // the row's activations 4 at a time: four[g] matches w[g]
       std::memcpy(four, xq + i * ldq + b * QK, 32);
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int g = 0; g < 4; ++g) {
-        if (is_q4(KIND)) {
+        if (KIND_NIBBLES[KIND]) {
           s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(four[g]));
           s1 = _mm512_dpbusd_epi32(s1, w[4 + g], _mm512_set1_epi32(four[4 + g]));
         } else {
@@ -85,7 +85,7 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
       }
       const v16 lo = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
       const v16 hi = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));  // rows 16-31's
-      const v16 part = KIND == KQ8X ? (d0 * lo + d1 * hi) * dx[i * nblk + b] : d0 * ((lo + hi) * dx[i * nblk + b]);
+      const v16 part = has_scale_hi(KIND) ? (d0 * lo + d1 * hi) * dx[i * nblk + b] : d0 * ((lo + hi) * dx[i * nblk + b]);
       acc[i] += has_offset(KIND) ? part + m * xsum[i * nblk + b] : part;
     }
   }
@@ -100,8 +100,9 @@ constexpr Int8xKernel INT8X_KERNELS[8] = {
     quant_int8x_kernel<1, KIND>, quant_int8x_kernel<2, KIND>, quant_int8x_kernel<3, KIND>,
     quant_int8x_kernel<4, KIND>, quant_int8x_kernel<5, KIND>, quant_int8x_kernel<6, KIND>,
     quant_int8x_kernel<7, KIND>, quant_int8x_kernel<8, KIND>};
-constexpr const Int8xKernel* INT8X_BY_KIND[4] = {INT8X_KERNELS<KQ8>, INT8X_KERNELS<KQ4>, INT8X_KERNELS<KQ8X>,
-                                                 INT8X_KERNELS<KQ4H>};
+#define BMC_INT8X_ENTRY(K) INT8X_KERNELS<K>,
+constexpr const Int8xKernel* INT8X_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_INT8X_ENTRY)};
+#undef BMC_INT8X_ENTRY
 
 // Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: a
 // scalar loop with nearbyint per value took ~1 ms of a 4.5 ms batch-1 decode step (150 GEMMs a step).
