@@ -2,9 +2,10 @@
 // per row (decode, speculative verify), with the GEMMs on weights re-laid into 16-column panels.
 //
 // Why: a decode step of a small model on a CPU is bound by reading the weights (M = batch rows, so every GEMM
-// is matrix-vector-like) and, in eager PyTorch, by ~450 op dispatches of ~10 us each. Here a panel
-// [K][16] is one contiguous stream the hardware prefetcher follows, each weight is read once per step for all
-// M rows (up to 8 rows kept in registers), and nothing goes back to Python between layers.
+// is matrix-vector-like) and, in eager PyTorch, by ~450 op dispatches a step (docs/performance.md, "Figures
+// behind the code's choices"). Here a panel [K][16] is one contiguous stream the hardware prefetcher follows, each
+// weight is read once per step for all M rows (up to 8 rows kept in registers), and nothing goes back to Python
+// between layers.
 // Attention reads the cache's whole capacity masked by the additive bias, exactly as the dense path does
 // (padding rows cost compute: the trade-off BMC balances), GQA/MQA without repeating KV heads.
 #include <torch/extension.h>
@@ -366,8 +367,8 @@ class NativeDecoder {
   }
 
   // x*cos + roll(x, d/2)*sin_signed on every query and key head (values follow them in each row). The two halves
-  // are separate loops so that both vectorise: with the roll as `(j + half) % d` in one loop this was 17 ms of a
-  // 150 ms step at batch 32 (4 of 46 at batch 8), now well under 1.
+  // are separate loops so that both vectorise: with the roll as `(j + half) % d` in one loop it did not, and was a
+  // visible share of a decode step (docs/performance.md, "Figures behind the code's choices").
   void apply_rope(float* qkv, int64_t M, int64_t nq, const float* cos, const float* sin) const {
     const int64_t half = hd_ / 2;
     std::vector<float> lo_buf(half);

@@ -15,7 +15,8 @@ struct Rows {  // query rows attended together: query, output/accumulator, bias 
 };
 
 // st[j][r] = qt[.][r] . K[j] + bias[j] for NK keys x NP 16-row panels (NK * NP accumulators), and the column
-// maxima mx[r] raised to cover them (from registers: a separate pass re-read all of st, ~2 % of the step)
+// maxima mx[r] raised to cover them, from registers: a separate pass re-read all of st (docs/performance.md,
+// "Figures behind the code's choices")
 template <int NK, int NP>
 static void column_block(const float* K, const float* bias, int64_t hd, const float* qt, int64_t Rp, float* st,
                          float* mx) {

@@ -8,9 +8,8 @@ namespace {
 #if HAVE_I8_KV_DOTS
 // Integer attention over an int8 cache (int8_kv_dots): a chunk's scores and its weighted values as VNNI u8 x s8
 // dot products (vpdpbusd, 64 products an instruction) on the stored bytes, where the widening path converts
-// every key and value to float32 and spends 16 FMAs on each 16 products. Measured on the 2-core EPYC (AVX-512,
-// Zen 4), SmolLM2's heads, batch 8 at 8K context, 30 layers: attention 21.7 against 43.4 ms widened (float32
-// 48.7); with the KV in cache 7.1-7.4 against 12.4-13 ns of thread time per (row, KV head, key).
+// every key and value to float32 and spends 16 FMAs on each 16 products: widened, int8 attention was bound by
+// that arithmetic, not by its reads (docs/performance.md, "Figures behind the code's choices").
 // The bound it adds to int8 KV's own (a row is within half a step of its values): each query row is split into
 // two int8 digits, q ~ e (256 hi + lo) with |256 hi + lo| <= 32639 (e = max|q| / 32639, so a score moves by at
 // most e/2 * sum_d |k_d|), and each chunk's weights p_j s_j (s_j the value row's scale) are rounded to 16 bits
@@ -166,7 +165,8 @@ static void i8_finish(const __m512i* c, float w, float alpha, bool prior, float*
 }
 
 // The float32 scales of n <= OWN_KEYS int8 rows (row_bytes apart, each after its hd values) -> out[0, n), and
-// zeros up to the next 16: gathered 16 at a time (two scalar loads and stores a key were ~10 % of attend_i8)
+// zeros up to the next 16: gathered 16 at a time (two scalar loads and stores a key were a visible share of
+// attend_i8: docs/performance.md, "Figures behind the code's choices")
 static void gather_scales(const uint8_t* rows, int64_t row_bytes, int64_t n, int64_t hd, float* out) {
   const __m512i at = _mm512_add_epi32(
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),

@@ -160,14 +160,16 @@ class Attention {
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
           for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
           // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
-          // the hardware prefetcher alone the KV stream ran at 9-10 GB/s here, against ~15 for the weights
+          // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md, "Figures
+          // behind the code's choices")
           const int64_t next = c0 + OWN_KEYS < k1 ? own + c0 + OWN_KEYS : next_task;
           const bool more = (direct && prior) || c0 > k0;
           if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
             const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
             if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
-              // two chunks ahead: a chunk's arithmetic (~1 us a thread) is short beside the time its 136 lines take
-              // to arrive; the first two of a span are left to the hardware prefetcher
+              // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
+              // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to the
+              // hardware prefetcher
               constexpr int64_t D = I8_AHEAD;
               const int64_t ahead = c0 + D * OWN_KEYS < k1 ? own + c0 + D * OWN_KEYS : -1;
               if (c0 == k0) {  // the chunks before the first `ahead` one, at once
@@ -258,7 +260,8 @@ class Attention {
     const int64_t spans = split_spans(nrt, chunks, at::get_num_threads());
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     // [row task, span, row] (and [.., d]) when spans > 1, written by the tasks (the outputs zeroed there, in
-    // parallel: zeroing all up front here was ~0.1 ms of a 0.35 ms step on 16 threads)
+    // parallel: zeroing all up front here, outside the parallel loop, was a large share of a short step;
+    // docs/performance.md, "Figures behind the code's choices")
     std::unique_ptr<float[]> part_m, part_s, part_o;
     if (spans > 1) {
       part_m.reset(new float[nrt * spans * rmax]);
@@ -485,8 +488,8 @@ class Attention {
 
   // weigh_rows for int8 values: each row's weights p[r][j] take the value row's scale s_j first (p * (q * s) =
   // (p * s) * q), then the values are converted in registers as they are read, so a chunk of values is neither
-  // written out as float32 nor read back. Measured on the 2-core EPYC (AVX-512), batch 8, 8K context: widening
-  // the values into a buffer first cost as much as weighing them.
+  // written out as float32 nor read back: widening the values into a buffer first cost as much as weighing them
+  // (docs/performance.md, "Figures behind the code's choices").
   void weigh_int8(Rows& rows, int64_t R, float* p, int64_t ldp, const uint8_t* vq, int64_t row_bytes, int64_t n,
                   bool prior) const {
 #ifdef __AVX512F__

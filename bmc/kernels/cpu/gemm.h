@@ -106,13 +106,14 @@ constexpr BlockKernelOf<W> WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, s
 
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
 // panels, so each streams its own contiguous part of W. Up to 4 rows, each panel is streamed once with all rows in
-// registers; 5-8 rows, groups of 3 panels with all rows in registers (bound by the weight stream: at 8 rows on
-// one panel the FMAs slowed it, 60 -> 56 ms per step with the default model); beyond, groups of 4 panels are
-// walked by blocks of <= 6 rows of near-equal size (bound by FMAs: the group stays in L2 between row blocks).
+// registers; 5-8 rows, groups of 3 panels with all rows in registers (bound by the weight stream, which the FMAs
+// slowed at 8 rows on one panel); beyond, groups of 4 panels are walked by blocks of <= 6 rows of near-equal size
+// (bound by FMAs: the group stays in L2 between row blocks).
 // The register blocks above are sized for AVX-512's 32 registers, where a v16 is one register. With AVX2 a v16 is
 // two of 16, so there each panel goes alone: 3-4 rows and more than 8 in row blocks of <= 6 (12 accumulator
 // registers; the later blocks read the panel from L2), 5-8 rows in one pass (16 at 8 rows, a register spilled, but
-// the panel is streamed once: the model's GEMMs at 8 rows 45 -> 32 ms against two blocks of 4 on an AVX2 EPYC).
+// the panel is streamed once, which beat two blocks of 4). Figures: docs/performance.md, "Figures behind the code's
+// choices".
 #ifdef __AVX512F__
 constexpr int64_t GROUP_PANELS = 4, WIDE_PANELS = 3;
 constexpr bool blocked(int64_t M) { return M > 8; }

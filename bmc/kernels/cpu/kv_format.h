@@ -17,8 +17,8 @@ struct KVLayout {
   int64_t row_bytes = 0;  // bytes of one (token, KV head) row
 };
 constexpr int64_t KV_SCALE_BYTES = 4;
-// int8 rows are prefetched this many chunks ahead (2, 3 and 4 measured alike: batch-8 int8 attention at 4K
-// context 29.5-32 ms for 30 layers on the 2-core EPYC; 1 chunk ahead, 31-34 ms)
+// int8 rows are prefetched this many chunks ahead: a chunk's arithmetic is short beside its lines' arrival, and
+// 2, 3 and 4 measured alike, 1 a little slower (docs/performance.md, "Figures behind the code's choices")
 constexpr int64_t I8_AHEAD = 2;
 
 KVLayout kv_layout(const torch::Tensor& kv, int64_t hd, const char* what) {
@@ -104,8 +104,8 @@ void encode_row(KVKind kind, const float* x, int64_t hd, uint8_t* dst) {
 }
 
 // One int8 row (hd values, then its scale) -> hd float32 values. Explicit vector code: GCC's loop over the row's
-// bytes, the scale read between, was a scalar loop (12 % of a batch-8 decode attention step, as much as weighing
-// the values; this is ~4x less).
+// bytes, the scale read between, was a scalar loop that cost as much as weighing the values (docs/performance.md,
+// "Figures behind the code's choices").
 inline void widen_i8_row(const uint8_t* row, int64_t hd, float* out) {
   float s;
   std::memcpy(&s, row + hd, 4);
@@ -129,8 +129,8 @@ inline void widen_i8_row(const uint8_t* row, int64_t hd, float* out) {
 
 // The lines of n rows of row_bytes at `base` (null: none), prefetched a share at a time: share(r) issues the r-th
 // of `parts` even shares. Every line: one prefetch per row start skipped one line in 17 of 68-byte int8 rows,
-// and each skipped line was a demand miss in the middle of the attention (batch-8 int8 attention at 4K context
-// streamed at 11 GB/s against 23 for float32 until the lines were counted).
+// and each skipped line was a demand miss in the middle of the attention, which held int8 attention's stream far
+// below float32's until the lines were counted (docs/performance.md, "Figures behind the code's choices").
 struct LinePrefetch {
   const uint8_t* base;
   int64_t lines, parts;

@@ -118,7 +118,7 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, 
         const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
         // the next group's panels are prefetched over this group's row blocks, a share each (when each group's
         // first block streamed its own panels, the memory was busy in 1 of `blocks` passes and that block ran
-        // ~2.6x as long as the others; M = 32 GEMMs of the default model's shapes 4-7 % faster)
+        // far longer than the others: docs/performance.md, "Figures behind the code's choices")
         const int64_t next_lines =
             g + 1 < end ? std::min<int64_t>(GROUP_PANELS, np - p0 - GROUP_PANELS) * K / per_line : 0;
         const float* next = reinterpret_cast<const float*>(w + (p0 + GROUP_PANELS) * K * P);
@@ -277,7 +277,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const Weight& w, int64_t N,
 // Reads every byte of x once, as a decode step streams its weights (threads over contiguous halves, 64-byte loads
 // OR-ed into four accumulators: next to no arithmetic per line), and returns a value that depends on all of them.
 // The read-bandwidth probe of the benchmarks' rooflines: torch's sum, the probe before, was bound by its additions
-// on one 2-core EPYC, so a step could "beat" it (an F32 decode step read 42 GB/s where sum measured 31-36).
+// on one 2-core EPYC, so a decode step could "beat" it (docs/performance.md, "Figures behind the code's choices").
 int64_t stream_read(const torch::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "stream_read: a contiguous CPU tensor");
   const uint8_t* p = static_cast<const uint8_t*>(x.data_ptr());
@@ -309,8 +309,3 @@ int64_t stream_read(const torch::Tensor& x) {
   });
   return folded.load();
 }
-
-// torch.argmax over the last dimension of float32 logits: the first index of the maximum, or of the first NaN
-// (torch orders NaN above everything). Why: torch's CPU argmax took ~0.5 ms for 8 rows of a 49k vocabulary,
-// 1% of a batch-8 decode step; this takes ~7 us a row. Two 8-lane states keep each lane's maximum and its first
-// index; NaN is found through the bits, since -ffast-math lets the compiler assume float compares never see one.

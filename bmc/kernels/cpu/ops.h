@@ -8,6 +8,11 @@ static bool is_nan(float f) {
   return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
+// torch.argmax over the last dimension of float32 logits: the first index of the maximum, or of the first NaN
+// (torch orders NaN above everything). Why: torch's CPU argmax over a 49k vocabulary cost a visible share of a
+// decode step (docs/performance.md, "Figures behind the code's choices"). Two 8-lane states keep each lane's
+// maximum and its first index; NaN is found through the bits, since -ffast-math lets the compiler assume float
+// compares never see one.
 static int64_t argmax_row(const float* x, int64_t n) {
   typedef float f8 __attribute__((vector_size(32)));
   typedef int32_t i8 __attribute__((vector_size(32)));

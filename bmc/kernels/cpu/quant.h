@@ -79,12 +79,11 @@ void dequant_panels(const torch::Tensor& wq, int kind, int64_t p0, int64_t nb, i
 }
 
 #ifdef __AVX512F__
-// 1-4 rows (decode) on AVX-512: the panel streams through registers, no buffer. Measured on the default model's
-// GEMMs at M = 1 (30 layers + LM head, 2 threads, AVX-512 EPYC): dequantizing into a buffer first took 10.3 ms a
-// token, dequantizing each weight in registers 3.3-3.6 ms. Applying each block's scale once (quant_panel_kernel
-// below) instead of per weight made batch-4 decode 10-15 % faster (426-476 -> 473-531 tok/s over Q4_0, Q8_0 and
-// Q4_1, two alternating runs each) and left batch 1 where it was (bound elsewhere). 5-8 rows (quant_block_kernel)
-// keep the per-weight dequantization: bit for bit the float kernels' arithmetic.
+// 1-4 rows (decode) on AVX-512: the panel streams through registers, no buffer (dequantizing into a buffer first
+// took several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of
+// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). 5-8 rows (quant_block_kernel) keep
+// the per-weight dequantization: bit for bit the float kernels' arithmetic. Figures: docs/performance.md, "Figures
+// behind the code's choices".
 inline v16 q8_ints(const uint8_t* q) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
 }
@@ -110,9 +109,8 @@ inline v16 scale_vec(const uint8_t* blk, int64_t at) {
 }
 
 // Software prefetch 8 blocks ahead only where a block has enough arithmetic to hide it (3 or more rows): at 1-2
-// rows it competed with the hardware prefetcher. Measured on the 2-core EPYC, default model (Q4_1 layers, Q8_0
-// head), batch-1 decode, 5 whole-process A/B pairs, medians: int8 activations 189 -> 211 tok/s without it, float
-// activations 199 -> 207; at batch 8 (int8 activations) dropping it cost 8 % (688 -> 630), so it stays there.
+// rows it competed with the hardware prefetcher (batch-1 decode ran faster without it), while at batch 8 dropping
+// it cost speed, so it stays there (docs/performance.md, "Figures behind the code's choices").
 constexpr bool prefetches_ahead(int rows) { return rows > 2; }
 
 // The block's scale (and offset) is applied once per 32 rows (Q8X's scales once per 16): sum_k x_k (d q_k + m) =

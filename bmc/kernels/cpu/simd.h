@@ -8,15 +8,17 @@ namespace {
 
 constexpr int P = 16;  // panel width: one AVX-512 register of float32 (GCC splits it on narrower ISAs)
 // Software prefetch distance in panel rows (64 B each): at M = 8 the FMAs per cache line slow the stream enough
-// that the hardware prefetcher falls behind; 4 KiB ahead measured 12 vs 10 GB/s here (M = 1: 15 either way).
+// that the hardware prefetcher falls behind; 4 KiB ahead streamed faster there, and the same at M = 1
+// (docs/performance.md, "Figures behind the code's choices").
 constexpr int64_t PREFETCH_ROWS = 64;
 // Shared segments are attended in chunks of SEG_KEYS keys (16 KiB of K and of V at head_dim 64, L1-sized) by up
 // to SEG_QUERY_ROWS query rows at once (32 samples x 3 heads of a GQA group), their queries transposed once per step.
 constexpr int64_t SEG_KEYS = 64;
 constexpr int64_t SEG_QUERY_ROWS = 96;
 // A row's own cache is walked in chunks of OWN_KEYS keys with the same online softmax: its query rows read each
-// chunk from DRAM once and again from L1 (16 KiB of K and of V at head_dim 64; 128 keys measured 0-12 % slower
-// with the spread prefetch, on an AVX2 EPYC and an AVX-512 Xeon), and the score buffer stays small at any capacity.
+// chunk from DRAM once and again from L1 (16 KiB of K and of V at head_dim 64; 128 keys were no faster, often
+// slower, with the spread prefetch: docs/performance.md, "Figures behind the code's choices"), and the score
+// buffer stays small at any capacity.
 constexpr int64_t OWN_KEYS = 64;
 // From this many query rows per (row, KV head) on, scores are computed as a matrix product (wide_scores).
 constexpr int64_t WIDE_ROWS = 8;
@@ -24,7 +26,8 @@ constexpr int64_t WIDE_ROWS = 8;
 typedef float v16 __attribute__((vector_size(64)));
 #else
 // Without AVX-512 GCC has no 64-byte vector mode: a vector_size(64) type lives in memory and every operation on it
-// goes through the stack (the GEMM ran 3-10x slower on an AVX2 EPYC). Two 8-wide halves stay in ymm registers.
+// goes through the stack (the GEMM ran several times slower: docs/performance.md, "Figures behind the code's
+// choices"). Two 8-wide halves stay in ymm registers.
 typedef float v8 __attribute__((vector_size(32)));
 struct v16 {
   v8 lo, hi;
@@ -168,8 +171,8 @@ inline v16 load16(const Half16* p) {
 // e^x in float32 to < 4 ulp (measured over [-87.3, 88.3]), 0 below -87.3, 2.2e38 above 88.3 (not inf): 2^n p(r)
 // with r = x - n ln2 (ln2 split in two so that n ln2 is exact) and p the degree-6 Taylor polynomial of e^r on
 // |r| <= ln2/2. Branch-free, so GCC vectorises the loops that call it (8 or 16 lanes, ~10 FP operations a vector)
-// where libmvec's expf was ~13 % of shared-prefix attention (one exp per key and query row) and decode attention
-// got 1-8 % faster with it.
+// where libmvec's expf was a visible share of shared-prefix attention (one exp per key and query row), and decode
+// attention got faster with it (docs/performance.md, "Figures behind the code's choices").
 inline float exp_fast(float x0) {
   const float x = std::min(std::max(x0, -87.3f), 88.3f);
   const float n = __builtin_rintf(x * 1.44269504088896341f);
@@ -189,15 +192,15 @@ inline float exp_fast(float x0) {
 }
 
 // tanh in float32 through exp_fast (branch-free, so the soft-cap loop vectorises): within ~1e-7 of tanhf, absolute.
-// Gemma 2's soft-capped scores with std::tanh were 26 % slower than Llama's at batch 8 on 16 Xeon cores (one tanhf
-// call per score).
+// With std::tanh, one tanhf call per score, Gemma 2's soft-capped attention was markedly slower than Llama's
+// (docs/performance.md, "Figures behind the code's choices").
 inline float tanh_fast(float x) { return 1.0f - 2.0f / (exp_fast(2.0f * x) + 1.0f); }
 
 // Lines [0, lines) from `base` (64 bytes each) prefetched a few per advance(), spread evenly over `calls` calls.
 // The decode attention prefetches the next chunk's keys and values this way across all its passes over the
 // current chunk (one per query row for the scores, one per row block and dimension slice for the values): issued
-// in a burst during the first pass they stalled it and left the memory idle during the others (batch-8 decode
-// attention 12-20 % faster spread, on an AVX2 EPYC).
+// in a burst during the first pass they stalled it and left the memory idle during the others (figures:
+// docs/performance.md, "Figures behind the code's choices").
 struct Prefetch {
   const float* base;
   int64_t lines, step, next = 0;

@@ -112,8 +112,8 @@ constexpr int64_t elem_bytes(Kind k) { return k == Kind::F32 ? 4 : k == Kind::I8
 
 // Step 1's logits for the G query heads over columns [s0, s0 + n) in tiles of NV vectors, the G x NV sums held in
 // registers over the r mirror rows: each stored value is loaded (and widened) once and feeds G FMAs. The plain
-// loop below kept the G score rows in L1 and paid a load and a store per FMA: measured at 8K context, batch 8,
-// r = 30 (the default model's heads, 2-core EPYC), step 1 was most of SparQ's step and int8 KV did not help it.
+// loop below kept the G score rows in L1 and paid a load and a store per FMA: step 1 was then most of SparQ's
+// step, and int8 KV's fewer bytes did not help it (docs/performance.md, "Figures behind the code's choices").
 // Returns the columns done (a multiple of 16); int8 sums are multiplied by their column's scale.
 template <Kind KIND, int G, int NV>
 int64_t approx_tiles(const float* w, int64_t r, const int64_t* comps, const uint8_t* Kt, int64_t sD,
@@ -244,8 +244,8 @@ inline uint32_t order_key(float f) {
 }
 
 // The kk-th largest of v[0, n), 1 <= kk <= n. A histogram of the keys' top 12 bits finds the bucket that holds it
-// in one pass; nth_element then runs over that bucket's members only (measured: nth_element over all 8K scores
-// was most of the step at batch 1).
+// in one pass; nth_element then runs over that bucket's members only (over all the scores at long context it was
+// most of the step at batch 1: docs/performance.md, "Figures behind the code's choices").
 float kth_largest(const float* v, int64_t n, int64_t kk, std::vector<float>& scratch) {
   std::array<int32_t, 4096> hist{};
   for (int64_t s = 0; s < n; ++s) hist[order_key(v[s]) >> 20]++;

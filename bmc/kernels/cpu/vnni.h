@@ -19,8 +19,9 @@ constexpr bool HAVE_INT8_DOT = true;
 // sum_k |w_k| dx / 2 (plus float rounding), a stated bound (tests/test_quant.py), not quant="none"'s logits.
 // (Taking the offsets' factor as the exact sum_k x_k was worse: the error became sum_k d q_k (x~_k - x_k) with q in
 // 0..15 all positive, where w's own signs cancel: Q4_0 perplexity 16.925 against 16.578, float activations 16.505.)
-// Why: batch-8 decode GEMMs, bound by the float path's dequantizing arithmetic (4 operations per 16 weights), take
-// half the time (default model's Q4_0 shapes: 14.3 -> 6.4 ms a step); batch 1, bound by memory, 3.4 -> 3.1 ms.
+// Why: batch-8 decode GEMMs are bound by the float path's dequantizing arithmetic (4 operations per 16 weights),
+// which the integer dot products cut; batch 1, bound by memory, gains a little (docs/performance.md, "Figures
+// behind the code's choices").
 // A block's quants are regrouped per 4 rows with one vpermb, so each 32-bit lane holds one column's 4 consecutive
 // rows, as vpdpbusd takes them: w[g] holds rows 4g .. 4g + 3, so w[0..3] are rows 0-15 and w[4..7] rows 16-31.
 // Q4's nibbles are unsigned and go in as they are (against the signed activations); Q8 and Q8X quants are signed,
@@ -104,8 +105,9 @@ constexpr Int8xKernel INT8X_KERNELS[8] = {
 constexpr const Int8xKernel* INT8X_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_INT8X_ENTRY)};
 #undef BMC_INT8X_ENTRY
 
-// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: a
-// scalar loop with nearbyint per value took ~1 ms of a 4.5 ms batch-1 decode step (150 GEMMs a step).
+// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: it
+// runs before every GEMM, and a scalar loop with nearbyint per value was a large share of a batch-1 decode step
+// (docs/performance.md, "Figures behind the code's choices").
 // cvtps_epi32 rounds to nearest even, as nearbyint does under the default rounding mode.
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
   const int64_t nblk = K / QK;
