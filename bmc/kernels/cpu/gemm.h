@@ -54,6 +54,17 @@ void rows_kernel(int64_t mb, const float* x, int64_t ldx, const W* wp, int64_t K
   }
 }
 
+// MB rows x NB panels of accumulators out to y (+ bias); the last panel has nw valid columns
+template <int MB, int NB>
+inline void store_block(const v16 (&acc)[MB][NB], const float* bias, float* y, int64_t ldy, int64_t nw,
+                        bool accumulate) {
+  for (int j = 0; j < NB; ++j) {
+    const int64_t width = j == NB - 1 ? nw : P;
+    const v16 b = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
+    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + b, width, accumulate);
+  }
+}
+
 // y[MB rows][NB panels] (+)= x @ NB consecutive panels (+ bias), MB * NB <= 24 accumulators: per k one load per
 // panel and one broadcast per row feed MB * NB FMAs (panel_kernel's 8 x 1 needs 9 loads for 8). For steps of 5 or
 // more rows (a batch of 8, a verify step's tree, 32 shared-prefix samples), where the FMAs slow the weight stream
@@ -77,11 +88,7 @@ void block_kernel(const float* x, int64_t ldx, const W* wp, int64_t K, const flo
       for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t width = j == NB - 1 ? nw : P;
-    const v16 b = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
-    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + b, width, accumulate);
-  }
+  store_block<MB, NB>(acc, bias, y, ldy, nw, accumulate);
 }
 
 template <typename W>

@@ -200,11 +200,7 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
       }
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t width = j == NB - 1 ? nw : P;
-    const v16 bv = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
-    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + bv, width, accumulate);
-  }
+  store_block<MB, NB>(acc, bias, y, ldy, nw, accumulate);
 }
 
 using QuantBlockKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
