@@ -60,8 +60,10 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
     a file in ~/.cache/bmc/weights (written on first use), one copy in memory for every process that maps it.
-    quant: "auto" (a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices kept as stored, on a CPU in float32; else "none"),
-    "none" (every tensor dequantized to dtype), "gguf", "q8_0" or "q4_0" (quantized at load): bmc/models/quant.py.
+    quant: "auto" ("stored" on a CPU in float32, else "none"), "stored" (a GGUF file's quantized and 16-bit
+    matrices, an HF checkpoint's bfloat16 / float16 ones, kept as stored: exact, fewer bytes), "none" (every tensor
+    dequantized to dtype), "gguf" (stored, for a GGUF file), "q8_0" or "q4_0" (quantized at load):
+    bmc/models/quant.py.
     activations: "float" (exact: the quantized matrices' float weights) or "int8" (quantized matrices against
     activations quantized to int8 blocks on the native step, VNNI dot products: ~2x the Q4 GEMMs at batch 8, within
     a stated bound).

@@ -42,8 +42,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     from ..models.quant import QUANT_MODES
 
     p.add_argument("--quant", default="auto", choices=QUANT_MODES,
-                   help="weights: auto (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices kept as stored on a CPU "
-                   "in float32, else none), none (dequantized to --dtype), gguf, or q8_0 / q4_0 (quantized at load, "
+                   help="weights: auto (stored on a CPU in float32, else none), stored (a GGUF file's F16/BF16/Q8_0/"
+                   "Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices, an HF checkpoint's bfloat16/float16 ones, kept as stored), none "
+                   "(dequantized to --dtype), gguf (stored, for a GGUF file), or q8_0 / q4_0 (quantized at load, "
                    "as llama.cpp does). Quantized matrices compute with exactly the float weights they dequantize to "
                    "(on CUDA in bfloat16, Q4 runs torch's int4 GEMM within a stated bound)")
     p.add_argument("--activations", default="float", choices=["float", "int8"],

@@ -35,7 +35,7 @@ class Model:
     path: str
     dtype: torch.dtype
     device: torch.device
-    quant: str = "none"  # "none", or the kind of the GEMM matrices kept quantized ("gguf", "q8_0", "q4_0")
+    quant: str = "none"  # "none", or how the GEMM matrices are kept ("stored", "gguf", "q8_0", "q4_0")
     activations: str = "float"  # "int8": the quantized GEMMs on int8 activation blocks (set_activations)
     # tensor parallelism: the whole model's config where `config` is one rank's part (bmc/parallel/shard.py)
     full_config: ModelConfig | None = None
@@ -141,19 +141,21 @@ def _read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def resolve_quant(quant: str, path: str, dtype: torch.dtype, device: torch.device) -> str:
-    """The quantization a load runs with: "auto" is "gguf" for a GGUF file where the native step runs (CPU,
-    float32), else "none" (elsewhere quantized weights save memory, not time: quant_torch.py); anything else is
-    checked against the file."""
+    """The quantization a load runs with: "auto" is "stored" where the native step runs (CPU, float32), else
+    "none" (elsewhere quantized weights save memory, not time: quant_torch.py); "stored" is "gguf" for a GGUF
+    file; anything else is checked against the file."""
     from ..kernels.native import native_supported
     from .quant import check_mode
 
     quant = check_mode(quant)
     is_gguf = os.path.isfile(path) and path.endswith(".gguf")
     if quant == "auto":
-        return "gguf" if is_gguf and native_supported(device, dtype) else "none"
+        quant = "stored" if native_supported(device, dtype) else "none"
+    if quant == "stored":
+        return "gguf" if is_gguf else "stored"
     if quant == "gguf" and not is_gguf:
         raise ModelLoadError(f"quant='gguf' keeps a GGUF file's blocks, and {path} is not a GGUF file: use "
-                             "quant='q8_0', 'q4_0' or 'none'")
+                             "quant='stored', 'q8_0', 'q4_0' or 'none'")
     return quant  # where the native step does not run, torch ops dequantize each GEMM's weight (quant_torch.py)
 
 
@@ -237,8 +239,13 @@ def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tenso
                        quant: str = "none") -> Model:
     """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory).
     source_type=ShapeSource: shapes only, uninitialised tensors (a weight file's mapping replaces them).
-    quant: "none", "gguf" (the state dict's QuantWeights kept), "q8_0" / "q4_0" (every GEMM matrix quantized)."""
+    quant: "none", "gguf" (the state dict's QuantWeights kept), "stored" (its bfloat16 / float16 matrices kept in
+    16 bits, quant.stored_matrices), "q8_0" / "q4_0" (every GEMM matrix quantized)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    if quant == "stored" and source_type is WeightSource:
+        from .quant import stored_matrices
+
+        tensors = stored_matrices(tensors)
     config = ModelConfig.from_hf(hf_config)
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}

@@ -7,11 +7,13 @@ kernel dequantizes a panel into a thread's buffer and runs the float32 GEMM kern
 computes with exactly the float32 weights `gguf` dequantizes: quant="gguf" gives quant="none"'s logits on the
 native step, bit for bit, reading 4.3x (Q8_0) or 6.4-7.1x (Q4_1, Q4_0) fewer weight bytes.
 
-Modes: "none" dequantizes every tensor to the model's dtype; "gguf" keeps the F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
-Q5_K and Q6_K matrices of a GGUF file as stored (GGUF_TYPES: 16-bit floats as float panels in 16 bits, widened as
+Modes: "none" dequantizes every tensor to the model's dtype; "stored" keeps the matrices as the checkpoint stores
+them: an HF checkpoint's bfloat16 / float16 matrices as 16-bit float panels (stored_matrices), a GGUF file's as
+"gguf" does. "gguf" keeps the F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K matrices of a GGUF file as stored (GGUF_TYPES: 16-bit floats as float panels in 16 bits, widened as
 they are read; K-quants per sub-block), and Q5_0 ones as the Q8_0 blocks of the same values (q5_0_as_q8_0; other
 types, e.g. Q3_K, are dequantized to float32); "q8_0" and "q4_0" quantize the float matrices of any checkpoint at
-load; "auto" is "gguf" for a GGUF file where the native step runs (CPU, float32) and "none" otherwise."""
+load; "auto" is "stored" where the native step runs (CPU, float32) and "none" otherwise. Kept 16-bit matrices
+compute with their float32 values, bit for bit "none"'s GEMM, from half the bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from ..errors import InvalidRequestError
 from ..kernels.block_kinds import BLOCK_KIND, PANEL, QK, BlockKind
 from ..platform.hugepages import HugePageArena
 
-QUANT_MODES = ("auto", "none", "gguf", "q8_0", "q4_0")
+QUANT_MODES = ("auto", "none", "stored", "gguf", "q8_0", "q4_0")
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
 PANEL_ROWS = 2048
@@ -356,6 +358,24 @@ def quantize(w: torch.Tensor, kind: str) -> QuantWeight:
     d16 = d.numpy().astype(np.float16).view(np.uint8).reshape(N, K // QK, 2)
     blocks = np.concatenate([d16, body.reshape(N, K // QK, -1)], axis=-1).reshape(N, -1)
     return QuantWeight(kind, (N, K), np.ascontiguousarray(blocks))
+
+
+HALF_KIND_OF = {t.half: kind for kind, t in GGUF_TYPES.items() if t.half is not None}
+
+
+def stored_matrices(tensors: dict[str, torch.Tensor]) -> dict:
+    """An HF state dict with its bfloat16 / float16 matrices (2-D) as QuantWeights of that kind, the bytes shared:
+    the loaders keep them as 16-bit panels (a tied embedding is looked up in them; any other tensor is read
+    widened)."""
+    out: dict = {}
+    for name, t in tensors.items():
+        kind = HALF_KIND_OF.get(t.dtype) if isinstance(t, torch.Tensor) and t.dim() == 2 else None
+        if kind is None:
+            out[name] = t
+        else:
+            raw = t.contiguous().view(torch.int16).numpy().view(np.uint8)  # [N, 2K]: the values' bytes
+            out[name] = QuantWeight(kind, (t.shape[0], t.shape[1]), raw)
+    return out
 
 
 def check_mode(quant: str) -> str:
