@@ -148,6 +148,7 @@ class GenerateOptions(TypedDict, total=False):
     sparq_k: int
     window_k: int
     cuda_graphs: bool
+    adaptive_threads: bool
     kv_dtype: str
 
 
@@ -202,6 +203,8 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     the top `sparq_k`=128 positions); attention="window" is the local-window baseline keeping `window_k`=256
     positions.
     On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager).
+    On a CPU, decode steps run on fewer threads while other processes keep the cores busy (adaptive_threads=False:
+    always torch's thread count); the tokens and logits are the same at any count.
     A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""
     from .parallel.tp import TensorParallelModel
 

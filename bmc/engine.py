@@ -45,6 +45,7 @@ class GenerationConfig:
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
+    adaptive_threads: bool = True  # CPU: decode steps on fewer threads while other processes hold the cores
     share_prefix: str = "auto"  # "auto": one copy of each prompt's KV for its samples, and of a leading part common
     # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
     kv_dtype: str = "auto"  # how the cache stores K and V (bmc/kv/formats.py): "auto" (the model's dtype),

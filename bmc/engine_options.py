@@ -34,6 +34,7 @@ class EngineOptions:
     min_shared: int | None = None  # the fewest cached tokens a prompt reads in place or waits for (None: a block)
     keep_turns: bool = True  # keep finished turns (a prompt and its reply) for a next turn to read
     cuda_graphs: bool = True  # CUDA: the plain decode step captured once per capacity bucket and batch
+    adaptive_threads: bool = True  # CPU: decode steps take fewer threads while other processes keep the cores busy
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -57,7 +57,7 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
         kv=gen.kv, r=gen.r, T=gen.T, kv_dtype=gen.kv_dtype, attention=gen.attention,
         attention_options=gen.attention_options, speculative=gen.speculative, tree=gen.tree, spec_max_tokens=None,
         spec_trim=not gen.spec_grow, prefix_cache_bytes=budget, cuda_graphs=gen.cuda_graphs, max_length=max_length,
-        prefix_block=1, min_shared=MIN_SHARED_PREFIX, keep_turns=False))
+        adaptive_threads=gen.adaptive_threads, prefix_block=1, min_shared=MIN_SHARED_PREFIX, keep_turns=False))
 
 
 @torch.inference_mode()

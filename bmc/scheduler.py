@@ -40,6 +40,7 @@ from .errors import BmcError, InvalidRequestError
 from .graphs import DecodeGraphs
 from .kernels.native import argmax
 from .models.step import StepPart
+from .platform.threads import ThreadGovernor
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import Node, PrefixCache, common_prefix
@@ -207,6 +208,12 @@ class Scheduler:
         self.prefilling: list[_Prefill] = []
         self.joining: list[tuple[_Prefill, list[_Row]]] = []
         self.counters = SchedulerCounters()
+        # CPU decode steps run on fewer threads while other processes hold the cores (platform/threads.py)
+        native = model.net.native_decoder() if model.device.type == "cpu" else None
+        if native is not None:  # attention splits its work for the configured count, whatever count runs it
+            native.set_split_threads(torch.get_num_threads())
+        self.threads = (ThreadGovernor(torch.get_num_threads()) if o.adaptive_threads and native is not None
+                        and torch.get_num_threads() > 1 else None)
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
         self.peak_kv_bytes = 0  # the most KV bytes held at a step's end: batch, prefills and the prefix cache
         self.peak_running_kv_bytes = 0  # of those, what running requests read: batch, prefills, pinned cached paths
@@ -319,7 +326,14 @@ class Scheduler:
         if draft is not None:  # the trees' own forward: verify logits of every node, not the last token's
             self._verify(*draft)
         parts = ([decode] if decode is not None else []) + [part for _, part in chunks]
-        results = self._forward(parts)
+        governed = self.threads is not None and decode is not None and not chunks and self._thread_free(decode)
+        if governed:
+            self.threads.begin()
+        try:
+            results = self._forward(parts)
+        finally:
+            if governed:
+                self.threads.end()
         if decode is not None:
             self._finish_decode(results.pop(0))
         for (group, part), result in zip(chunks, results):
@@ -773,6 +787,11 @@ class Scheduler:
             except Exception as e:
                 results.append(e)
         return results
+
+    def _thread_free(self, part: StepPart) -> bool:
+        """Whether this decode part's logits are the same at any thread count: the native step's decode (each
+        output computed by one thread), one token a row."""
+        return part.tokens.shape[1] == 1 and part.native_ready() and self.model.net.native_decoder() is not None
 
     def _graphs_for(self, part: StepPart) -> DecodeGraphs | None:
         """The graphs that run this part: the batch's decode step over its own cache, or over cached segments once

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep no prompt KV across requests: every prompt is prefilled whole")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every decode step eagerly (default: captured once per capacity bucket and batch)")
+    p.add_argument("--no-adaptive-threads", action="store_true",
+                   help="CPU: run every decode step on --threads (default: fewer while other processes keep the cores "
+                   "busy; the tokens are the same)")
     p.add_argument("--instances", default="1",
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
@@ -156,7 +159,8 @@ def engine_options(args: argparse.Namespace, prefix_cache_bytes: int | None = No
         kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype, attention=args.attention,
         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k), window_k=args.window_k),
         speculative=args.speculative, tree=args.tree, spec_max_tokens=args.spec_max_tokens,
-        prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=not args.no_cuda_graphs)
+        prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=not args.no_cuda_graphs,
+        adaptive_threads=not args.no_adaptive_threads)
 
 
 def default_prefix_cache_bytes() -> int:

@@ -124,6 +124,7 @@ class NativeDecoder {
   void set_int8_kv_dots(bool on) { attn_.set_int8_kv_dots(on); }  // see Attention
   bool int8_kv_dots() const { return attn_.int8_kv_dots(); }
   void set_softcap(double cap) { attn_.set_softcap(cap); }
+  void set_split_threads(int64_t threads) { attn_.set_split_threads(threads); }  // see Attention
 
   // A weight as the GEMMs read it: [in, out] float32 packed here, or panels packed beforehand by pack_panels
   // ([ceil(out/16), in, 16]: a memory-mapped file shared by several processes hands them over as they are).
@@ -480,6 +481,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_softcap", &NativeDecoder::set_softcap)
       .def("set_int8_activations", &NativeDecoder::set_int8_activations)
       .def("set_int8_kv_dots", &NativeDecoder::set_int8_kv_dots)
+      .def("set_split_threads", &NativeDecoder::set_split_threads)
       .def("int8_kv_dots", &NativeDecoder::int8_kv_dots)
       .def("num_layers", &NativeDecoder::num_layers)
       .def("set_profiling", &NativeDecoder::set_profiling)
@@ -490,6 +492,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>(), "heads, kv_heads, head_dim, scale")
       .def("set_softcap", &Attention::set_softcap)
       .def("set_int8_kv_dots", &Attention::set_int8_kv_dots)
+      .def("set_split_threads", &Attention::set_split_threads)
       .def("int8_kv_dots", &Attention::int8_kv_dots)
       .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -32,6 +32,10 @@ class Attention {
     int8_kv_dots_ = on;
   }
   bool int8_kv_dots() const { return int8_kv_dots_; }
+  // The thread count the capacity's split into spans is planned for (0: the running count). A split sets the
+  // merge order, so fixing it keeps the results the same when fewer threads run the tasks (platform/threads.py).
+  void set_split_threads(int64_t threads) { split_threads_ = std::max<int64_t>(0, threads); }
+  int64_t split_threads() const { return split_threads_ > 0 ? split_threads_ : at::get_num_threads(); }
 
   // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate, the benchmarks and
   // the tests call it): q [B, t, H*d] with RoPE applied, kv [L, 2, B, H_kv, cap, d] already holding the step's keys, bias
@@ -112,7 +116,7 @@ class Attention {
     // than twice the threads: the capacity is then split into spans (flash-decoding's split-K), each attended into
     // its own partial state, and the partials are merged exactly by their maxima and sums. Each key is still read
     // once; one span per pair writes straight into the output.
-    const int64_t pairs = B * kvh_, threads = at::get_num_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
+    const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
     const int64_t spans = split_spans(pairs, chunks, threads);
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
@@ -257,7 +261,7 @@ class Attention {
           row_tasks.push_back({kh, grp, first, std::min<int64_t>(slice, members[grp].size() - first)});
     const int64_t nrt = static_cast<int64_t>(row_tasks.size()), chunks = (sg.len + SEG_KEYS - 1) / SEG_KEYS;
     if (nrt == 0) return;  // no row of this batch reads the segment
-    const int64_t spans = split_spans(nrt, chunks, at::get_num_threads());
+    const int64_t spans = split_spans(nrt, chunks, split_threads());
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     // [row task, span, row] (and [.., d]) when spans > 1, written by the tasks (the outputs zeroed there, in
     // parallel: zeroing all up front here, outside the parallel loop, was a large share of a short step;
@@ -675,6 +679,7 @@ class Attention {
   double scale_;
   double softcap_ = 0.0;
   bool int8_kv_dots_ = HAVE_I8_KV_DOTS;
+  int64_t split_threads_ = 0;
   std::vector<float> zeros_ = std::vector<float>(std::max(OWN_KEYS, SEG_KEYS), 0.0f);  // a bias that adds nothing
 };
 
