@@ -210,6 +210,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # CPU decode steps run on fewer threads while other processes hold the cores (platform/threads.py)
         native = model.net.native_decoder() if model.device.type == "cpu" else None
+        self._native_decoder = native  # built once per model: looked up here, not per step
         if native is not None:  # attention splits its work for the configured count, whatever count runs it
             native.set_split_threads(torch.get_num_threads())
         self.threads = (ThreadGovernor(torch.get_num_threads()) if o.adaptive_threads and native is not None
@@ -791,7 +792,7 @@ class Scheduler:
     def _thread_free(self, part: StepPart) -> bool:
         """Whether this decode part's logits are the same at any thread count: the native step's decode (each
         output computed by one thread), one token a row."""
-        return part.tokens.shape[1] == 1 and part.native_ready() and self.model.net.native_decoder() is not None
+        return part.tokens.shape[1] == 1 and self._native_decoder is not None and part.native_ready()
 
     def _graphs_for(self, part: StepPart) -> DecodeGraphs | None:
         """The graphs that run this part: the batch's decode step over its own cache, or over cached segments once
