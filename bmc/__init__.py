@@ -64,9 +64,10 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     matrices, an HF checkpoint's bfloat16 / float16 ones, kept as stored: exact, fewer bytes), "none" (every tensor
     dequantized to dtype), "gguf" (stored, for a GGUF file), "q8_0" or "q4_0" (quantized at load):
     bmc/models/quant.py.
-    activations: "float" (exact: the quantized matrices' float weights) or "int8" (quantized matrices against
+    activations: "float" (exact: the quantized matrices' float weights), "int8" (quantized matrices against
     activations quantized to int8 blocks on the native step, VNNI dot products: ~2x the Q4 GEMMs at batch 8, within
-    a stated bound).
+    a stated bound) or "bfloat16" (prompts prefilled in bfloat16 arithmetic on the native step, AMX or AVX512-BF16;
+    generated tokens in float32; within a stated bound).
     tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
     torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
     from .models import check_activations, set_activations

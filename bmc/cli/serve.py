@@ -114,8 +114,8 @@ def check_args(args: argparse.Namespace) -> None:
         if args.instances != "1":
             fail("--tp with --instances is not built: run one tensor-parallel engine (--instances 1)")
         if args.quant not in ("auto", "none") or args.activations != "float":
-            fail("--tp loads float weights and activations: quantized weights (--quant) and --activations int8 "
-                 "are not sharded yet")
+            fail("--tp loads float weights and activations: quantized weights (--quant) and --activations "
+                 f"{args.activations} are not sharded yet")
         if args.device == "cuda" and torch.cuda.device_count() < args.tp:
             fail(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; torch sees {torch.cuda.device_count()}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -16,6 +17,12 @@ log = logging.getLogger("bmc")
 # one made shared-prefix attention (one exp per key and query row) measurably faster here.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
+
+
+def cflags() -> list[str]:
+    """CFLAGS, then BMC_KERNEL_CFLAGS (e.g. "-mno-avx512bf16 -mno-amx-tile": the build without an ISA path, whose
+    answers the tests compare; part of the build's name)."""
+    return CFLAGS + shlex.split(os.environ.get("BMC_KERNEL_CFLAGS", ""))
 WING = os.path.join(os.path.dirname(__file__), "cpu")  # the kernels' sources and headers
 _built: dict[str, Any] = {}
 
@@ -32,7 +39,7 @@ def build_name(stem: str, source_file: str) -> str:
             digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     for header, text in generated_headers().items():
         digest.update(header.encode() + b"\0" + text.encode())
-    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode())
+    digest.update(" ".join(cflags() + LDFLAGS + [torch.__version__]).encode())
     return f"{stem}_{digest.hexdigest()[:12]}"
 
 
@@ -99,7 +106,7 @@ def build(stem: str, source_file: str, functions: list[str] | None, switch: str)
         with open(source_file) as f:
             source = f.read()
         includes = [os.path.dirname(WING), write_generated(build_dir)]
-        _built[stem] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=CFLAGS,
+        _built[stem] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=cflags(),
                                    extra_ldflags=LDFLAGS, extra_include_paths=includes, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [repr(e)]

@@ -16,13 +16,17 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 #ifdef __linux__
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -38,6 +42,7 @@
 #include "cpu/gemm.h"
 #include "cpu/quant.h"
 #include "cpu/vnni.h"
+#include "cpu/gemm_bf16.h"
 #include "cpu/linear.h"
 #include "cpu/ops.h"
 #include "cpu/kv_format.h"
@@ -121,6 +126,10 @@ class NativeDecoder {
     int8_x_ = on;
   }
 
+  // Prompt rows (the parts forward / forward_parts are told are a prompt's) in bfloat16 arithmetic, a stated bound;
+  // decode and verify rows, and the LM head, stay in float32.
+  void set_bf16_prompts(bool on) { bf16_prompts_ = on; }
+
   void set_int8_kv_dots(bool on) { attn_.set_int8_kv_dots(on); }  // see Attention
   bool int8_kv_dots() const { return attn_.int8_kv_dots(); }
   void set_softcap(double cap) { attn_.set_softcap(cap); }
@@ -164,10 +173,11 @@ class NativeDecoder {
   torch::Tensor forward(torch::Tensor x, torch::Tensor kv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
                         std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group,
-                        std::vector<torch::Tensor> local) {
+                        std::vector<torch::Tensor> local, bool prompt) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(2) == D_, "x: float32 [B, t, hidden]");
     const int64_t B = x.size(0), t = x.size(1);
     std::vector<Part> parts{make_part(kv, bias, cos, sin, start, B, t, local)};
+    parts[0].prompt = prompt;
     parts[0].segs = attn_.parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
     x = x.reshape({B * t, D_}).contiguous();
     auto logits = run(x, parts, all_logits);
@@ -185,12 +195,12 @@ class NativeDecoder {
                               std::vector<std::vector<torch::Tensor>> locals,
                               std::vector<std::vector<torch::Tensor>> seg_kvs,
                               std::vector<std::vector<torch::Tensor>> seg_biases,
-                              std::vector<std::vector<torch::Tensor>> seg_groups) {
+                              std::vector<std::vector<torch::Tensor>> seg_groups, std::vector<bool> prompts) {
     const size_t n = xs.size();
     TORCH_CHECK(n > 0 && kvs.size() == n && biases.size() == n && coss.size() == n && sins.size() == n &&
                     starts.size() == n && locals.size() == n && seg_kvs.size() == n && seg_biases.size() == n &&
-                    seg_groups.size() == n,
-                "forward_parts: one x, kv, bias, cos, sin, start, local and segment list per part");
+                    seg_groups.size() == n && prompts.size() == n,
+                "forward_parts: one x, kv, bias, cos, sin, start, local, segment list and prompt flag per part");
     std::vector<Part> parts;
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(xs[i].scalar_type() == torch::kFloat && xs[i].dim() == 3 && xs[i].size(2) == D_,
@@ -198,6 +208,7 @@ class NativeDecoder {
       parts.push_back(make_part(kvs[i], biases[i], coss[i], sins[i], starts[i], xs[i].size(0), xs[i].size(1),
                                 locals[i]));
       parts.back().segs = attn_.parse_segments(seg_kvs[i], seg_biases[i], seg_groups[i], xs[i].size(0), num_layers());
+      parts.back().prompt = prompts[i];
       TORCH_CHECK((coss[i].numel() > 0) == (coss[0].numel() > 0), "forward_parts: RoPE on every part or none");
     }
     std::vector<torch::Tensor> flat;
@@ -214,6 +225,7 @@ class NativeDecoder {
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     std::vector<Segment> segs;
+    bool prompt = false;  // a prompt's rows (set_bf16_prompts)
     const torch::Tensor& bias_of(const Layer& L) const {
       return L.local && local_bias.numel() > 0 ? local_bias : bias;
     }
@@ -267,12 +279,28 @@ class NativeDecoder {
     float *ap = attn.data_ptr<float>(), *mp = mid.data_ptr<float>();
     bool decode_only = true;
     for (const Part& part : parts) decode_only = decode_only && part.t == 1;
+    // consecutive parts of one arithmetic, as (first row, rows, arithmetic): one GEMM call each
+    std::vector<std::tuple<int64_t, int64_t, Arith>> runs;
+    int64_t run_row = 0;
+    for (const Part& part : parts) {
+      const Arith a{int8_x_, bf16_prompts_ && part.prompt};
+      if (!runs.empty() && std::get<2>(runs.back()).bf16 == a.bf16)
+        std::get<1>(runs.back()) += part.B * part.t;
+      else
+        runs.emplace_back(run_row, part.B * part.t, a);
+      run_row += part.B * part.t;
+    }
+    // y = x @ W (+ b) over the step's rows, each run in its own arithmetic; x rows ldx apart, y rows N apart
+    auto step_gemm = [&](const float* x, int64_t ldx, int64_t K, const Weight& w, int64_t N, const float* b, float* y,
+                         bool accumulate) {
+      for (const auto& [r0, rows, a] : runs) gemm(x + r0 * ldx, ldx, rows, K, w, N, b, y + r0 * N, accumulate, a);
+    };
     Clock clock(profiling_ && decode_only && parts.size() == 1, phase_s_);  // decode steps only
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& L = layers_[l];
       norm(xp, L.ln1_w, L.ln1_b, hp, M);
       clock.lap(2);
-      gemm(hp, D_, M, D_, L.qkv, nq, ptr(L.qkv_b), qp, false, int8_x_);
+      step_gemm(hp, D_, D_, L.qkv, nq, ptr(L.qkv_b), qp, false);
       clock.lap(3);
       if (L.q_norm.defined()) {  // in place, each head of each row: q heads, then the k heads after them
         const float *qn = L.q_norm.data_ptr<float>(), *kn = L.k_norm.data_ptr<float>();
@@ -300,27 +328,27 @@ class NativeDecoder {
       }
       if (L.post_attn.defined()) {  // Gemma 2/3: x += norm(o(attn)); hp is free again
         clock.lap(2);
-        gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), hp, false, int8_x_);
+        step_gemm(ap, h_ * hd_, h_ * hd_, L.o, D_, ptr(L.o_b), hp, false);
         clock.lap(3);
         add_normed(hp, L.post_attn, xp, M);
       } else {
         clock.lap(2);
-        gemm(ap, h_ * hd_, M, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true, int8_x_);
+        step_gemm(ap, h_ * hd_, h_ * hd_, L.o, D_, ptr(L.o_b), xp, true);
         clock.lap(3);
       }
       norm(xp, L.ln2_w, L.ln2_b, hp, M);
       clock.lap(2);
-      gemm(hp, D_, M, D_, L.up, nu, ptr(L.up_b), mp, false, int8_x_);
+      step_gemm(hp, D_, D_, L.up, nu, ptr(L.up_b), mp, false);
       clock.lap(3);
       activate(mp, M);
       if (L.post_mlp.defined()) {
         clock.lap(2);
-        gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), hp, false, int8_x_);
+        step_gemm(mp, nu, I_, L.down, D_, ptr(L.down_b), hp, false);
         clock.lap(3);
         add_normed(hp, L.post_mlp, xp, M);
       } else {
         clock.lap(2);
-        gemm(mp, nu, M, I_, L.down, D_, ptr(L.down_b), xp, true, int8_x_);
+        step_gemm(mp, nu, I_, L.down, D_, ptr(L.down_b), xp, true);
         clock.lap(3);
       }
     }
@@ -343,7 +371,8 @@ class NativeDecoder {
     }
     auto logits = torch::empty({n_out, vocab_}, opts);
     clock.lap(2);
-    gemm(last.data_ptr<float>(), D_, n_out, D_, head_, vocab_, nullptr, logits.data_ptr<float>(), false, int8_x_);
+    gemm(last.data_ptr<float>(), D_, n_out, D_, head_, vocab_, nullptr, logits.data_ptr<float>(), false,
+         Arith{int8_x_, false});
     clock.lap(4);
     return logits;
   }
@@ -437,7 +466,8 @@ class NativeDecoder {
   bool rms_, gated_;
   std::string act_;
   double eps_;
-  bool int8_x_ = false;
+  bool int8_x_ = false;  // set_int8_activations
+  bool bf16_prompts_ = false;  // set_bf16_prompts
   Attention attn_;  // the step's attention over own rows and shared segments (cpu/attention.h)
   std::vector<Layer> layers_;
   torch::Tensor norm_w_, norm_b_;
@@ -462,9 +492,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the block kinds this build was compiled with: (name, block bytes, quants at, d_hi at, m at, fp16, nibbles)");
   m.def("pack_panels", &pack_panels, "[in, out] float32 -> [ceil(out/16), in, 16] panels");
   m.def("panel_linear", &panel_linear, "x @ W (+ b) with W packed by pack_panels (int8_activations: Q4 panels "
-        "against int8 activation blocks, where the CPU has VNNI)", py::arg("x"), py::arg("w"), py::arg("N"),
-        py::arg("bias"), py::arg("int8_activations") = false);
+        "against int8 activation blocks, where the CPU has VNNI; bf16: in bfloat16 arithmetic)",
+        py::arg("x"), py::arg("w"), py::arg("N"), py::arg("bias"), py::arg("int8_activations") = false,
+        py::arg("bf16") = false);
   m.def("has_int8_dot", []() { return HAVE_INT8_DOT; }, "whether int8 activations can run (AVX512-VNNI and VBMI)");
+  m.def("bf16_path", []() { return std::string(amx_ready() ? "amx" : HAVE_BF16_DOT ? "avx512-bf16" : "emulated"); },
+        "how bfloat16 arithmetic runs here: AMX tiles, vdpbf16ps, or float32 FMAs on bfloat16 values (no faster)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) for float32 x, NaN included");
   m.def("stream_read", &stream_read, "read every byte of x once (the read-bandwidth probe)");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [ceil(out/16), in, 16] panels");
@@ -480,6 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_local", &NativeDecoder::set_local)
       .def("set_softcap", &NativeDecoder::set_softcap)
       .def("set_int8_activations", &NativeDecoder::set_int8_activations)
+      .def("set_bf16_prompts", &NativeDecoder::set_bf16_prompts)
       .def("set_int8_kv_dots", &NativeDecoder::set_int8_kv_dots)
       .def("set_split_threads", &NativeDecoder::set_split_threads)
       .def("int8_kv_dots", &NativeDecoder::int8_kv_dots)

@@ -6,6 +6,7 @@ import glob
 import importlib.util
 import ctypes
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Union
@@ -20,6 +21,7 @@ from .ops import Linear, mkl_packing_available
 from .opt import OPTModel
 from .weights import WeightSource
 
+log = logging.getLogger("bmc")
 Net = Union[LlamaModel, OPTModel]
 MODEL_FAMILIES: dict[str, type] = {**{name: LlamaModel for name in LLAMA_LIKE}, "opt": OPTModel}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -191,7 +193,7 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
     return model
 
 
-ACTIVATIONS = ("float", "int8")
+ACTIVATIONS = ("float", "int8", "bfloat16")
 
 
 def check_activations(activations: str) -> str:
@@ -203,23 +205,35 @@ def check_activations(activations: str) -> str:
 def set_activations(model: Model, activations: str) -> None:
     """activations="int8": the quantized matrices of a model on the native step (every GGUF block type kept, and
     q8_0 / q4_0 made at load) multiply int8 blocks of their activations by VNNI dot products (prefill, decode and
-    verify alike); float matrices stay float. Refused by name where it cannot run."""
+    verify alike); float matrices stay float. activations="bfloat16": a prompt's rows on the native step (its chunks
+    of up to 1024 tokens) multiply their activations rounded to bfloat16 by every matrix's weights rounded to
+    bfloat16 (float, 16-bit or quantized), products summed in float32 (AMX or AVX512-BF16); generated tokens' steps
+    (decode, verify) and the LM head stay float32, so a row's arithmetic never depends on the rows beside it. Both
+    are stated bounds (docs/design.md, "Precision modes"). Refused by name where they cannot run."""
     if check_activations(activations) == "float":
         return
     from ..kernels.native import native_module, native_supported
 
-    quantized = [lin for lin in model.linears() if lin.block_kind() is not None]
     if not native_supported(model.device, model.dtype):
-        raise InvalidRequestError("activations='int8' runs on the native CPU step in float32 (here: "
+        raise InvalidRequestError(f"activations={activations!r} runs on the native CPU step in float32 (here: "
                                   f"{model.device.type}, {str(model.dtype).split('.')[-1]})")
-    if not native_module().has_int8_dot():
-        raise InvalidRequestError("activations='int8' needs a CPU with AVX512-VNNI and AVX512-VBMI; this one lacks "
-                                  "them: use activations='float'")
-    if not quantized:
-        raise InvalidRequestError("activations='int8' applies to quantized matrices (quant='gguf' on a quantized GGUF "
-                                  f"file, or quant='q8_0' / 'q4_0'); this model has none (quant {model.quant!r})")
-    for lin in quantized:
-        lin.int8_activations = True
+    if activations == "bfloat16":
+        path = native_module().bf16_path()
+        if path == "emulated":
+            log.warning("activations='bfloat16': this CPU has no AVX512-BF16 or AMX, so bfloat16 arithmetic is "
+                        "emulated with float32 FMAs: the same bound, no faster than activations='float'")
+        model.net.bf16_prompts = True
+    else:
+        quantized = [lin for lin in model.linears() if lin.block_kind() is not None]
+        if not native_module().has_int8_dot():
+            raise InvalidRequestError("activations='int8' needs a CPU with AVX512-VNNI and AVX512-VBMI; this one "
+                                      "lacks them: use activations='float'")
+        if not quantized:
+            raise InvalidRequestError("activations='int8' applies to quantized matrices (quant='gguf' on a quantized "
+                                      f"GGUF file, or quant='q8_0' / 'q4_0'); this model has none (quant "
+                                      f"{model.quant!r})")
+        for lin in quantized:
+            lin.int8_activations = True
     model.net.native.clear()  # a decoder built before this bakes in float activations
     model.activations = activations
 

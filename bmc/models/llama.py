@@ -18,7 +18,7 @@ from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native
 from .step import StepPart, native_segments
 from ..kv import KVCache
 from .config import ModelConfig
-from .ops import Linear, apply_rope, rms_norm, rope_tables
+from .ops import Linear, apply_rope, rms_norm, rope_tables, set_native_arithmetic
 from .weights import WeightSource
 
 
@@ -128,6 +128,7 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(cfg.embed_scale).to(w.dtype).to(w.device) if cfg.embed_scale is not None
                             else None)
         self.native = NativeDecoders()
+        self.bf16_prompts = False  # prompt rows in bfloat16 arithmetic on the native step (models.set_activations)
 
     def native_decoder(self) -> Any:
         """The packed C++ decoder for decode/verify steps, or None where it does not apply."""
@@ -149,7 +150,7 @@ class LlamaModel:
         linears = [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]
         for lin in linears:
             lin.keep_panels_only()  # the panels are the weights from here on: one copy
-        dec.set_int8_activations(any(lin.int8_activations for lin in linears))  # models.set_activations
+        set_native_arithmetic(dec, linears, self.bf16_prompts)
         if tied:
             self.embed = None  # looked up in the LM head's panels
         for i, L in enumerate(self.layers):
@@ -223,7 +224,8 @@ class LlamaModel:
         segments = [native_segments(p.attention) for p in parts]
         return self.final_logits(native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss,
                                                       sins, [p.cache.length for p in parts], locals_,
-                                                      *(list(s) for s in zip(*segments))))
+                                                      *(list(s) for s in zip(*segments)),
+                                                      [p.prompt_len is not None for p in parts]))
 
     def native_local(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor,
                      dtype: torch.dtype) -> list[torch.Tensor]:
@@ -261,7 +263,8 @@ class LlamaModel:
         if native is not None:
             return self.final_logits(native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd),
                                                     cache.length, all_logits, *segments,
-                                                    self.native_local(cache, bias, positions, x.dtype)))
+                                                    self.native_local(cache, bias, positions, x.dtype),
+                                                    prompt_len is not None))
         local_rope = (rope_tables(positions, self.local_inv_freq, x.dtype) if self.local_inv_freq is not None
                       else (cos, sin))
         local_bias = self.window_bias(cache, bias, positions)

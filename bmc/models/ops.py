@@ -165,3 +165,10 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [B, t, heads, d] (queries and keys together)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def set_native_arithmetic(dec: object, linears: list[Linear], bf16_prompts: bool) -> None:
+    """A native decoder's GEMM arithmetic (models.set_activations): int8 activations where its Linears have them,
+    bfloat16 for prompt rows where the model asks for it."""
+    dec.set_int8_activations(any(lin.int8_activations for lin in linears))  # type: ignore[attr-defined]
+    dec.set_bf16_prompts(bf16_prompts)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native
 from .step import StepPart, native_segments
 from ..kv import KVCache
 from .config import ModelConfig
-from .ops import Linear
+from .ops import Linear, set_native_arithmetic
 from .weights import WeightSource
 
 POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
@@ -59,6 +59,7 @@ class OPTModel:
         self.scale = cfg.head_dim**-0.5
         self.act = F.relu if cfg.activation == "relu" else F.gelu
         self.native = NativeDecoders()
+        self.bf16_prompts = False  # prompt rows in bfloat16 arithmetic on the native step (models.set_activations)
 
     def native_decoder(self) -> Any:
         """The packed C++ decoder for decode/verify steps (pre-norm OPT without projections), or None."""
@@ -75,9 +76,8 @@ class OPTModel:
         act = "relu" if cfg.activation == "relu" else "gelu"
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_heads, cfg.head_dim,
                                             cfg.intermediate_size, False, False, act, cfg.norm_eps, self.scale)
-        dec.set_int8_activations(any(lin.int8_activations for lin in  # models.set_activations
-                                     [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")),
-                                      self.lm_head]))
+        set_native_arithmetic(dec, [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "fc1", "fc2")),
+                                    self.lm_head], self.bf16_prompts)
         for L in self.layers:
             dec.add_layer(L.ln1_w, L.ln1_b, L.qkv.native_weight(), or_empty(L.qkv.b), L.o.native_weight(),
                           or_empty(L.o.b), L.ln2_w, L.ln2_b, L.fc1.native_weight(), or_empty(L.fc1.b),
@@ -104,7 +104,7 @@ class OPTModel:
         segments = [native_segments(p.attention) for p in parts]
         return native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], [none] * len(parts),
                                     [none] * len(parts), [p.cache.length for p in parts], [[]] * len(parts),
-                                    *(list(s) for s in zip(*segments)))
+                                    *(list(s) for s in zip(*segments)), [p.prompt_len is not None for p in parts])
 
     def __call__(
         self,
@@ -114,7 +114,7 @@ class OPTModel:
         attention: AttentionFn,
         bias: torch.Tensor,
         all_logits: bool = False,
-        prompt_len: torch.Tensor | None = None,  # unused: OPT's positions are learned (see LlamaModel.rope)
+        prompt_len: torch.Tensor | None = None,  # a prompt's rows (bf16_prompts); OPT's positions are learned
     ) -> torch.Tensor:
         cfg = self.cfg
         B, t = tokens.shape
@@ -127,7 +127,8 @@ class OPTModel:
         native = self.native_decoder() if segments is not None else None
         if native is not None:
             none = torch.empty(0)
-            return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments, [])
+            return native.forward(x, cache.kv, bias, none, none, cache.length, all_logits, *segments, [],
+                                  prompt_len is not None)
         decoded = not getattr(attention, "reads_stored", False)  # SparQ reads a narrow KV format as stored
         for i, L in enumerate(self.layers):
             a = F.layer_norm(x, (D,), L.ln1_w, L.ln1_b, eps) if pre else x

@@ -57,7 +57,7 @@ class ServeOptions:
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
-    activations: str = "float"  # "int8": Q4 GEMMs on int8 activation blocks (bmc.load)
+    activations: str = "float"  # "int8" / "bfloat16": stated-bound arithmetic (bmc.load)
     tp: int = 1  # tensor parallel ranks: this process is rank 0 and runs the scheduler (parallel/serve.py)
 
 

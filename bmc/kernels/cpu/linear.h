@@ -159,10 +159,20 @@ inline bool is_half_panels(const torch::Tensor& w) {
   return w.scalar_type() == torch::kHalf || w.scalar_type() == torch::kBFloat16;
 }
 
+// The arithmetic a GEMM runs in: float32 (exact: the weights' float values), int8 activation blocks against quantized
+// panels (VNNI), or bfloat16 (gemm_bf16). Each a row's own: no row's result depends on the others in the GEMM.
+struct Arith {
+  bool int8_x = false;
+  bool bf16 = false;
+};
+
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Weight& w, int64_t N, const float* bias,
-          float* y, bool accumulate, bool int8_x = false) {
+          float* y, bool accumulate, Arith arith = {}) {
   const torch::Tensor& wp = w.data;
   const int64_t np = wp.size(0);
+  if (arith.bf16)
+    return gemm_bf16(x, ldx, M, K, wp, w.blocks() ? static_cast<int>(w.kind) : NOT_BLOCKS, N, bias, y, accumulate);
+  const bool int8_x = arith.int8_x;
   if (w.blocks()) return gemm_quant(x, ldx, M, K, wp, static_cast<int>(w.kind), N, bias, y, accumulate, int8_x);
   switch (wp.scalar_type()) {
     case torch::kFloat:
@@ -257,7 +267,7 @@ torch::Tensor quant_rows(const Weight& w, int64_t K, const torch::Tensor& ids) {
 }
 
 torch::Tensor panel_linear(const torch::Tensor& x, const Weight& w, int64_t N,
-                           const c10::optional<torch::Tensor>& bias, bool int8_activations) {
+                           const c10::optional<torch::Tensor>& bias, bool int8_activations, bool bf16) {
   const torch::Tensor& wp = w.data;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && wp.dim() == 3, "panel_linear: float32 x, packed weight");
   auto xc = x.contiguous();
@@ -270,7 +280,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const Weight& w, int64_t N,
                 "panel_linear: float panels do not match x (quantized panels need their block kind)");
   auto y = torch::empty({M, N}, xc.options());
   gemm(xc.data_ptr<float>(), K, M, K, w, N, bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-       false, int8_activations);
+       false, Arith{int8_activations, bf16});
   return y;
 }
 

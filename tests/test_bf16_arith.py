@@ -1,0 +1,154 @@
+"""activations="bfloat16": a prompt's rows on the native step in bfloat16 arithmetic (AMX, AVX512-BF16, or float32
+FMAs on bfloat16 values where the CPU has neither). The GEMM against float64 within its stated bound, over every
+weight layout, row counts and tails; a row's result independent of the rows beside it; the model's prompt logits
+near float32's, its generated tokens' steps in float32; refusals by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bmc
+from bmc.errors import BmcError
+from bmc.kernels.native import native_module, native_supported
+from bmc.models.ops import Linear
+from bmc.models.quant import QuantWeight, float_panels
+
+from .test_quant import MIXED, MODEL_D, random_matrix
+
+pytestmark = pytest.mark.skipif(not native_supported(torch.device("cpu"), torch.float32),
+                                reason="the native CPU step is not built here")
+
+
+def bf16_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x and w each rounded to bfloat16 (relative 2^-9 each), K products summed in float32 (2^-24 each step), the
+    bias added in float32: |y - exact| <= (2^-8 + 2^-18 + K 2^-23) sum_k |x_k w_k| + 2^-23 |b + x w|."""
+    K = x.shape[-1]
+    mag = x.double().abs() @ w.double().abs().t()
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    return (2**-8 + 2**-18 + K * 2**-23) * mag + 2**-23 * exact.abs()
+
+
+def weight(layout: str, n: int, k: int, seed: int) -> tuple[Linear, torch.Tensor]:
+    """A Linear [k -> n] in one of the native step's layouts, and its weights' float values [n, k]."""
+    if layout in ("float32", "bfloat16", "float16"):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(getattr(torch, layout))
+        lin = Linear(w.float().t().contiguous())
+        lin.panels = float_panels(w.float().t().contiguous()).to(w.dtype)
+        lin.wt = None
+        return lin, w.float()
+    if layout == "mixed":
+        q = QuantWeight.cat([random_matrix(t, m, k, seed + i, MODEL_D) for i, (t, m) in enumerate(zip(MIXED, (16, 8, 9, 17)))])
+    else:
+        q = random_matrix(layout, n, k, seed, MODEL_D)
+    return Linear(q), q.dequantize()
+
+
+def bf16_linear(lin: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return native_module().panel_linear(x, lin.native_weight(), lin.out_features, bias, False, True)
+
+
+LAYOUTS = ["float32", "bfloat16", "float16", "q4_0", "q4_1", "q4_k", "q8_0", "q5_k", "q6_k", "mixed"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 512])
+def test_bf16_gemm_within_its_stated_bound(layout, rows):
+    """Float layouts at K = 83 (an odd K: a pair and a tile of 32 left part-filled) and 40 outputs (a part-filled
+    panel); block layouts at K = 512 (K-quants' super-blocks) and 50 outputs."""
+    k, n = (83, 40) if layout in ("float32", "bfloat16", "float16") else (512, 50)
+    lin, w = weight(layout, n, k, rows)
+    n = lin.out_features
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1
+    got = bf16_linear(lin, x, b).double()
+    exact = x.double() @ w.double().t() + b.double()
+    err = (got - exact).abs()
+    bound = bf16_bound(x, w, b)
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 1e-7 * bound.max() / 2**-8  # the values really were rounded to bfloat16
+    float32 = native_module().panel_linear(x, lin.native_weight(), n, b, False, False).double()
+    torch.testing.assert_close(float32, exact, rtol=1e-5, atol=1e-5)  # and the same weights in float32: exact
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Each output row's products are summed in one order whatever the GEMM's row count, so a prompt prefilled
+    beside others (a batch, a fused step, tiles padded to 16 or 32 rows) gets the bits it gets alone."""
+    lin, _ = weight("bfloat16", 100, 576, 0)
+    x = torch.randn(45, 576, generator=torch.Generator().manual_seed(0))
+    whole = bf16_linear(lin, x, None)
+    for lo, hi in [(0, 1), (3, 10), (7, 40), (44, 45), (0, 33)]:
+        assert torch.equal(bf16_linear(lin, x[lo:hi].contiguous(), None), whole[lo:hi]), (lo, hi)
+
+
+def test_the_path_this_cpu_runs_is_named():
+    assert native_module().bf16_path() in ("amx", "avx512-bf16", "emulated")
+
+
+def test_model_prompts_in_bf16_tokens_in_float32(gqa_dir, monkeypatch):
+    """A model with activations="bfloat16": prompt logits near float32's (each matrix within the bound; the layers
+    compound it), not equal; a decode step's arithmetic float32 (the same cache and token give float32's logits);
+    prompts generated together as each alone (rows never mix arithmetic); unknown values refused."""
+    mb, mf = bmc.load(str(gqa_dir), activations="bfloat16"), bmc.load(str(gqa_dir))
+    assert mb.activations == "bfloat16" and mb.net.bf16_prompts and not mf.net.bf16_prompts
+    from bmc.parallel.tp import prompt_logits
+
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3]
+    with torch.inference_mode():
+        a, f = prompt_logits(mb, ids), prompt_logits(mf, ids)
+    assert 0 < (a - f).abs().max() < 0.02 * (f.max() - f.min())
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42], list(range(60, 90))]
+    together = bmc.generate(mb, prompts, max_new_tokens=10, ignore_eos=True)
+    alone = [bmc.generate(mb, [p], max_new_tokens=10, ignore_eos=True)[0] for p in prompts]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    with pytest.raises(BmcError, match="unknown activations"):
+        bmc.load(str(gqa_dir), activations="bf16")
+
+
+@pytest.mark.parametrize("budget", [64, 6], ids=["whole-prompts", "chunked-prefill"])
+def test_staggered_requests_equal_generate_alone(gqa_dir, budget):
+    """Served under load, prompt chunks beside other requests' decode rows in one fused step: each request's tokens
+    are what generate() gives it alone with the same activations."""
+    from bmc.scheduler import Scheduler
+
+    from .test_scheduler import PROMPTS, alone, drive, request
+
+    model = bmc.load(str(gqa_dir), activations="bfloat16")
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=budget, kv="bmc", r=4)
+    lengths = [14, 6, 9, 11, 3]
+    reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
+    drive(sched, {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]},
+          collectors=[c for _, c in reqs])
+    for (_, col), p, n in zip(reqs, PROMPTS, lengths):
+        assert col.error is None and col.tokens == {0: alone(model, p, n)}, p
+    assert sched.counters.fused_steps >= 1  # decode rows and a prompt chunk shared a step
+
+
+def test_decode_steps_stay_float32(gqa_dir):
+    """Past the prompt, a step's rows are float32: one decode step on the same cache gives the float model's logits
+    bit for bit (both caches prefilled by the bfloat16 model)."""
+    mb, mf = bmc.load(str(gqa_dir), activations="bfloat16"), bmc.load(str(gqa_dir))
+    ids = list(range(20, 45))
+    with torch.inference_mode():
+        steps = [prefill_then_step(mb, m, ids, 7) for m in (mb, mf)]
+    assert torch.equal(steps[0], steps[1])
+
+
+def prefill_then_step(prefiller: bmc.Model, stepper: bmc.Model, ids: list[int], token: int) -> torch.Tensor:
+    from bmc.attention import dense_attention
+    from bmc.engine import GenerationConfig, GenerationStats, make_cache, prefill_attention
+
+    n = len(ids)
+    cache = make_cache(prefiller, GenerationConfig(kv="upfront"), 1, n + 1, [0], GenerationStats())
+    positions = torch.arange(n)[None]
+    cache.reserve(n, positions)
+    prefiller.net(torch.tensor([ids]), positions, cache, prefill_attention(dense_attention, cache, n),
+                  cache.attention_bias(n), prompt_len=torch.tensor([n]))
+    cache.commit(n)
+    cache.reserve(1, torch.tensor([[n]]))
+    return stepper.net(torch.tensor([[token]]), torch.tensor([[n]]), cache, dense_attention, cache.attention_bias(1))
+
+
+def test_refused_where_the_native_step_does_not_run(gqa_dir, monkeypatch):
+    with pytest.raises(BmcError, match="native CPU step"):
+        bmc.load(str(gqa_dir), dtype="bfloat16", activations="bfloat16")
