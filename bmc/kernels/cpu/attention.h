@@ -116,8 +116,12 @@ class Attention {
     // than twice the threads: the capacity is then split into spans (flash-decoding's split-K), each attended into
     // its own partial state, and the partials are merged exactly by their maxima and sums. Each key is still read
     // once; one span per pair writes straight into the output.
+    // A prompt's query positions are taken QUERY_BLOCK at a time (each block a task of its own: a prompt of 512
+    // tokens at batch 1 has only H_kv pairs), and a block skips the key chunks that every one of its rows has
+    // masked once each row has seen a key: those add exactly nothing (see skip below).
+    const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
-    const int64_t spans = split_spans(pairs, chunks, threads);
+    const int64_t spans = split_spans(pairs * qblocks, chunks, threads);
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
     if (spans > 1) {
@@ -130,44 +134,64 @@ class Attention {
     const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
     const float* kf = reinterpret_cast<const float*>(kc);
     const float* vf = reinterpret_cast<const float*>(vc);
-    at::parallel_for(0, pairs * spans, 1, [&](int64_t begin, int64_t end) {
-      Rows rows(R, OWN_KEYS * hd_);
-      std::vector<float> p(R * OWN_KEYS);
+    at::parallel_for(0, pairs * qblocks * spans, 1, [&](int64_t begin, int64_t end) {
+      Rows rows(Rmax, OWN_KEYS * hd_);
+      std::vector<float> p(Rmax * OWN_KEYS);
       std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
-      std::vector<const float*> bias0(R);
+      std::vector<const float*> bias0(Rmax);
+      std::vector<int64_t> row_of(Rmax);  // the block's rows, as rows r = g * t + i of the pair
+      std::vector<char> seen(Rmax);       // whether row rr has met a key its bias does not mask
 #if HAVE_I8_KV_DOTS
-      I8Buffers i8(dots ? R : 0, hd_ / 64);
+      I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
 #endif
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t pair = task / spans, span = task % spans, kh = pair / B, b = pair % B;
+        const int64_t pair = task / (qblocks * spans), qbk = task / spans % qblocks, span = task % spans;
+        const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
-        const int64_t next_pair = (task + 1) / spans, next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
+        const int64_t next_pair = (task + 1) / (qblocks * spans), next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
         const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
                                       ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
         const bool direct = spans == 1;  // else the span's partial state goes to part_*
-        for (int64_t r = 0; r < R; ++r) {  // row r = g * t + i: query i of the KV head's g-th query head
-          const int64_t state = state_of(b, kh, r), i = r % t;
-          rows.q[r] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
-          rows.o[r] = direct ? out + state * hd_ : part_o.data() + (task * R + r) * hd_;
-          bias0[r] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
-          rows.m[r] = direct && prior ? run_m[state] : -FLT_MAX;
-          rows.s[r] = direct && prior ? run_s[state] : 0.0f;
+        for (int64_t rr = 0; rr < Rb; ++rr) {  // row r = g * t + i: query i of the KV head's g-th query head
+          const int64_t i = i0 + rr % nt, r = rr / nt * t + i, state = state_of(b, kh, r);
+          row_of[rr] = r;
+          seen[rr] = 0;
+          rows.q[rr] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
+          rows.o[rr] = direct ? out + state * hd_ : part_o.data() + ((pair * spans + span) * R + r) * hd_;
+          bias0[rr] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
+          rows.m[rr] = direct && prior ? run_m[state] : -FLT_MAX;
+          rows.s[rr] = direct && prior ? run_s[state] : 0.0f;
         }
 #if HAVE_I8_KV_DOTS
         if (dots)
-          for (int64_t r = 0; r < R; ++r) split_query(rows.q[r], hd_, scale, i8.q[r]);
+          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
 #endif
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
+        bool started = direct && prior;  // the rows' state holds keys already (else the first chunk starts it)
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
-          for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias0[r] + c0;
+          // skip: every row of the block masks the whole chunk and has met an unmasked key before it, so the
+          // chunk's weights would be exp_fast's floor (e^-87) beside a running sum of at least 1, its max would
+          // leave the state scaled by exp_fast(0) = 1: lost in rounding (a causal prompt's upper triangle; the
+          // padding past a decode row's length, whose steps came out bit for bit the same)
+          bool skip = started;
+          for (int64_t rr = 0; rr < Rb; ++rr) {
+            const float* bb = bias0[rr] + c0;
+            bool open = false;
+            for (int64_t j = 0; j < nc; ++j) open |= bb[j] > -FLT_MAX;
+            skip = skip && !open && seen[rr];
+            seen[rr] |= open;
+          }
+          if (skip) continue;
+          for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bias0[rr] + c0;
           // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
           // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md, "Figures
           // behind the code's choices")
           const int64_t next = c0 + OWN_KEYS < k1 ? own + c0 + OWN_KEYS : next_task;
-          const bool more = (direct && prior) || c0 > k0;
+          const bool more = started;
+          started = true;
           if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
             const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
             if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
@@ -184,7 +208,7 @@ class Attention {
               }
 #if HAVE_I8_KV_DOTS
               if (dots) {
-                attend_i8(rows, R, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(), OWN_KEYS,
+                attend_i8(rows, Rb, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(), OWN_KEYS,
                           more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                           ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
                 continue;
@@ -193,29 +217,29 @@ class Attention {
               widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                          ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
-              attend_keys(rows, R, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
+              attend_keys(rows, Rb, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
                           v_at, lay.row_bytes);
               continue;
             }
             widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                        next >= 0 ? kc + next * lay.row_bytes : nullptr);
             widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
-            attend_keys(rows, R, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+            attend_keys(rows, Rb, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
           } else {
-            attend_keys(rows, R, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
+            attend_keys(rows, Rb, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
                         next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
           }
         }
-        if (k0 >= k1) {  // an empty span (more spans than the rounding left chunks for)
-          for (int64_t r = 0; r < R; ++r) std::fill(rows.o[r], rows.o[r] + hd_, 0.0f);
+        if (!started) {  // an empty span (more spans than the rounding left chunks for)
+          for (int64_t rr = 0; rr < Rb; ++rr) std::fill(rows.o[rr], rows.o[rr] + hd_, 0.0f);
         }
-        for (int64_t r = 0; r < R; ++r) {
+        for (int64_t rr = 0; rr < Rb; ++rr) {
           if (direct) {
-            const float inv = 1.0f / rows.s[r];
-            for (int64_t e = 0; e < hd_; ++e) rows.o[r][e] *= inv;
+            const float inv = 1.0f / rows.s[rr];
+            for (int64_t e = 0; e < hd_; ++e) rows.o[rr][e] *= inv;
           } else {
-            part_m[task * R + r] = rows.m[r];
-            part_s[task * R + r] = rows.s[r];
+            part_m[(pair * spans + span) * R + row_of[rr]] = rows.m[rr];
+            part_s[(pair * spans + span) * R + row_of[rr]] = rows.s[rr];
           }
         }
       }

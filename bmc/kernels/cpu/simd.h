@@ -20,6 +20,10 @@ constexpr int64_t SEG_QUERY_ROWS = 96;
 // slower, with the spread prefetch: docs/performance.md, "Figures behind the code's choices"), and the score
 // buffer stays small at any capacity.
 constexpr int64_t OWN_KEYS = 64;
+// A prompt's query positions per attention task: a block's rows share each key chunk (L1/L2), blocks spread a
+// batch-1 prompt over the threads, and a block of a causal prompt skips the key chunks past its diagonal. Steps of
+// up to this many new tokens a row (decode, verify) are one block, as before.
+constexpr int64_t QUERY_BLOCK = 64;
 // From this many query rows per (row, KV head) on, scores are computed as a matrix product (wide_scores).
 constexpr int64_t WIDE_ROWS = 8;
 #ifdef __AVX512F__
