@@ -149,6 +149,19 @@ def prefill_then_step(prefiller: bmc.Model, stepper: bmc.Model, ids: list[int], 
     return stepper.net(torch.tensor([[token]]), torch.tensor([[n]]), cache, dense_attention, cache.attention_bias(1))
 
 
+def test_the_cli_flag(gqa_dir, capsys):
+    """bmc-generate --activations bfloat16 (its main, in this process) prints what generate() gives that model."""
+    from bmc.cli.generate import main
+
+    main(["--model", str(gqa_dir), "--activations", "bfloat16", "--max-new-tokens", "6", "--ignore-eos",
+          "--no-weights-cache", "the quick brown fox jumps over the lazy dog again and again"])
+    printed = capsys.readouterr().out.strip()
+    m = bmc.load(str(gqa_dir), activations="bfloat16")
+    want = bmc.generate(m, ["the quick brown fox jumps over the lazy dog again and again"], max_new_tokens=6,
+                        ignore_eos=True)[0].text
+    assert printed == want.strip()
+
+
 def test_refused_where_the_native_step_does_not_run(gqa_dir, monkeypatch):
     with pytest.raises(BmcError, match="native CPU step"):
         bmc.load(str(gqa_dir), dtype="bfloat16", activations="bfloat16")

@@ -381,11 +381,15 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
     names.add(kernels.build_name("step", str(source)))
     monkeypatch.setattr(kernels, "CFLAGS", [*kernels.CFLAGS, "-DNEW_FLAG"])
     names.add(kernels.build_name("step", str(source)))
+    monkeypatch.setenv("BMC_KERNEL_CFLAGS", "-mno-avx512bf16 -mno-amx-tile")  # a build without an ISA path
+    assert kernels.cflags()[-2:] == ["-mno-avx512bf16", "-mno-amx-tile"]
+    names.add(kernels.build_name("step", str(source)))
+    monkeypatch.delenv("BMC_KERNEL_CFLAGS")
     (wing / "unused.h").write_text("// included by nothing\n")
     assert kernels.build_name("step", str(source)) in names  # a header it does not include changes nothing
     import bmc.kernels.block_kinds as block_kinds
 
     monkeypatch.setattr(block_kinds, "cpp_header", lambda: "// another table of block kinds\n")
     names.add(kernels.build_name("step", str(source)))  # the generated headers are read too
-    assert len(names) == 5 and all(n.startswith("step_") for n in names)
+    assert len(names) == 6 and all(n.startswith("step_") for n in names)
     assert kernels.sources_of(str(source)) == [str(source), str(wing / "simd.h")]
