@@ -45,6 +45,7 @@ class GenerationConfig:
     tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
+    graph_warmup: bool = False  # CUDA: capture every bucket's graph for the call's batch before its prompts run
     adaptive_threads: bool = True  # CPU: decode steps on fewer threads while other processes hold the cores
     share_prefix: str = "auto"  # "auto": one copy of each prompt's KV for its samples, and of a leading part common
     # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
@@ -124,6 +125,9 @@ class GenerationStats:
     decode_kernel: str = ""  # "native-cpu" (bmc.kernels' C++ step), "cuda-graphs" or "torch" (eager ops)
     cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
     cuda_graph_replays: int = 0
+    cuda_graph_capture_seconds: float = 0.0  # time this call spent capturing (inside decode_seconds)
+    cuda_graph_bytes: int = 0  # memory the model's kept graphs hold (their pool), after the call
+    kv_arena_bytes: int = 0  # the model's KV arena (graphs.py) the call's batch cache grew in, 0 if none
     attention_transfers: int = 0  # KV elements read by approximate decode attention (SparQ Eq. 11), all layers
     attention_dense_transfers: int = 0  # what dense attention would have read over the same steps
 
@@ -166,10 +170,15 @@ def speculation_shape(gen: GenerationConfig) -> tuple[int, float]:
     return 1 + spec.size, 1.0 + expected_accepted(parents, DEFAULT_ACCEPTANCE)
 
 
-def copy_free_growth(model: Model, gen: GenerationConfig) -> bool:
-    """Whether a growth of this run's decode cache copies nothing: on a CPU it widens a view in place (kv/base.py),
-    and only dense attention keeps no state by column (SparQ's K mirror is copied at each growth)."""
-    return model.device.type == "cpu" and gen.attention == "dense"
+def copy_free_growth(model: Model, gen: GenerationConfig, max_length: int) -> bool:
+    """Whether a growth of this run's decode cache copies nothing: on a CPU it widens a view in place (kv/base.py);
+    on CUDA with graphs it widens its view of the model's arena (graphs.py; not with a sliding window in reach).
+    Only dense attention keeps no state by column (SparQ's K mirror is copied at each growth)."""
+    if gen.attention != "dense":
+        return False
+    if model.device.type == "cuda":
+        return gen.cuda_graphs and gen.kv == "bmc" and window_in_reach(model.config, max_length) is None
+    return model.device.type == "cpu"
 
 
 def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int, left_pad: Sequence[int],
@@ -192,7 +201,7 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         T, stats.T_source = choose_T(max_length, model=model.full_config or cfg, batch=batch, dtype=model.dtype,
                                      device=model.device, k=k, m=m,
                                      kv_bytes=kv_format(gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim),
-                                     copy_free=copy_free_growth(model, gen))
+                                     copy_free=copy_free_growth(model, gen, max_length))
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)

@@ -57,7 +57,7 @@ class EngineOptions:
         """The cache and attention settings a request of this engine runs with (its prompt cache is made by them)."""
         return GenerationConfig(kv=self.kv, r=self.r, T=self.T, kv_dtype=self.kv_dtype, attention=self.attention,
                                 attention_options=self.attention_options, speculative=self.speculative,
-                                tree=self.tree)
+                                tree=self.tree, cuda_graphs=self.cuda_graphs)
 
     def replace(self, **changes: object) -> "EngineOptions":
         """These options with some changed (an unknown name is refused by name)."""

@@ -37,7 +37,7 @@ from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids
                      prefill_attention, relong)
 from .engine_options import EngineOptions
 from .errors import BmcError, InvalidRequestError
-from .graphs import DecodeGraphs
+from .graphs import MIN_BUCKET_STEPS, DecodeGraphs, graph_store
 from .kernels.native import argmax
 from .models.step import StepPart
 from .platform.threads import ThreadGovernor
@@ -181,6 +181,11 @@ class Scheduler:
         # bucket and batch, as generate() does; joins and leaves in place keep the buffers, so the graph replays
         self.graphs = (DecodeGraphs(model, self.decode_attention) if o.cuda_graphs and model.device.type == "cuda"
                        and o.attention == "dense" and o.kv in ("bmc", "upfront") else None)
+        if self.graphs is not None and self.cache.window is None:
+            # the batch cache borrows the model's arena while it holds rows and grows in place there: each bucket
+            # has the same addresses in every call, so its graph is captured once per model (graphs.py)
+            self.cache.arena, self.cache.arena_rows = graph_store(model).arena, o.max_num_seqs
+            self.cache.grow_in_place = True
         self.prefix_cache: PrefixCache | None = None
         self.prefix_cache_off = (prefix_cache_unsupported(model, self.max_length) if o.prefix_cache_bytes > 0
                                  else "off")
@@ -198,7 +203,7 @@ class Scheduler:
         self._segments: AttentionFn = self.decode_attention
         self._segments_age = 0  # decode steps the current segments attention has run (a graph pays once it lasts)
         # CUDA: steps whose rows read cached segments get graphs of their own (the plain step's graph stays beside)
-        self.segment_graphs = DecodeGraphs(model, self.decode_attention) if (
+        self.segment_graphs = DecodeGraphs(model, self.decode_attention, persistent=False) if (
             self.graphs is not None and self.read_in_place) else None
         self.spec = served_speculation(model, o.speculative, o.tree, o.spec_trim)
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
@@ -433,6 +438,45 @@ class Scheduler:
                 continue
             row.history = None
             self.counters.relongs += 1
+
+    @torch.inference_mode()
+    def capture_ladder(self, rows: int) -> int:
+        """CUDA: capture the decode step of `rows` rows at every capacity the batch cache can pass through (its
+        growth rule, from the first chunk up to max_length) before any request runs, so that no capture happens
+        inside a user-facing run: a batch of placeholder rows steps once near the end of each bucket (as a real
+        run would capture it) and leaves. Graphs are kept per model (graphs.py). Returns the graphs captured."""
+        if self.graphs is None or self.cache.arena is None or self.cache.batch_size or rows < 1:
+            return 0
+        dev, cache = self.model.device, self.cache
+        seed = make_cache(self.model, self.options.generation_defaults(), rows, self.max_length, [0] * rows,
+                          GenerationStats())
+        seed.reserve(1)
+        zeros = torch.zeros(rows, self.model.config.num_kv_heads, 1, self.model.config.head_dim,
+                            dtype=self.model.dtype, device=dev)
+        for layer in range(self.model.config.num_layers):
+            seed.update(layer, zeros, zeros)
+        seed.commit(1)
+        cache.regroup([], [seed])
+        if not cache.on_arena:  # the arena is held elsewhere or too large: graphs of this call would not be kept
+            cache.regroup([])
+            return 0
+        before, tok = self.graphs.captures, torch.zeros(rows, dtype=torch.long, device=dev)
+        allocations = cache.allocations  # the placeholder's growths are not the run's
+        try:
+            while True:
+                cache.length = max(cache.length, cache.capacity - MIN_BUCKET_STEPS)  # the columns skipped: masked
+                cache.holes = True
+                pos = torch.full((rows, 1), cache.length, dtype=torch.long, device=dev)
+                cache.reserve(1, pos)
+                self.graphs.step(cache, tok, pos[:, 0])
+                cache.commit(1)
+                if cache.capacity >= self.max_length:
+                    break
+                cache.length = cache.capacity  # the next reserve grows the cache into the next bucket
+        finally:
+            cache.regroup([])
+            cache.allocations = allocations
+        return self.graphs.captures - before
 
     def _decode_part(self) -> StepPart | None:
         """One token for every batch row: its column reserved in the batch cache (a retired slot computes a token

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -96,6 +96,11 @@ class KVCache(ABC):
         # state by column (SparQ's K copy)
         self.compact_window = True
         self.spare: torch.Tensor | None = None
+        # CUDA graphs: a DeviceArena (graphs.py) this cache borrows its KV and bias from while it holds rows, so that
+        # every call's buckets have the same addresses (set by the scheduler, with grow_in_place; never with a
+        # sliding window, whose compaction would move columns within it); arena_rows: the most rows it will hold
+        self.arena: Any = None
+        self.arena_rows = 0
         # elements written so far in the spare's storage and in the KV tensor's (the pages they hold: a CPU mapping
         # reserves more address space than it has written)
         self.spare_written = 0
@@ -202,7 +207,12 @@ class KVCache(ABC):
         """Keep / permute batch rows (finished rows dropped, samples forked); `rows` indexes the batch."""
         rows = rows.to(self.device)
         old = self.nbytes
-        if self.grow_in_place and self.device.type == "cpu":  # into slabs with room to grow, row by row
+        if self.on_arena:  # the rows leave the arena first: the new view overlaps the old one
+            moved = self.kv.index_select(2, rows)
+            new, written = self._new_kv(tuple(moved.shape))
+            new.copy_(moved)
+            self._replace_kv(new, written)
+        elif self.grow_in_place and self.device.type == "cpu":  # into slabs with room to grow, row by row
             L, two, _, H, cap, width = self.kv.shape
             new, written = self._new_kv((L, two, int(rows.numel()), H, cap, width))
             for i, src in enumerate(rows.tolist()):
@@ -212,7 +222,7 @@ class KVCache(ABC):
             self.kv = self.kv.index_select(2, rows)
             self._kv_written = self.kv.numel()
         self.peak_bytes = max(self.peak_bytes, old + self.nbytes)  # both alive while the rows are copied
-        self.bias = self.bias.index_select(0, rows)
+        self._set_bias(self.bias.index_select(0, rows))
         if self.col_pos is not None:
             self.col_pos = self.col_pos.index_select(0, rows)
             self.window_floor = self.window_floor.index_select(0, rows)
@@ -288,8 +298,11 @@ class KVCache(ABC):
         B = sum(int(rows.numel()) for _, rows in parts)
         L, _, _, H, _, d = self.kv.shape
         capacity = self._grow_to(length + 1)
-        in_place = (not joins and self.grow_in_place and self.device.type == "cpu" and B == self.batch_size > 0
-                    and list(keep) == list(range(B)) and capacity <= self.slab_columns)
+        in_place = (not joins and self.grow_in_place and (self.device.type == "cpu" or self.on_arena)
+                    and B == self.batch_size > 0 and list(keep) == list(range(B)) and capacity <= self.slab_columns)
+        own = None  # the kept rows' columns, taken out of the arena before the new view (over them) is written
+        if not in_place and self.on_arena and keep_idx.numel():
+            own = self.kv[:, :, :, :, spans[0][0] : spans[0][1]].index_select(2, keep_idx)
         if in_place:  # the same slabs, viewed at the new capacity
             kv, written = self.kv.as_strided((L, 2, B, H, capacity, d), self.kv.stride()), self._kv_written
         else:
@@ -306,7 +319,7 @@ class KVCache(ABC):
             if not in_place:
                 kv[:, :, b : b + n, :, :at].zero_()  # ... and so must the left padding; the rest is overwritten
             for i, src in enumerate(rows.tolist()):  # row by row: one strided copy each, no gathered temporary
-                columns = cache.kv[:, :, src, :, lead:end]
+                columns = own[:, :, i] if own is not None and cache is self else cache.kv[:, :, src, :, lead:end]
                 if in_place and at != lead:  # within its own slab: an overlapping move goes through one row's copy
                     kv[:, :, b + i, :, at:length].copy_(columns.clone() if abs(at - lead) < end - lead else columns)
                 elif not in_place:
@@ -331,7 +344,8 @@ class KVCache(ABC):
         else:
             self.peak_bytes = max(self.peak_bytes, self.nbytes + kv.numel() * kv.element_size())
             self._replace_kv(kv, written)
-        self.bias, self.length, self.batch_size = bias, length, B
+        self._set_bias(bias)
+        self.length, self.batch_size = length, B
         if B == 0:
             self.spare = None  # idle: no KV memory held at all
         self.left_pad = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.long, device=self.device)
@@ -456,7 +470,15 @@ class KVCache(ABC):
         L, two, B, H, capacity, width = shape
         n = math.prod(shape)
         if n == 0:  # no rows (an idle batch): a view of a mapping would keep all of it alive
+            if self.arena is not None:
+                self.arena.release(self)
             return torch.empty(shape, dtype=self.format.storage, device=self.device), 0
+        if self.arena is not None:
+            if self.arena.lend(self, B, max(capacity, self.max_length), self.arena_rows):
+                self.spare, self.spare_written = None, 0
+                self.peak_bytes = max(self.peak_bytes, self.arena.nbytes)
+                return self.arena.kv_view(shape), n
+            self.arena.release(self)
         in_place = self.grow_in_place and self.device.type == "cpu"
         slab = max(capacity, self.max_length) if in_place else capacity
         total = L * two * B * H * slab * width
@@ -472,6 +494,20 @@ class KVCache(ABC):
             return torch.empty(shape, dtype=self.format.storage, device=self.device), n
         return buf[:total].as_strided(shape, (two * B * H * slab * width, B * H * slab * width, H * slab * width,
                                               slab * width, width, 1)), written
+
+    @property
+    def on_arena(self) -> bool:
+        """Whether the KV tensor is a view of the arena this cache holds (graphs.py)."""
+        return self.arena is not None and self.arena.holder() is self and self.arena.holds(self.kv)
+
+    def _set_bias(self, bias: torch.Tensor) -> None:
+        """`bias` ([B, 1, 1, capacity], a tensor of its own) becomes the cache's: copied into the arena's bias
+        rows when the KV tensor is on the arena (a graph reads it there), else taken as it is."""
+        if self.on_arena:
+            view = self.arena.bias_view(bias.shape[0], bias.shape[3])
+            view.copy_(bias)
+            bias = view
+        self.bias = bias
 
     @property
     def slab_columns(self) -> int:
@@ -498,7 +534,7 @@ class KVCache(ABC):
         B, keep = self.batch_size, self.length - drop
         bias = torch.full((B, 1, 1, new_capacity), self.min_value, dtype=self.dtype, device=self.device)
         bias[..., :keep].copy_(self.bias[..., drop : self.length])
-        self.bias = bias
+        self._set_bias(bias)
         if self.col_pos is not None:
             col_pos = torch.zeros((B, new_capacity), dtype=torch.long, device=self.device)
             col_pos[:, :keep].copy_(self.col_pos[:, drop : self.length])
@@ -515,6 +551,8 @@ class KVCache(ABC):
         self.kv, self._kv_written = new, written
         if not self.keep_spare or new.shape[2] < old.shape[2]:  # fewer rows: the batch is draining, let it go
             return
+        if self.arena is not None and (self.arena.holds(old) or self.arena.holds(new)):
+            return  # the arena is never a spare, and a cache on it needs none
         flat = whole_mapping(old)
         if flat.numel() and (self.spare is None or flat.numel() > self.spare.numel()):
             self.spare, self.spare_written = flat, old_written
