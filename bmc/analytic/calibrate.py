@@ -5,7 +5,10 @@
 - beta*C: the attention kernel decode runs here, of one query row (decode) and of t rows (verify) over several
   capacities: the native CPU step's attention on a CPU in float32 (the native Attention.attention_step), else
   dense_attention (SDPA). Fitted as time = overhead + n * seconds_per_row, beta*C = FLOPs per row /
-  seconds_per_row (the fixed per-call overhead is paid every step whatever T is, so it does not move T_opt)."""
+  seconds_per_row (the fixed per-call overhead is paid every step whatever T is, so it does not move T_opt);
+- on CUDA, the capture of a decode step as a graph (what a new capacity bucket costs where the cache grows in
+  place): steps of a Llama-shaped layer stack (norms, projections, rotary, the K/V write, attention over the
+  bucket, MLP) captured at several capacities and layer counts, fitted as time = fixed + layers * per-layer."""
 from __future__ import annotations
 
 import math
@@ -147,6 +150,66 @@ def measure_attention(cfg: tuple[int, int, int, int], t: int, grid: Grid, device
             "flops_per_s": flops_per_row / s_per_row if s_per_row > 0 else float("inf")}
 
 
+CAPTURE_HIDDEN = 1024  # a capture's cost is its kernel count, not its sizes: a small Llama-shaped layer
+
+
+def _decode_stack(layers: int, n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """One decode step (batch 1) of `layers` Llama-shaped layers over a KV bucket of n columns, as the runtime's
+    eager step runs it: about the same kernels per layer."""
+    hid, heads, d = CAPTURE_HIDDEN, CAPTURE_HIDDEN // 64, 64
+    g = torch.Generator(device=device).manual_seed(0)
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype) * 0.02
+    weights = [(w(hid, 3 * hid), w(hid, hid), w(hid, 2 * 4 * hid), w(4 * hid, hid)) for _ in range(layers)]
+    kv = torch.zeros(layers, 2, 1, heads, n, d, dtype=dtype, device=device)
+    bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=device)
+    at = torch.zeros(1, dtype=torch.long, device=device)
+    x0 = torch.randn(1, 1, hid, generator=g, device=device, dtype=dtype)
+    cos, sin = torch.ones(1, 1, 1, d, device=device, dtype=dtype), torch.zeros(1, 1, 1, d, device=device, dtype=dtype)
+
+    def step() -> torch.Tensor:
+        x = x0
+        for i, (wqkv, wo, wup, wdown) in enumerate(weights):
+            h = torch.nn.functional.rms_norm(x, (hid,))
+            q, k, v = (h @ wqkv).view(1, 1, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+            kv[i, 0].index_copy_(2, at, k)
+            kv[i, 1].index_copy_(2, at, v)
+            a = dense_attention(q, kv[i, 0], kv[i, 1], bias, d**-0.5)
+            x = x + a.transpose(1, 2).reshape(1, 1, hid) @ wo
+            gate, up = (torch.nn.functional.rms_norm(x, (hid,)) @ wup).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ wdown
+        return x
+    return step
+
+
+def measure_capture(grid: Grid, device: torch.device, dtype: torch.dtype) -> dict:
+    """Seconds to capture a decode step as a CUDA graph (after its eager warm-up, as graphs.py does), over layer
+    counts and bucket sizes: fitted as fixed + layers * per-layer; the bucket size barely matters."""
+    points = []
+    for layers in (2, 4, 8):
+        for n in grid.attn_rows[:2]:
+            step = _decode_stack(layers, n, device, dtype)
+            times = []
+            for _ in range(max(2, grid.repeats // 2)):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    step()
+                torch.cuda.current_stream(device).wait_stream(side)
+                _sync(device)
+                t0 = time.perf_counter()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                del graph
+            points.append({"layers": layers, "rows": n, "seconds": min(times)})
+    fixed, per_layer = fit_line([p["layers"] for p in points], [p["seconds"] for p in points])
+    return {"points": points, "fixed_s": fixed, "per_layer_s": max(0.0, per_layer)}
+
+
 def median_of_fitted(values: Iterable[float]) -> float:
     """Median over the configurations whose fit has a slope: on a busy machine one configuration's times can come
     out flat (a neighbour's burst landed on its small point), and one inf would turn a two-point median into inf.
@@ -177,11 +240,16 @@ def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
                 done += 1
                 progress(f"[{done}/{total}] {kind} B={cfg[0]} H={cfg[1]} H_kv={cfg[2]} d={cfg[3]}")
                 out.append(fn())
+        capture = None
+        if device.type == "cuda":
+            progress("[+] CUDA graph capture of a decode step")
+            capture = measure_capture(grid, device, dtype)
     consts = Constants(
         copy_bw=median_of_fitted(c["copy_bw_bytes_per_s"] for c in copies),
         alloc_s=statistics.median(c["alloc_s"] for c in copies),
         attn_flops=median_of_fitted(a["flops_per_s"] for a in decodes),
         verify_flops=median_of_fitted(a["flops_per_s"] for a in verifies),
+        capture_layer_s=capture["per_layer_s"] if capture is not None else 0.0,
     )
     for name, value in (("copy bandwidth", consts.copy_bw), ("decode attention FLOP/s", consts.attn_flops)):
         if not (math.isfinite(value) and value > 0):  # time did not grow with size: the fit is meaningless
@@ -192,6 +260,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, quick: bool = False,
         "bmc": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "constants": {"copy_bw_bytes_per_s": consts.copy_bw, "alloc_s": consts.alloc_s,
                       "attn_flops_per_s": consts.attn_flops, "verify_flops_per_s": consts.verify_flops,
-                      "verify_rows": grid.verify_t},
-        "measurements": {"copy": copies, "decode_attention": decodes, "verify_attention": verifies},
+                      "verify_rows": grid.verify_t, "capture_layer_s": consts.capture_layer_s},
+        "measurements": {"copy": copies, "decode_attention": decodes, "verify_attention": verifies,
+                         **({"capture": capture} if capture is not None else {})},
     }

@@ -6,7 +6,8 @@ Per run of maximum length N with T allocations of r = N / T rows each:
 
   a  = seconds to copy one cache row (all layers, K and V) at a chunk boundary = row_bytes / (alpha*BW)
   f  = seconds of attention per cache row per decode step                    = row_flops / (beta*C)
-  C0 = fixed cost of one allocation (the intercept of copy time vs bytes)
+  C0 = fixed cost of one growth: the allocation (the intercept of copy time vs bytes) and, on CUDA, the capture of
+       the new bucket's decode-step graph (layers x the calibrated capture seconds per layer)
 
 dtime/dT = 0 gives T_opt = N * sqrt(f / (a*N + 2*C0)), which is sqrt(C' * N) with C' = f / a when C0 is
 negligible (Eq. 7; the paper's C' = alpha*BW / (2*beta*C) in its units). The copy term moves H_kv heads in
@@ -16,7 +17,8 @@ mean of m accepted, the attention term becomes f' * k * N^2 / m (Eq. 9): T_opt g
 
 A CPU decode cache grows in place (kv/base.py: its slabs have room, a growth widens the view): its copy term is
 zero (a = 0), and T_opt = N * sqrt(f / (2*C0)) balances the fixed cost of a growth against the padding rows'
-attention alone (choose_T(copy_free=True)).
+attention alone (choose_T(copy_free=True)). A CUDA cache with graphs grows in place too (in the model's arena,
+graphs.py), and there C0 is mostly the graph capture.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class Constants:
     alloc_s: float  # C0: seconds per allocation
     attn_flops: float  # beta*C: attention FLOP/s of a decode step (one query row)
     verify_flops: float | None = None  # beta'*C: attention FLOP/s of a verify step (t query rows)
+    capture_layer_s: float = 0.0  # CUDA: seconds to capture one layer of a decode step as a graph (0 elsewhere)
 
 
 def round_pow2(x: float) -> int:
@@ -85,10 +88,15 @@ def c_prime(shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> float:
     return f / a
 
 
+def growth_s(shape: Shape, c: Constants) -> float:
+    """C0: the fixed seconds of one growth, the allocation and the capture of the bucket's graph."""
+    return c.alloc_s + c.capture_layer_s * shape.layers
+
+
 def predicted_time(T: float, n: int, shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> float:
     """Eq. 5 (Eq. 9 with k, m): copy + allocation + attention seconds for a run of n tokens with T allocations."""
     a, f = coefficients(shape, c, k, m)
-    return a * n * (T + 1) / 2 + T * c.alloc_s + f * n * n * (1 + 1 / T) / 2
+    return a * n * (T + 1) / 2 + T * growth_s(shape, c) + f * n * n * (1 + 1 / T) / 2
 
 
 def t_opt(n: int, shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> float:
@@ -96,7 +104,7 @@ def t_opt(n: int, shape: Shape, c: Constants, k: int = 1, m: float = 1.0) -> flo
     CPU cache growing in place) leaves T * C0 against the padding's attention: T_opt = N sqrt(f / 2 C0), and with
     no fixed cost either, every token (T = N)."""
     a, f = coefficients(shape, c, k, m)
-    cost = a * n + 2 * c.alloc_s
+    cost = a * n + 2 * growth_s(shape, c)
     return n * math.sqrt(f / cost) if cost > 0 else float(n)
 
 

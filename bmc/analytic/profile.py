@@ -81,9 +81,12 @@ def load_profile(path: Path, device: torch.device, dtype: torch.dtype) -> Consta
         k = data["constants"]
         consts = Constants(copy_bw=float(k["copy_bw_bytes_per_s"]), alloc_s=float(k["alloc_s"]),
                            attn_flops=float(k["attn_flops_per_s"]),
-                           verify_flops=float(k["verify_flops_per_s"]) if k.get("verify_flops_per_s") else None)
-        finite = all(math.isfinite(x) for x in (consts.copy_bw, consts.attn_flops, consts.alloc_s))
-        if not (finite and consts.copy_bw > 0 and consts.attn_flops > 0 and consts.alloc_s >= 0):
+                           verify_flops=float(k["verify_flops_per_s"]) if k.get("verify_flops_per_s") else None,
+                           capture_layer_s=float(k.get("capture_layer_s", 0.0)))
+        finite = all(math.isfinite(x) for x in (consts.copy_bw, consts.attn_flops, consts.alloc_s,
+                                                consts.capture_layer_s))
+        if not (finite and consts.copy_bw > 0 and consts.attn_flops > 0 and consts.alloc_s >= 0
+                and consts.capture_layer_s >= 0):
             raise ValueError("constants must be finite and positive")
     except (OSError, ValueError, KeyError, TypeError) as e:
         _warn_once(f"bmc: ignoring calibration profile {path}: unreadable ({e}); run bmc-calibrate again")

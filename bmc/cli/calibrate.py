@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def summary(profile: dict, dtype: torch.dtype) -> str:
     k = profile["constants"]
     consts = Constants(copy_bw=k["copy_bw_bytes_per_s"], alloc_s=k["alloc_s"], attn_flops=k["attn_flops_per_s"],
-                       verify_flops=k["verify_flops_per_s"])
+                       verify_flops=k["verify_flops_per_s"], capture_layer_s=k.get("capture_layer_s", 0.0))
     lines = [
         f"device       {profile['device']} ({profile['device_name']}), {profile['threads']} threads, "
         f"torch {profile['torch']}, {profile['dtype']}",
@@ -44,6 +44,9 @@ def summary(profile: dict, dtype: torch.dtype) -> str:
         f"{profile['attention_kernel']} kernel)",
         f"beta'*C      {consts.verify_flops / 1e9:8.2f} GFLOP/s (verify attention, {k['verify_rows']} rows)",
     ]
+    if consts.capture_layer_s:
+        lines.append(f"capture      {consts.capture_layer_s * 1e6:8.1f} us     (a decode step's CUDA graph, per layer; "
+                     "part of C0 where the cache grows in place)")
     for batch in (1, 8, 32):
         shape = Shape(batch=batch, dtype_bytes=torch.finfo(dtype).bits // 8, **SMOLLM2)
         ts = "  ".join(f"N={n}: T={best_T(n, shape, consts)}" for n in (512, 2048, 8192))
