@@ -149,6 +149,7 @@ class GenerateOptions(TypedDict, total=False):
     sparq_k: int
     window_k: int
     cuda_graphs: bool
+    graph_warmup: bool
     adaptive_threads: bool
     kv_dtype: str
 
@@ -203,7 +204,9 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     attention="sparq" approximates decode attention (SparQ: `sparq_r` query components, default head_dim/4, and
     the top `sparq_k`=128 positions); attention="window" is the local-window baseline keeping `window_k`=256
     positions.
-    On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager).
+    On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager),
+    and the graphs are kept for the model's later calls; graph_warmup=True captures every bucket the call's batch
+    will pass through before its prompts run (no capture inside the timed decode).
     On a CPU, decode steps run on fewer threads while other processes keep the cores busy (adaptive_threads=False:
     always torch's thread count); the tokens and logits are the same at any count.
     A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""

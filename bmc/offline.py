@@ -81,6 +81,8 @@ def generate_on_steps(model: Model, prompt_ids: list[list[int]], gen: Generation
     stats.prompt_tokens = sum(len(p) for p in prompt_ids)
     weight_bytes, tokenizer = model.weight_bytes, model.tokenizer
     pc = engine.prefix_cache
+    if gen.graph_warmup:
+        engine.capture_ladder(rows)
     t0 = time.perf_counter()
     t_decode: float | None = None
     while engine.has_work():
@@ -130,6 +132,10 @@ def finish_stats(stats: GenerationStats, model: Model, engine: Scheduler, rows: 
         every = [graphs] + ([engine.segment_graphs] if engine.segment_graphs is not None else [])
         stats.cuda_graph_captures = sum(g.captures for g in every)
         stats.cuda_graph_replays = sum(g.replays for g in every)
+        stats.cuda_graph_capture_seconds = sum(g.capture_seconds for g in every)
+        if graphs.store is not None:
+            stats.cuda_graph_bytes = graphs.store.graph_bytes
+            stats.kv_arena_bytes = graphs.store.arena.nbytes
     native = model.net.native_decoder() is not None
     stats.decode_kernel = ("cuda-graphs" if graphs is not None and graphs.replays else "native-cpu" if native
                            else "torch")

@@ -128,6 +128,9 @@ def run_bmc(model: Model, prompts: list[list[int]], gen_len: int, kv: str, **kw:
     extra = {"r": st.r, "T": st.T, "T_source": st.T_source, "kv_allocations": st.kv_allocations,
              "peak_kv_mb": st.peak_kv_bytes / 2**20, "bytes_per_step": st.decode_bytes / max(st.decode_steps, 1),
              "weight_pack_s": st.weight_pack_seconds}
+    if model.device.type == "cuda":
+        extra.update(cuda_graph_captures=st.cuda_graph_captures, cuda_graph_capture_s=st.cuda_graph_capture_seconds,
+                     cuda_graph_mb=st.cuda_graph_bytes / 2**20, kv_arena_mb=st.kv_arena_bytes / 2**20)
     return EngineRun(name, tokens, start, steps, rss.peak / 2**20, extra)
 
 

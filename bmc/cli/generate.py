@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-k", type=int, default=256, help="window attention: positions kept (default 256)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of one captured graph per BMC capacity bucket")
+    p.add_argument("--cuda-graph-warmup", action="store_true",
+                   help="on CUDA, capture the decode step of every capacity bucket before the prompts run (else each "
+                   "bucket is captured when the run first reaches it; graphs are kept across calls either way)")
     p.add_argument("--no-adaptive-threads", action="store_true",
                    help="on a CPU, run every decode step on --threads (default: fewer while other processes keep the "
                    "cores busy; the tokens are the same)")
@@ -192,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
                   tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
                   sparq_r=args.sparq_r, sparq_k=args.sparq_k, window_k=args.window_k,
-                  cuda_graphs=not args.no_cuda_graphs, adaptive_threads=not args.no_adaptive_threads,
+                  cuda_graphs=not args.no_cuda_graphs, graph_warmup=args.cuda_graph_warmup,
+                  adaptive_threads=not args.no_adaptive_threads,
                   kv_dtype=args.kv_dtype)
         if args.stream and not args.benchmark and args.tp == 1:  # under --tp: whole completions
             run_stream(model, prompts, dict(kw, kv=kvs[0]), args)
