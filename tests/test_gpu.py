@@ -364,3 +364,84 @@ def test_cuda_int4_model_tracks_the_bfloat16_model(tmp_path):
                                    atol=0.05 * want.abs().max().item())
     with pytest.raises(bmc.errors.BmcError, match="int4"):
         mq.net.layers[0].o.dense_weight()
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "opt-pre_norm"])
+def test_cuda_graphs_are_kept_across_calls(tiny_dirs, variant):
+    """The batch cache grows in the model's arena, so a second identical call replays the first call's graphs: no
+    capture, the same tokens as eager float32. A call of fewer rows fits the arena too; a scheduler holding the
+    arena leaves a call beside it a cache of its own (graphs of its own), with the same tokens."""
+    from bmc.engine import GenerationConfig
+    from bmc.graphs import graph_store
+    from bmc.scheduler import Request, Scheduler
+
+    gpu = bmc.load(str(tiny_dirs[variant]), device="cuda")
+    kw = dict(max_new_tokens=70, ignore_eos=True, kv="bmc", r=16)
+    eager = bmc.generate(gpu, PROMPTS, cuda_graphs=False, **kw)
+    first = bmc.generate(gpu, PROMPTS, **kw)
+    second = bmc.generate(gpu, PROMPTS, **kw)
+    want = [c.token_ids for c in eager]
+    assert [c.token_ids for c in first] == want and [c.token_ids for c in second] == want
+    assert first.stats.cuda_graph_captures >= 3, "one per bucket the run passes through"
+    assert second.stats.cuda_graph_captures == 0 and second.stats.cuda_graph_replays > 50
+    assert second.stats.kv_arena_bytes > 0 and second.stats.cuda_graph_bytes > 0
+    fewer = bmc.generate(gpu, PROMPTS[:2], **kw)
+    assert [c.token_ids for c in fewer] == want[:2]
+    assert graph_store(gpu).arena.nbytes == second.stats.kv_arena_bytes, "fewer rows fit the arena as it is"
+    sched = Scheduler(gpu, max_num_seqs=2, r=16)
+    got: list[int] = []
+    sched.add(Request(PROMPTS[0], GenerationConfig(max_new_tokens=40, ignore_eos=True), lambda o: got.append(o.token_id),
+                      device="cuda"))
+    sched.step()
+    sched.step()
+    assert sched.cache.on_arena
+    beside = bmc.generate(gpu, PROMPTS, **kw)  # the arena is held: this call allocates its own cache
+    assert [c.token_ids for c in beside] == want and beside.stats.cuda_graph_captures >= 1
+    while sched.has_work():
+        sched.step()
+    assert got == want[0][:40] and not sched.cache.on_arena
+
+
+def test_cuda_calibration_measures_the_capture_and_T_uses_it(tiny_dirs, tmp_path, monkeypatch):
+    import dataclasses
+    import math
+
+    from bmc.analytic import Shape, best_T, load_profile
+    from bmc.analytic.calibrate import calibrate
+    from bmc.analytic.profile import save_profile
+
+    profile = calibrate(torch.device("cuda"), torch.float32, quick=True)
+    k = profile["constants"]
+    assert k["capture_layer_s"] > 0 and len(profile["measurements"]["capture"]["points"]) >= 4
+    path = tmp_path / "profile.json"
+    save_profile(profile, path)
+    monkeypatch.setenv("BMC_PROFILE", str(path))
+    consts = load_profile(path, torch.device("cuda"), torch.float32)
+    gpu = bmc.load(str(tiny_dirs["llama-gqa"]), device="cuda")
+    st = bmc.generate(gpu, PROMPTS, max_new_tokens=110, ignore_eos=True).stats
+    cfg = gpu.config
+    shape = Shape(batch=len(PROMPTS), layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim)
+    free = dataclasses.replace(consts, copy_bw=math.inf)
+    assert "growth in place" in st.T_source
+    assert st.r == math.ceil(st.max_length / best_T(st.max_length, shape, free))
+    no_capture = dataclasses.replace(free, capture_layer_s=0.0)
+    assert best_T(4096, shape, free) <= best_T(4096, shape, no_capture)
+
+
+def test_cuda_graph_warmup_captures_the_ladder_before_the_prompts(tiny_dirs):
+    """graph_warmup=True: every bucket the batch can reach is captured before the prompts run; the decode that
+    follows replays only, with eager's tokens, and so does a later call of the same shape."""
+    from bmc.scheduler import Scheduler
+
+    gpu = bmc.load(str(tiny_dirs["llama-gqa"]), device="cuda")
+    kw = dict(max_new_tokens=70, ignore_eos=True, kv="bmc", r=16)
+    want = [c.token_ids for c in bmc.generate(gpu, PROMPTS, cuda_graphs=False, **kw)]
+    sched = Scheduler(gpu, max_num_seqs=len(PROMPTS), max_length=80, r=16)
+    assert sched.capture_ladder(len(PROMPTS)) == 4  # 32, 48, 64, 80; the first bucket has 15 free rows
+    assert sched.cache.batch_size == 0 and not sched.cache.on_arena
+    after = bmc.generate(gpu, PROMPTS, **kw)
+    assert [c.token_ids for c in after] == want
+    assert after.stats.cuda_graph_captures == 0 and after.stats.cuda_graph_replays >= 60
+    warm = bmc.generate(gpu, PROMPTS[:2], graph_warmup=True, **kw)
+    assert [c.token_ids for c in warm] == want[:2] and warm.stats.cuda_graph_replays >= 60
