@@ -7,7 +7,9 @@ tool on an H100. HF runs first, then its weights are handed to bmc (bmc keeps it
 
 Engines: HF generate with DynamicCache and with StaticCache (which transformers compiles with torch.compile on its
 own when the cache is static), bmc (auto T; decode step captured as a CUDA graph per capacity bucket), bmc-eager
-(the same without graphs), bmc-iterative, bmc-upfront (one graph for the whole run).
+(the same without graphs), bmc-iterative, bmc-upfront (one graph for the whole run). Each bmc engine runs warm: a
+cold run first (it captures the graphs its buckets need; reported as first_run_tokens_per_s with its captures), then
+--repeats runs, of which the median is reported; the model's arena and graphs are let go between engines.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from bmc.bench.engines import run_bmc, run_hf
+from bmc.bench.engines import EngineRun, run_bmc, run_hf
 from bmc.bench.harness import first_divergence
+from bmc.graphs import graph_store
 from bmc.models import model_from_tensors
 
 SHAPES = {
@@ -40,6 +43,30 @@ def build_hf(name: str, dtype: torch.dtype):
     return model.to(dtype).eval(), cfg
 
 
+def warm_runs(model, prompts: list[list[int]], gen: int, kv: str, repeats: int, **kw) -> tuple[EngineRun, dict]:
+    """The engine `repeats` + 1 times in a row: the first (cold: it captures the graphs its buckets need) is
+    reported apart, the rest give the median run. The model's arena and graphs are let go at the end, as if the
+    next engine ran in a process of its own."""
+    torch.cuda.reset_peak_memory_stats()
+    runs = [run_bmc(model, prompts, gen, kv=kv, **kw) for _ in range(repeats + 1)]
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    B = len(prompts)
+    tps = [r.summary(B)["decode_tokens_per_s"] for r in runs]
+    warm = sorted(range(1, len(runs)), key=lambda i: tps[i])
+    median = runs[warm[len(warm) // 2]]
+    extra = {"first_run_tokens_per_s": tps[0], "warm_tokens_per_s": [tps[i] for i in range(1, len(runs))],
+             "first_over_warm": tps[0] / tps[warm[len(warm) // 2]],
+             "captures_per_run": [r.extra.get("cuda_graph_captures", 0) for r in runs],
+             "capture_s_per_run": [r.extra.get("cuda_graph_capture_s", 0.0) for r in runs],
+             "peak_cuda_mb": peak,
+             "cold_slowest_steps_ms": sorted(runs[0].summary(B)["step_latency_ms"], reverse=True)[:5]}
+    store = graph_store(model)
+    store.arena.free()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return median, extra
+
+
 def run_config(args, B: int, N: int) -> dict:
     """One (batch, N) setting in this process: HF first, then its weights handed to bmc (HF freed first)."""
     dtype = getattr(torch, args.dtype)
@@ -56,39 +83,45 @@ def run_config(args, B: int, N: int) -> dict:
     del hf, state
     gc.collect()
     torch.cuda.empty_cache()
-    run_bmc(model, prompts, 4, kv="bmc")  # warm-up
-    engines = [("bmc", "bmc", {}), ("bmc-eager", "bmc", {"cuda_graphs": False}), ("bmc-upfront", "upfront", {})]
+    graphed = {"graph_warmup": True} if args.graph_warmup else {}
+    engines = [("bmc", "bmc", graphed), ("bmc-eager", "bmc", {"cuda_graphs": False}),
+               ("bmc-upfront", "upfront", graphed)]
     if not args.no_iterative:
         engines.append(("bmc-iterative", "iterative", {}))
+    warm = {}
     for name, kv, kw in engines:
-        r = run_bmc(model, prompts, gen, kv=kv, **kw)
+        r, warm[name] = warm_runs(model, prompts, gen, kv, args.repeats, **kw)
         r.engine = name
         runs.append(r)
-        torch.cuda.empty_cache()
     res = {r.engine: r.summary(B) for r in runs}
-    for v in res.values():
+    for k, v in res.items():
         v.pop("step_latency_ms")
+        v.update(warm.get(k, {}))
     bmc_tps = res["bmc"]["decode_tokens_per_s"]
-    out = {"batch": B, "N": N, "gen": gen, "engines": res,
+    out = {"batch": B, "N": N, "gen": gen, "repeats": args.repeats, "graph_warmup": args.graph_warmup, "engines": res,
            "ratios": {k: bmc_tps / v["decode_tokens_per_s"] for k, v in res.items() if k != "bmc"},
            "first_divergence_vs_bmc": {r.engine: first_divergence(runs[first_bmc].tokens, r.tokens) for r in runs}}
-    print(f"{args.model} {args.dtype} B={B} N={N} prompt={args.prompt} gen={gen} on {torch.cuda.get_device_name()}")
+    print(f"{args.model} {args.dtype} B={B} N={N} prompt={args.prompt} gen={gen} on {torch.cuda.get_device_name()}"
+          f" (bmc engines: median of {args.repeats} warm runs after a cold one)")
     for k, v in res.items():
         extra = f" T={v.get('T')} r={v.get('r')} allocs={v.get('kv_allocations')}" if "T" in v else ""
+        if "first_run_tokens_per_s" in v:
+            extra += (f" cold {v['first_run_tokens_per_s']:.1f} tok/s (captures/run {v['captures_per_run']},"
+                      f" {sum(v['capture_s_per_run']):.2f} s) peak {v['peak_cuda_mb']:.0f} MiB")
         print(f"  {k:14s} {v['decode_tokens_per_s']:9.1f} tok/s  {v['time_per_output_token_ms']:7.2f} ms/step"
               f"  bmc x{bmc_tps / v['decode_tokens_per_s']:.2f}{extra}")
     print(f"  first divergence vs bmc: {out['first_divergence_vs_bmc']}")
     if args.sweep_T:
         from bmc.analytic import choose_T
-        pred, source = choose_T(N, model=model.config, batch=B, dtype=dtype, device=torch.device("cuda"))
+        pred, source = choose_T(N, model=model.config, batch=B, dtype=dtype, device=torch.device("cuda"),
+                                copy_free=True)
         sweep = []
         for T in [2**i for i in range(0, 8)]:
-            r = run_bmc(model, prompts, gen, kv="bmc", T=T)
+            r, _ = warm_runs(model, prompts, gen, "bmc", 1, T=T)
             sweep.append({"T": T, "decode_tokens_per_s": r.summary(B)["decode_tokens_per_s"]})
-            torch.cuda.empty_cache()
         best = max(sweep, key=lambda p: p["decode_tokens_per_s"])
         out["sweep_T"] = {"points": sweep, "best_T": best["T"], "predicted_T": pred, "T_source": source}
-        print("  T sweep: " + "  ".join(f"T={p['T']}:{p['decode_tokens_per_s']:.0f}" for p in sweep)
+        print("  T sweep (warm): " + "  ".join(f"T={p['T']}:{p['decode_tokens_per_s']:.0f}" for p in sweep)
               + f"  best T={best['T']} predicted T={pred} ({source})")
     return out
 
@@ -101,6 +134,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-hf", action="store_true", help="bmc engines only (e.g. for a T sweep)")
+    ap.add_argument("--repeats", type=int, default=3, help="warm runs per bmc engine after its cold one (median)")
+    ap.add_argument("--graph-warmup", action="store_true",
+                    help="bmc and bmc-upfront capture their buckets before the prompts (graph_warmup=True)")
     ap.add_argument("--no-iterative", action="store_true", help="skip bmc-iterative (slow at large batch)")
     ap.add_argument("--sweep-T", action="store_true", help="also sweep bmc's T = 1, 2, 4, ... (the paper's Fig. 15)")
     ap.add_argument("--plot", action="store_true", help="only merge the gpu-MODEL-*.json files in --out into a PNG")
@@ -134,7 +170,14 @@ def plot(report: dict, path: Path) -> None:
         ax.bar([i + j * w for i in range(len(results))], [r["engines"][e]["decode_tokens_per_s"] for r in results],
                w, label=e)
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(results))], [f"B={r['batch']} N={r['N']}" for r in results])
-    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")  # batch 1 and batch 64 on one chart
+    ax.set_ylabel("decode tokens/s (log)")
+    if "bmc-upfront" in engines:  # the ratio the BMC claim is about, over each group
+        for i, r in enumerate(results):
+            top = max(r["engines"][e]["decode_tokens_per_s"] for e in engines)
+            ratio = r["engines"]["bmc"]["decode_tokens_per_s"] / r["engines"]["bmc-upfront"]["decode_tokens_per_s"]
+            ax.text(i + 0.4 - w / 2, top * 1.15, f"bmc / upfront {ratio:.2f}x", ha="center", fontsize=8)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.6)
     ax.set_title(f"{report['model']}-shaped, {report['dtype']}, {report['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
