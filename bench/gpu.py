@@ -88,6 +88,8 @@ def run_config(args, B: int, N: int) -> dict:
                ("bmc-upfront", "upfront", graphed)]
     if not args.no_iterative:
         engines.append(("bmc-iterative", "iterative", {}))
+    if args.engines:
+        engines = [e for e in engines if e[0] == "bmc" or e[0] in args.engines.split(",")]
     warm = {}
     for name, kv, kw in engines:
         r, warm[name] = warm_runs(model, prompts, gen, kv, args.repeats, **kw)
@@ -135,6 +137,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-hf", action="store_true", help="bmc engines only (e.g. for a T sweep)")
     ap.add_argument("--repeats", type=int, default=3, help="warm runs per bmc engine after its cold one (median)")
+    ap.add_argument("--engines", default="", help="only these bmc engines, comma-separated (bmc is always kept)")
     ap.add_argument("--graph-warmup", action="store_true",
                     help="bmc and bmc-upfront capture their buckets before the prompts (graph_warmup=True)")
     ap.add_argument("--no-iterative", action="store_true", help="skip bmc-iterative (slow at large batch)")
