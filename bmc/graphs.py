@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 MIN_BUCKET_STEPS = 16  # capture only when the chunk has this many free rows left: a capture costs a few steps
 GRAPH_LIMIT = 64  # graphs a model keeps over its arena (least recently used dropped first)
-ARENA_SHARE = 0.5  # the most of the device's free memory an arena may take (else the cache grows by copies)
+# The most of the device's free memory an arena may take: for the rows the cache has (else it grows by copies, whose
+# peak, two buckets, is larger), and for the rows it may come to have (taken only while memory is plentiful)
+ARENA_SHARE = 0.9
+ARENA_SHARE_AHEAD = 0.5
 
 
 class DeviceArena:
@@ -67,8 +70,9 @@ class DeviceArena:
 
     def lend(self, cache: "KVCache", rows: int, columns: int, want_rows: int = 0) -> bool:
         """Lend the arena to `cache` for a view of `rows` x `columns` (re-made larger if it is too small and no
-        other live cache holds it; `want_rows` rows if they fit the memory share, the most a batch will have).
-        False: held by another cache, or beyond ARENA_SHARE of the free memory (the cache allocates its own)."""
+        other live cache holds it; with `want_rows` rows, the most the batch will have, if they fit
+        ARENA_SHARE_AHEAD of the free memory). False: held by another cache, or beyond ARENA_SHARE of the free
+        memory (the cache allocates its own)."""
         holder = self.holder()
         if holder is not None and holder is not cache:
             return False
@@ -79,8 +83,8 @@ class DeviceArena:
             L, H, width, storage, dtype = layout
             def size(r: int) -> int:
                 return L * 2 * r * H * columns * width * storage.itemsize + r * columns * dtype.itemsize
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 2**62
-            rows = max(rows, want_rows) if size(max(rows, want_rows)) <= ARENA_SHARE * free else rows
+            free = self.free_bytes()
+            rows = max(rows, want_rows) if size(max(rows, want_rows)) <= ARENA_SHARE_AHEAD * free else rows
             if size(rows) > ARENA_SHARE * free:
                 return False
             self.kv = torch.empty(L * 2 * rows * H * columns * width, dtype=storage, device=self.device)
@@ -88,6 +92,10 @@ class DeviceArena:
             self.layout, self.rows, self.columns = layout, rows, columns
         self._lessee = weakref.ref(cache)
         return True
+
+    def free_bytes(self) -> int:
+        """Device memory free now (an old arena being re-made is already let go)."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 2**62
 
     def release(self, cache: "KVCache") -> None:
         if self.holder() is cache:

@@ -164,3 +164,20 @@ def test_the_ladder_steps_once_in_every_bucket_the_batch_can_reach(gqa_dir, kv, 
     want = [(16, 15), (32, 16), (48, 16), (64, 16), (80, 16), (96, 16), (100, 4)] if kv == "bmc" else [(100, 16)]
     assert sched.graphs.seen == [(3, c, free) for c, free in want]
     assert sched.cache.batch_size == 0 and sched.cache.arena.holder() is None
+
+
+def test_the_arena_takes_what_the_rows_need_while_it_fits_and_more_rows_only_while_memory_is_plentiful():
+    """A copying growth peaks at two buckets, so the arena (one) is taken up to ARENA_SHARE of the free memory for
+    the rows the cache has; room for the rows it may come to have only up to ARENA_SHARE_AHEAD."""
+    from bmc import graphs
+
+    one_row = L * 2 * H * MAX * D * 4 + MAX * 4  # KV and bias of one row, float32
+    for free, rows, lent, kept_rows in [(10 * one_row, 2, True, 4), (5 * one_row, 2, True, 2),
+                                        (2 * one_row, 2, False, 0)]:
+        arena = DeviceArena(torch.device("cpu"))
+        arena.free_bytes = lambda free=free: free
+        cache = batch_cache(arena, rows=4)
+        cache.regroup([], [prefilled(3, r) for r in range(rows)])
+        assert cache.on_arena == lent and arena.rows == kept_rows, (free // one_row, rows)
+        assert graphs.ARENA_SHARE * free >= arena.nbytes
+        cache.check_integrity()
