@@ -110,3 +110,51 @@ def test_bad_files_and_ranges_exit_2_before_loading(tmp_path, capsys):
         out, err = capsys.readouterr()
         assert exit_info.value.code == 2, args
         assert match in err and len(err.strip().splitlines()) == 1 and out == "", (args, err)
+
+
+def test_help_and_bad_arguments_answer_before_torch_loads():
+    """Every tool parses and checks its arguments before importing torch (seconds on a small machine): --help and a
+    bad range exit at once, and `import bmc` alone loads nothing heavy."""
+    code = """
+import sys
+import bmc
+from bmc.cli import calibrate, chat, generate, perplexity, serve
+for tool, argv, want in [(generate, ['--help'], 0), (chat, ['--help'], 0), (serve, ['--help'], 0),
+                         (perplexity, ['--help'], 0), (calibrate, ['--help'], 0),
+                         (generate, ['--threads', '0', 'hi'], 2), (chat, ['--threads', '0'], 2),
+                         (serve, ['--port', '99999'], 2), (generate, ['--kv', 'nope', 'hi'], 2)]:
+    try:
+        tool.main(argv)
+        raise AssertionError(f'{tool.__name__} {argv} did not exit')
+    except SystemExit as e:
+        assert e.code == want, (tool.__name__, argv, e.code)
+assert 'torch' not in sys.modules, 'torch was imported'
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_offered_choices_are_the_implemented_ones():
+    from bmc.choices import KV_DTYPE_NAMES, KV_STRATEGY_NAMES, QUANT_MODES
+    from bmc.kv import KV_DTYPES, KV_STRATEGIES
+    from bmc.models import quant
+
+    assert set(KV_STRATEGY_NAMES) == set(KV_STRATEGIES) and set(KV_DTYPE_NAMES) == set(KV_DTYPES)
+    assert QUANT_MODES is quant.QUANT_MODES
+
+
+def test_short_flags_are_the_long_ones(gqa_dir, capsys):
+    """llama.cpp's short flags: -m model, -p prompt, -n tokens, -t threads (and -f prompt file); -p prompts come
+    before the positional ones."""
+    import torch
+
+    from bmc.cli.generate import main
+    from bmc.cli.serve import router_argv
+
+    main(["-m", str(gqa_dir), "-n", "5", "--ignore-eos", "--json", "-t", str(torch.get_num_threads()),
+          "-p", "the quick brown fox", "hello world"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    api = bmc.generate(bmc.load(str(gqa_dir)), ["the quick brown fox", "hello world"], max_new_tokens=5,
+                       ignore_eos=True)
+    assert [x["token_ids"] for x in rows] == [c.token_ids for c in api]
+    assert router_argv(["-m", "x", "-t", "4", "--port", "1", "--kv", "bmc"]) == ["-m", "x", "--kv", "bmc"]

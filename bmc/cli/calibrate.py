@@ -6,14 +6,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from ..analytic import Constants, Shape, best_T, c_prime, default_profile_path, save_profile
-from ..analytic.calibrate import CalibrationError, calibrate
-from ..models import parse_device, parse_dtype
 from ..errors import BmcError
+
+if TYPE_CHECKING:
+    import torch
 from .common import Parser, fail, physical_cores
 
 # The embedded default model's attention shape, for the printed examples.
@@ -24,14 +22,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-calibrate", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (under 20 s on a small CPU)")
     p.add_argument("--output", help="also write the profile here (JSON)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype to measure (default float32)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--no-save", action="store_true", help="do not write the profile to the user cache dir")
     return p
 
 
-def summary(profile: dict, dtype: torch.dtype) -> str:
+def summary(profile: dict, dtype: "torch.dtype") -> str:
+    import torch
+
+    from ..analytic import Constants, Shape, best_T, c_prime
+
     k = profile["constants"]
     consts = Constants(copy_bw=k["copy_bw_bytes_per_s"], alloc_s=k["alloc_s"], attn_flops=k["attn_flops_per_s"],
                        verify_flops=k["verify_flops_per_s"], capture_layer_s=k.get("capture_layer_s", 0.0))
@@ -56,6 +59,12 @@ def summary(profile: dict, dtype: torch.dtype) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    import torch
+
+    from ..analytic import default_profile_path, save_profile
+    from ..analytic.calibrate import CalibrationError, calibrate
+    from ..models import parse_device, parse_dtype
+
     torch.set_num_threads(args.threads or physical_cores())
     try:
         device, dtype = parse_device(args.device), parse_dtype(args.dtype)

@@ -8,8 +8,6 @@ import sys
 import time
 from typing import Sequence
 
-import torch
-
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
@@ -17,9 +15,10 @@ HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-chat", description=__doc__)
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-m", "--model",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens (default 512)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=512, help="longest reply in tokens (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -41,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         v = getattr(args, name)
         if v is not None and not math.isfinite(v):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    import torch
+
     torch.set_num_threads(args.threads or physical_cores())
 
     from .. import load

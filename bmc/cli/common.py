@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+from ..choices import KV_DTYPE_NAMES, QUANT_MODES
 from ..platform.topology import physical_cores  # noqa: F401 (the CLIs' default thread count)
 
 
@@ -26,9 +27,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
-    from ..kv import KV_DTYPES
-
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_NAMES,
                    help="how the KV cache stores keys and values: auto (the model's --dtype: exact), bfloat16, "
                    "float16, or int8 (a scale per token and KV head; 3.8x fewer bytes than float32 for long-context "
                    "decode to read) (default auto)")
@@ -36,11 +35,10 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     """How a CLI loads its model: threads, dtype, device, quantization, the weights cache."""
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    from ..models.quant import QUANT_MODES
-
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's weights and arithmetic (default float32: exact)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--quant", default="auto", choices=QUANT_MODES,
                    help="weights: auto (stored on a CPU in float32, else none), stored (a GGUF file's F16/BF16/Q8_0/"
                    "Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices, an HF checkpoint's bfloat16/float16 ones, kept as stored), none "

@@ -8,11 +8,8 @@ import sys
 import time
 from typing import Sequence
 
-import torch
-
-from .. import generate, load, stream
+from ..choices import KV_STRATEGY_NAMES as KV_STRATEGIES
 from ..errors import BmcError
-from ..kv import KV_STRATEGIES
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 BENCH_TEXT = (
@@ -24,13 +21,15 @@ BENCH_TEXT = (
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-generate", description=__doc__)
     p.add_argument("prompts", nargs="*", help="one prompt per argument")
-    p.add_argument("--prompt-file", help="file with one prompt per line ('-' reads stdin)")
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("-p", "--prompt", action="append", default=[], help="a prompt (repeatable; as the arguments)")
+    p.add_argument("-f", "--prompt-file", help="file with one prompt per line ('-' reads stdin)")
+    p.add_argument("-m", "--model",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens of this mass (default 1)")
+    p.add_argument("--seed", type=int, help="sampling seed: the same tokens on every run (default: random)")
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -80,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompts)
+    prompts = list(args.prompt) + list(args.prompts)
     if args.prompt_file:
         try:
             f = sys.stdin if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8")
@@ -141,6 +140,8 @@ def run_stream(model, prompts, kw: dict, args: argparse.Namespace) -> None:
     """Single row: print text as it comes. Several rows: print each completion as soon as it finishes."""
     from .. import Completion
 
+    from .. import stream
+
     s = stream(model, prompts, **kw)
     rows: dict[tuple[int, int], Completion] = {}
     single = len(prompts) * args.num_samples == 1 and not args.json
@@ -174,10 +175,17 @@ def benchmark_line(kv: str, st) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
-    torch.set_num_threads(args.threads or physical_cores())
     kvs = kv_list(args.kv, args.benchmark)
     try:
-        prompts: list = read_prompts(args)  # before the load: a bad file fails in a moment, not after it
+        prompts: list = read_prompts(args)  # before the load (and torch): a bad file fails in a moment
+    except BmcError as e:
+        fail(str(e))
+    import torch
+
+    from .. import generate, load
+
+    torch.set_num_threads(args.threads or physical_cores())
+    try:
         t0 = time.perf_counter()
         model = load(args.model, dtype=args.dtype, device=args.device, tp=args.tp,
                      share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,

@@ -8,15 +8,14 @@ import json
 import sys
 from typing import Sequence
 
-import torch
-
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-perplexity", description=__doc__)
     p.add_argument("file", help="a UTF-8 text file ('-' reads stdin)")
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-m", "--model",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (default 512, as llama.cpp)")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="chunks per forward (default 4)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
@@ -46,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
     if args.chunks is not None and args.chunks < 1:
         fail(f"--chunks must be >= 1, got {args.chunks}")
+    import torch
+
     torch.set_num_threads(args.threads or physical_cores())
     text = read_text(args.file)
     from .. import load

@@ -9,10 +9,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Sequence
 
-import torch
-
+from ..choices import KV_STRATEGY_NAMES as KV_STRATEGIES
 from ..errors import BmcError
-from ..kv import KV_STRATEGIES
 from ..server.limits import DEFAULT_MAX_BODY_BYTES
 from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
 
@@ -22,12 +20,13 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-serve", description=__doc__)
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-m", "--model",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="one or more names clients may pass as `model` (e.g. the name a client sends by default); "
                    "the first is the one reported (default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="tokens per step: every decode row first, then prompt chunks in what is left (default 256); "
@@ -116,6 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
         if args.quant not in ("auto", "none") or args.activations != "float":
             fail("--tp loads float weights and activations: quantized weights (--quant) and --activations "
                  f"{args.activations} are not sharded yet")
+        import torch
+
         if args.device == "cuda" and torch.cuda.device_count() < args.tp:
             fail(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; torch sees {torch.cuda.device_count()}")
     if args.instances != "auto" and not (args.instances.isdigit() and 1 <= int(args.instances) <= MAX_THREADS):
@@ -184,7 +185,7 @@ def router_argv(argv: Sequence[str]) -> list[str]:
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in ("--instances", "--cpus", "--host", "--port", "--threads"):
+        if name in ("--instances", "--cpus", "--host", "--port", "--threads", "-t"):
             skip = "=" not in a
             continue
         out.append(a)
@@ -231,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bound = bind_memory_to(cpus)  # several NUMA nodes: memory beside the cores
         if bound is not None:
             logging.getLogger("bmc.serve").info("memory bound to NUMA node(s) %s", bound)
+    import torch
+
     torch.set_num_threads(args.threads or max(1, physical_cores() // args.tp))
     opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, engine=engine_options(args),
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins,

@@ -22,11 +22,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..choices import QUANT_MODES  # noqa: F401 (one list: the CLIs offer it without torch)
 from ..errors import InvalidRequestError
 from ..kernels.block_kinds import BLOCK_KIND, PANEL, QK, BlockKind
 from ..platform.hugepages import HugePageArena
 
-QUANT_MODES = ("auto", "none", "stored", "gguf", "q8_0", "q4_0")
 Q5_0_BLOCK = 22  # fp16 scale, 32 high bits, 16 bytes of low nibbles
 # Rows re-laid into panels at a time: the default model's 49152-row LM head in one go held ~90 MB of temporaries
 PANEL_ROWS = 2048
