@@ -802,9 +802,10 @@ class Scheduler:
         positions = torch.arange(p.done, p.done + t, device=dev)[None]
         cache.reserve(t, positions)
         attention = p.attention if p.attention is not None else prefill_attention(dense_attention, cache, t)
+        scored = p.request.prompt_logprobs is not None
         return StepPart(tokens, positions, cache, cache.attention_bias(t), attention,
-                        prompt_len=torch.tensor([len(p.request.prompt_ids)]),
-                        all_logits=p.request.prompt_logprobs is not None)
+                        prompt_len=torch.tensor([len(p.request.prompt_ids)]), all_logits=scored,
+                        score=(lambda logits, p=p, t=t: self._score_prompt(p, t, logits)) if scored else None)
 
     def _forward(self, parts: list[StepPart]) -> list[torch.Tensor | BaseException]:
         """Last-token logits of every part: one fused step where the native kernel runs them all (the weights read
@@ -828,7 +829,8 @@ class Scheduler:
                 else:
                     logits = net(part.tokens, part.positions, part.cache, part.attention, part.bias,
                                  prompt_len=part.prompt_len, all_logits=part.all_logits)
-                results.append(logits if part.all_logits else logits[:, -1])
+                results.append(part.score(logits) if part.score is not None else logits[:, -1])
+                del logits
             except Exception as e:
                 results.append(e)
         return results
@@ -860,14 +862,7 @@ class Scheduler:
             self.prefilling.remove(p)
             self._fail(req, result)
             return
-        assert reserved is p.cache
-        if result.dim() == 3:  # every position's logits: the prompt scored
-            try:
-                result = self._score_prompt(p, t, result)
-            except Exception as e:
-                self.prefilling.remove(p)
-                self._fail(req, e)
-                return
+        assert reserved is p.cache  # a scored prompt's chunk was scored right after its forward (StepPart.score)
         p.cache.commit(t)
         p.done += t
         self.counters.prefill_chunks += 1
@@ -916,7 +911,7 @@ class Scheduler:
             req.prompt_logprobs.extend(picked.double().tolist())
         if start + t == len(ids):
             req.next_logprobs = lp[-1].clone()
-        return logits[:, -1]
+        return logits[:, -1].clone()  # a view would keep the chunk's [t, V] logits alive for the whole step
 
     def _share_prompt(self, p: _Prefill, at_least: int) -> None:
         """A prompt's rows read its blocks just cached in place instead of copies in the batch cache: its samples

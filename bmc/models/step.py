@@ -39,6 +39,9 @@ class StepPart:
     attention: Any
     prompt_len: torch.Tensor | None = None  # [B]: the rows' whole prompt lengths, for a prompt chunk (longrope)
     all_logits: bool = False  # the logits of every position (a prompt scored token by token), run as its own forward
+    # all_logits: what the step keeps of them, taken right after this part's forward (its last position's logits):
+    # a step of several scored chunks holds one chunk's [t, V] logits at a time, not all of them
+    score: Any = None
 
     def native_ready(self) -> bool:
         """Whether the native step computes this part as its own forward would: t within NATIVE_MAX_T, dense,
