@@ -17,6 +17,9 @@ instead of reading them in place."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -131,7 +134,10 @@ class ChatSession:
             if not request.done:  # the caller stopped reading (or was interrupted): what came so far is the reply
                 self.engine.abort(request)
             while self.engine.has_work():  # the row leaves the batch: its turn is kept in the prefix cache only
-                self._step()
+                try:
+                    self._step()
+                except KeyboardInterrupt:  # another Ctrl-C while the reply ends: it is ending already
+                    continue
             stats.prefilled_tokens = len(ids) - request.cached_tokens
             stats.generated_tokens = len(reply)
             said = reply[:-1] if reply and reply[-1] in self.eos else reply  # the template writes its end marker
@@ -140,10 +146,33 @@ class ChatSession:
             self._anchor = rendered + self.messages[-1]["content"]
 
     def _step(self) -> None:
-        """One engine step; one interrupted inside (Ctrl-C) leaves its state unknown, so the conversation's KV starts
-        over (its tokens are kept: the next turn prefills them again, exactly)."""
+        """One engine step. Ctrl-C lands between steps, never inside one (a step cut in half would leave the
+        conversation's KV in an unknown state): it waits for the step to end and is raised then, so the reply stops
+        and the conversation's KV stays. Any other failure inside a step starts the KV over (its tokens are kept: the
+        next turn prefills them again, exactly)."""
         try:
-            self.engine.step()
+            with interrupts_between_steps():
+                self.engine.step()
+        except KeyboardInterrupt:
+            raise
         except BaseException:
             self.engine = self._new_engine()
             raise
+
+
+@contextlib.contextmanager
+def interrupts_between_steps() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends, then raise it as KeyboardInterrupt. Only on the main thread
+    with Python's own handler in place (elsewhere signals are not this code's to take)."""
+    if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt

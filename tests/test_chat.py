@@ -212,3 +212,31 @@ def test_longrope_conversation_switches_as_generate(tmp_path):
         assert len(chat.prompt_ids) > 24 or len(chat.prompt_ids) + chat.last.generated_tokens > 24
     assert chat.engine.counters.relongs == 1  # the first reply passed the switch
     assert chat.last.prefilled_tokens < chat.last.prompt_tokens  # later turns read the long-rotated history
+
+
+def test_ctrl_c_inside_a_step_stops_the_reply_and_keeps_the_conversation(model):
+    """Ctrl-C (SIGINT) arriving while the engine steps waits for the step's end: the reply stops there, the
+    conversation's KV stays (the next turn prefills only its new part) and the next reply is exact."""
+    import signal
+
+    chat = ChatSession(model, max_new_tokens=20)
+    "".join(chat.turn("hello"))
+    engine = chat.engine
+    real_step, calls = engine.step, []
+
+    def interrupted_step() -> None:
+        calls.append(1)
+        if len(calls) == 3:  # inside a decode step of the second turn
+            signal.raise_signal(signal.SIGINT)
+        real_step()
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        for _ in chat.turn("tell me a story"):
+            pass
+    assert chat.engine is engine, "the conversation's KV was kept"
+    assert len(calls) >= 3 and chat.messages[-1]["role"] == "assistant"
+    engine.step = real_step
+    reply = "".join(chat.turn("go on"))
+    assert chat.last.prefilled_tokens < chat.last.prompt_tokens // 2, "only the new part prefilled"
+    assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=20)[0].text
