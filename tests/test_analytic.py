@@ -131,7 +131,6 @@ def _write(path, **changes):
     ({"device_name": "Some Other CPU"}, "measured elsewhere"),
     ({"torch": "1.0.0"}, "measured elsewhere"),
     ({"device": "cuda"}, "measured elsewhere"),
-    ({"attention_kernel": "some-other-kernel"}, "measured elsewhere"),  # e.g. timed with BMC_NATIVE=0
     ({"version": 99}, "unreadable"),
     ({"constants": {"copy_bw_bytes_per_s": -1, "alloc_s": 0, "attn_flops_per_s": 1}}, "unreadable"),
     ({"constants": {}}, "unreadable"),
@@ -144,6 +143,19 @@ def test_foreign_or_corrupt_profiles_are_ignored_with_a_warning(cache_dir, gqa_d
     with pytest.warns(ProfileWarning, match=match):
         st = bmc.generate(model, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True).stats
     assert st.T_source.startswith("default")
+
+
+def test_a_profile_of_the_other_attention_kernel_is_set_aside_without_a_warning(cache_dir, gqa_dir, recwarn, caplog):
+    """Measured on this machine for the other kernel (BMC_NATIVE=0, or tensor parallel ranks on the PyTorch path):
+    not used, and said as that, not as a profile from elsewhere."""
+    import logging
+
+    _write(cache_dir / "profile-cpu-float32.json", attention_kernel="some-other-kernel")
+    with caplog.at_level(logging.INFO, logger="bmc"):
+        st = bmc.generate(bmc.load(str(gqa_dir)), [[5, 6, 7]], max_new_tokens=4, ignore_eos=True).stats
+    assert st.T_source.startswith("default")
+    assert not [w for w in recwarn if issubclass(w.category, ProfileWarning)]
+    assert "times the some-other-kernel attention kernel" in caplog.text
 
 
 def test_garbage_profile_file(cache_dir, gqa_dir):

@@ -93,6 +93,14 @@ def load_profile(path: Path, device: torch.device, dtype: torch.dtype) -> Consta
         return None
     want = identity(device, dtype)
     foreign = {key: (data.get(key), val) for key, val in want.items() if data.get(key) != val}
+    if set(foreign) == {"attention_kernel"}:  # measured here, for the other kernel (BMC_NATIVE=0, TP ranks)
+        timed, runs = foreign["attention_kernel"]
+        msg = (f"bmc: calibration profile {path} times the {timed} attention kernel and this run uses {runs}: T from "
+               f"the paper's C'={DEFAULT_C_PRIME}")
+        if msg not in _said:
+            _said.add(msg)
+            log.info(msg)
+        return None
     if foreign:
         what = ", ".join(f"{key} {got!r} != {val!r}" for key, (got, val) in foreign.items())
         _warn_once(f"bmc: ignoring calibration profile {path}: measured elsewhere ({what}); run bmc-calibrate here")
