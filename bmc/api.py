@@ -64,8 +64,11 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
     torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
     from .models import check_activations, set_activations
+    from .models.hub import model_source
 
     check_activations(activations)
+    if path is not None:
+        path = model_source(str(path))  # a hub name (ORG/NAME[:FILE.gguf]) becomes its cached copy
     if tp != 1:
         if activations != "float":
             raise InvalidRequestError("tensor parallelism runs float activations (activations='float')")

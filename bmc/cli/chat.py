@@ -16,7 +16,9 @@ HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-chat", description=__doc__)
     p.add_argument("-m", "--model",
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model directory, .gguf file, or a hub name ORG/NAME or ORG/NAME:FILE.gguf (read from the "
+                   "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("-n", "--max-new-tokens", type=int, default=512, help="longest reply in tokens (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

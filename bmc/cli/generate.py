@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", action="append", default=[], help="a prompt (repeatable; as the arguments)")
     p.add_argument("-f", "--prompt-file", help="file with one prompt per line ('-' reads stdin)")
     p.add_argument("-m", "--model",
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model directory, .gguf file, or a hub name ORG/NAME or ORG/NAME:FILE.gguf (read from the "
+                   "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: all)")

@@ -15,7 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-perplexity", description=__doc__)
     p.add_argument("file", help="a UTF-8 text file ('-' reads stdin)")
     p.add_argument("-m", "--model",
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model directory, .gguf file, or a hub name ORG/NAME or ORG/NAME:FILE.gguf (read from the "
+                   "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (default 512, as llama.cpp)")
     p.add_argument("-b", "--batch-size", type=int, default=4, help="chunks per forward (default 4)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")

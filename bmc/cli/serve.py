@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="bmc-serve", description=__doc__)
     p.add_argument("-m", "--model",
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model directory, .gguf file, or a hub name ORG/NAME or ORG/NAME:FILE.gguf (read from the "
+                   "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="one or more names clients may pass as `model` (e.g. the name a client sends by default); "
                    "the first is the one reported (default: the model file's name)")
@@ -105,8 +107,10 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--served-model-name: names must be non-empty")
     if args.timeout_graceful_shutdown < 0:
         fail("--timeout-graceful-shutdown must be >= 0")
-    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
-        fail(f"model path does not exist: {args.model}")
+    from ..models.hub import is_hub_name
+
+    if args.model is not None and not (os.path.exists(os.path.expanduser(args.model)) or is_hub_name(args.model)):
+        fail(f"model path does not exist: {args.model} (a hub model is named ORG/NAME or ORG/NAME:FILE.gguf)")
     if not 1 <= args.tp <= MAX_THREADS:
         fail(f"--tp must be in [1, {MAX_THREADS}], got {args.tp}")
     if args.tp > 1:

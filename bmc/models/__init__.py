@@ -165,10 +165,10 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", quant: str = "auto") -> Model:
     """Load an HF model directory or a llama GGUF file; no path = the embedded default model. quant: see
     models/quant.py ("auto": a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32)."""
-    path = default_model_path() if path is None else os.path.expanduser(str(path))
+    from .hub import model_source
+
+    path = default_model_path() if path is None else model_source(str(path))  # a path, or a hub name
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path does not exist: {path}")
     quant = resolve_quant(quant, path, torch_dtype, dev)
     tokenizer: Tokenizer | None
     if os.path.isfile(path):
