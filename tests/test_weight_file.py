@@ -75,7 +75,10 @@ def test_a_changed_source_gets_a_new_file_and_a_corrupt_one_is_rewritten(tiny_di
     shutil.copytree(tiny_dirs["llama-gqa"], src)
     own = tokens(bmc.load(str(src)))
     first = bmc.load(str(src), share_weights=True).weight_file
-    os.utime(src, ns=(1, 1))  # the directory's modification time is part of the key
+    os.utime(src / "config.json", ns=(1, 1))  # touched, the same bytes: the same file
+    assert bmc.load(str(src), share_weights=True).weight_file == first
+    with open(src / "config.json", "a") as f:  # other bytes (the same model): another file
+        f.write("\n")
     second = bmc.load(str(src), share_weights=True).weight_file
     assert second != first
     with open(second, "r+b") as f:  # garbage over the header
@@ -109,7 +112,7 @@ def test_a_gguf_model_starts_from_its_weight_file_without_dequantizing(tmp_path,
     ids = [[3, 5, 7, 11, 13]]
     assert [c.token_ids for c in bmc.generate(fast, ids, max_new_tokens=10, ignore_eos=True)] == \
         [c.token_ids for c in bmc.generate(own, ids, max_new_tokens=10, ignore_eos=True)]
-    os.utime(path, ns=(1, 1))
+    _write(path, tied=True)  # other bytes at the same path: loaded from its tensors again
     again = bmc.load(path, share_weights=True)
     assert calls and again.weight_file != first.weight_file
 
@@ -122,3 +125,35 @@ def test_an_unwritable_cache_falls_back_to_own_weights(tiny_dirs, tmp_path, monk
     assert getattr(model, "weight_file", None) is None
     assert "weights cache unavailable" in capsys.readouterr().err
     assert tokens(model) == tokens(bmc.load(str(tiny_dirs["llama-gqa"])))
+
+
+def test_the_cache_is_keyed_by_content_and_bounded(tiny_dirs, tmp_path, monkeypatch):
+    """The same model at two paths (two virtualenvs) is one weight file; past BMC_WEIGHTS_CACHE_MAX the least
+    recently used files go, the one in use stays."""
+    import shutil
+
+    from bmc.models import weight_file as wf
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny_dirs["llama-gqa"], a)
+    shutil.copytree(tiny_dirs["llama-gqa"], b)
+    first = bmc.load(str(a), share_weights=True)
+    assert bmc.load(str(b), share_weights=True).weight_file == first.weight_file
+    folder = os.path.dirname(first.weight_file)
+    old = []
+    for i in range(3):  # older entries, used longest ago first
+        p = os.path.join(folder, f"old{i}-0000000000000000.bmcw")
+        with open(p, "wb") as f:
+            f.write(b"\0" * 1000)
+        os.utime(p, ns=(i + 1, i + 1))
+        old.append(p)
+    size = os.path.getsize(first.weight_file)
+    others = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".bmcw")) \
+        - size - 3000
+    deleted = wf.evict(first.weight_file, limit=size + others + 1500)
+    assert deleted == old[:2] and os.path.exists(old[2]) and os.path.exists(first.weight_file)
+    assert wf.evict(first.weight_file, limit=0) and os.listdir(folder).count(os.path.basename(first.weight_file)) == 1
+    monkeypatch.setenv("BMC_WEIGHTS_CACHE_MAX", "8G")
+    assert wf.cache_max_bytes() == 8 << 30
+    monkeypatch.setenv("BMC_WEIGHTS_CACHE_MAX", "1500")
+    assert wf.cache_max_bytes() == 1500

@@ -7,9 +7,12 @@ reads the mapping instead of packing a private copy. After `share_weights(model)
 of the mapping; its own copies are freed. Tensors the running paths never read (the eager layout of the GEMM
 weights, when the native step runs every step) stay on disk: mapped pages become resident only when touched.
 
-The file is keyed by the source (path, size, modification time), the dtype and FORMAT_VERSION: a changed
-source or format writes a new one; a file that does not parse is rewritten. Writers take a lock, so K processes
-starting together write it once and map the same file."""
+The file is keyed by the source's content (its SHA-256, computed once per path, size, modification time and
+inode and remembered in the cache's index.json), the dtype, the quantization and FORMAT_VERSION: the same model in
+two virtualenvs is one file, a changed source or format writes a new one; a file that does not parse is
+rewritten. Writers take a lock, so K processes starting together write it once and map the same file. The cache is
+bounded: past BMC_WEIGHTS_CACHE_MAX bytes (default 16 GiB; "8G" and "500M" too) the least recently used files go
+(a process mapping one keeps its pages: Linux frees them when the last mapping ends)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 import warnings
 from typing import Any, Iterator
 
@@ -40,11 +44,109 @@ def weight_file_path(model: Any) -> str:
     return weight_file_for(model.path, model.dtype, model.quant)
 
 
+DEFAULT_CACHE_MAX = 16 << 30
+INDEX_ENTRIES = 1000  # paths remembered in index.json (the oldest forgotten first: hashed again if seen again)
+
+
 def weight_file_for(source: str, dtype: torch.dtype, quant: str = "none") -> str:
-    st = os.stat(source)
-    key = json.dumps([os.path.abspath(source), st.st_size, st.st_mtime_ns, str(dtype), quant, FORMAT_VERSION])
-    name = os.path.basename(os.path.normpath(source)).replace(".gguf", "")
-    return os.path.join(cache_dir(), f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bmcw")
+    key = json.dumps([content_digest(source), str(dtype), quant, FORMAT_VERSION])
+    return os.path.join(cache_dir(), f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.bmcw")  # no path in it
+
+
+def _identity(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def content_digest(source: str) -> str:
+    """SHA-256 of the source's bytes (a directory: of its files' names and bytes), from the cache's index when this
+    path, size, modification time and inode were hashed before."""
+    files = ([source] if os.path.isfile(source) else
+             sorted(os.path.join(source, f) for f in os.listdir(source) if os.path.isfile(os.path.join(source, f))))
+    ident = json.dumps([_identity(f) for f in files])
+    index_path = os.path.join(cache_dir(), "index.json")
+    index = _read_json(index_path)
+    if ident in index:
+        return index[ident]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(os.path.basename(f).encode() + b"\0" if len(files) > 1 else b"")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                digest.update(chunk)
+    value = digest.hexdigest()
+    index[ident] = value
+    while len(index) > INDEX_ENTRIES:
+        index.pop(next(iter(index)))
+    try:
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+        tmp = f"{index_path}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(index, fh)
+        os.replace(tmp, index_path)  # atomic: a reader never sees half of it
+    except OSError:
+        pass  # a read-only cache: hashed again next time
+    return value
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def cache_max_bytes() -> int:
+    """BMC_WEIGHTS_CACHE_MAX: bytes, or a number with K, M, G or T; default 16 GiB."""
+    raw = os.environ.get("BMC_WEIGHTS_CACHE_MAX", "").strip().upper()
+    if not raw:
+        return DEFAULT_CACHE_MAX
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(raw[-1:], 1)
+    try:
+        return int(float(raw[:-1] if scale > 1 else raw) * scale)
+    except ValueError:
+        warnings.warn(f"bmc: BMC_WEIGHTS_CACHE_MAX={raw!r} is not a size; using {DEFAULT_CACHE_MAX >> 30} GiB")
+        return DEFAULT_CACHE_MAX
+
+
+def touch(path: str) -> None:
+    """Mark a weight file used now: its access time (its modification time stays: it says when it was written)."""
+    try:
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+    except OSError:
+        pass
+
+
+def evict(keep: str, limit: int | None = None) -> list[str]:
+    """Delete the least recently used weight files (by access time: a use touches its file) until the cache
+    holds at most `limit` bytes (default cache_max_bytes()); `keep` (the file just used) stays whatever its size.
+    Returns the deleted files."""
+    limit = cache_max_bytes() if limit is None else limit
+    folder = os.path.dirname(keep)
+    entries = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".bmcw") and os.path.isfile(path):
+            st = os.stat(path)
+            entries.append((st.st_atime_ns, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    deleted = []
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        if os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        try:
+            os.remove(path)
+            if os.path.exists(path + ".lock"):
+                os.remove(path + ".lock")
+        except OSError:
+            continue
+        total -= size
+        deleted.append(path)
+    return deleted
 
 
 def load_mapped(source: str, dtype: torch.dtype, quant: str = "none") -> Any | None:
@@ -71,6 +173,7 @@ def load_mapped(source: str, dtype: torch.dtype, quant: str = "none") -> Any | N
             _get(owner, attr, index).untyped_storage().nbytes() != os.path.getsize(path)
             for _, owner, attr, index in _slots(model)):
         return None  # the file lacks a tensor this model has: load from the source
+    touch(path)
     return model
 
 
@@ -248,6 +351,11 @@ def share_weights(model: Any, path: str | None = None) -> str:
             if header is None:
                 raise OSError(f"could not write the weight file {path}")
             map_weight_file(model, path, header)
+    touch(path)
+    try:
+        evict(path)
+    except OSError:
+        pass
     _release_freed_memory()
     return path
 
