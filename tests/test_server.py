@@ -374,3 +374,23 @@ def test_int8_kv_server_streams_equal_generate_alone(tiny_dir, model):
             assert (text, finish) == (want.text, want.finish_reason), p
     finally:
         assert srv.terminate() == 0
+
+
+def test_ctx_size_caps_what_a_request_may_ask_and_is_reported(tiny_dir, model):
+    """-c/--ctx-size bounds prompt + max_tokens (and the KV cache with it) below the model's 8192: a request within
+    gets generate()'s tokens, one beyond gets a 400 naming the flag, /v1/models reports the cap."""
+    srv = ServerProcess(["--model", str(tiny_dir), "-c", "40", "--max-num-seqs", "2", "--served-model-name", "tiny"])
+    try:
+        assert httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 40
+        prompt = [5, 17, 33, 80, 101, 7, 9]
+        ok = httpx.post(srv.url + "/v1/completions", timeout=60,
+                        json={"model": "tiny", "prompt": prompt, "max_tokens": 33, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        want = bmc.generate(model, [prompt], max_new_tokens=33)[0]
+        assert ok.json()["choices"][0]["text"] == want.text
+        over = httpx.post(srv.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 34, "temperature": 0})
+        assert over.status_code == 400 and "--ctx-size" in over.json()["error"]["message"]
+        assert over.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        srv.stop()

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more names clients may pass as `model` (e.g. the name a client sends by default); "
                    "the first is the one reported (default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="the longest prompt + max_tokens a request may have, and so the KV cache's bound (default: "
+                   "the model's context; at most that)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
@@ -101,6 +104,8 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    if args.ctx_size is not None and args.ctx_size < 2:
+        fail(f"--ctx-size must be >= 2 (a prompt token and one to generate), got {args.ctx_size}")
     if args.max_body_bytes < 1:
         fail(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.served_model_name is not None and not all(args.served_model_name):
@@ -139,7 +144,7 @@ def check_args(args: argparse.Namespace) -> None:
 # the engine options' names as the flags spell them, for their errors
 FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
          "max_queue": "--max-queue", "spec_max_tokens": "--spec-max-tokens", "prefix_cache_bytes": "--prefix-cache-bytes",
-         "give r or T": "give --r or --T"}
+         "give r or T": "give --r or --T", "max_length": "--ctx-size"}
 
 
 def flag_names(message: str) -> str:
@@ -165,7 +170,7 @@ def engine_options(args: argparse.Namespace, prefix_cache_bytes: int | None = No
         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k), window_k=args.window_k),
         speculative=args.speculative, tree=args.tree, spec_max_tokens=args.spec_max_tokens,
         prefix_cache_bytes=prefix_cache_bytes, cuda_graphs=not args.no_cuda_graphs,
-        adaptive_threads=not args.no_adaptive_threads)
+        adaptive_threads=not args.no_adaptive_threads, max_length=args.ctx_size)
 
 
 def default_prefix_cache_bytes() -> int:

@@ -118,8 +118,8 @@ class ServerState:
             gc.collect()
             gc.freeze()
             self.model, self.scheduler, self.metrics = model, scheduler, metrics
-            log.info("model %s loaded: %s layers, context %d; serving as %s", model.path, model.config.num_layers,
-                     model.max_context, ", ".join(map(repr, self.names)))
+            log.info("model %s loaded: %s layers, context %d (the model's %d); serving as %s", model.path,
+                     model.config.num_layers, scheduler.max_length, model.max_context, ", ".join(map(repr, self.names)))
         except BaseException as e:
             self.load_error = e
             log.error("could not load the model: %s", e)
@@ -215,7 +215,7 @@ def build_app(opts: ServeOptions) -> FastAPI:
     def card(name: str) -> dict[str, Any]:
         model, scheduler, _ = state.require_ready()
         return {"id": name, "object": "model", "created": state.created, "owned_by": "bmc",
-                "max_model_len": model.max_context, "kv_cache_dtype": scheduler.cache.format.name}
+                "max_model_len": scheduler.max_length, "kv_cache_dtype": scheduler.cache.format.name}
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> JSONResponse:
@@ -244,7 +244,7 @@ def build_app(opts: ServeOptions) -> FastAPI:
         # tokenizing (and rendering a chat template) costs in proportion to the text: off the event loop, so a long
         # prompt does not stall /health and the other streams' writes
         parsed = await asyncio.to_thread(parse_request, body, model, state.names, max_num_seqs=e.max_num_seqs,
-                                         server_gen=server_gen)
+                                         server_gen=server_gen, context=scheduler.max_length)
         group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
             group.submit(parsed.prompts, parsed.gen, parsed.logprobs, cache_salt=parsed.cache_salt,

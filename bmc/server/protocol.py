@@ -332,7 +332,7 @@ def _chat_prompt(body: ChatCompletionRequest, model: Model) -> list[int]:
 
 
 def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model, served_names: list[str], *,
-                  max_num_seqs: int, server_gen: GenerationConfig) -> ParsedRequest:
+                  max_num_seqs: int, server_gen: GenerationConfig, context: int | None = None) -> ParsedRequest:
     """A checked body -> token ids and a GenerationConfig; raises APIError. Tokenizes: call it off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
     if body.model is not None and body.model not in served_names:
@@ -357,11 +357,13 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
     except BmcError as e:  # the tokenizer's own checks
         raise bad(str(e), "messages" if chat else "prompt") from None
     longest = max(len(p) for p in prompts)
-    room = model.max_context - longest
+    context = model.max_context if context is None else context  # the server's --ctx-size, else the model's
+    room = context - longest
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f"with max_tokens={max_tokens}" if max_tokens is not None else "with a token to generate"
-        raise APIError(400, f"the prompt has {longest} tokens; {asked} that is beyond the model's context of "
-                       f"{model.max_context}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
+        whose = "the model's context" if context == model.max_context else "the server's context (--ctx-size)"
+        raise APIError(400, f"the prompt has {longest} tokens; {asked} that is beyond {whose} of "
+                       f"{context}", param="max_tokens" if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")  # OpenAI's code
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if not all(stops):
