@@ -65,6 +65,9 @@ class ChatSession:
             raise InvalidRequestError("chat runs on a model in this process; with tp > 1 only generate() is built")
         if self.model.tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer with a chat template; this model has none")
+        if not self.model.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template: give one with --chat-template NAME|FILE "
+                                      "(built in: chatml, llama3, gemma)")
         GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling, kv=self.kv,
                          kv_dtype=self.kv_dtype)  # the same checks as generate()
         self.eos = eos_ids(self.model)

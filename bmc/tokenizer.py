@@ -72,7 +72,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template (jinja2, as HF transformers does). Raises if the model has none."""
         if not self.chat_template:
-            raise ModelLoadError("this model has no chat template; run without chat formatting")
+            raise ModelLoadError("this model has no chat template: give one with --chat-templa"
+                                 "te NAME|FILE (built in: chatml, llama3, gemma; in Python, model.tokenizer.chat_template = bmc.chat_templates.chat_template(NAME))")
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

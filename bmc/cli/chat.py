@@ -8,7 +8,8 @@ import sys
 import time
 from typing import Sequence
 
-from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
+from .common import (MAX_THREADS, Parser, add_chat_template_argument, add_kv_dtype_argument, add_load_arguments,
+                     chat_template_of, fail, physical_cores)
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--kv", default="bmc", help="KV cache strategy (default bmc)")
     add_load_arguments(p)
+    add_chat_template_argument(p)
     add_kv_dtype_argument(p)
     p.add_argument("--verbose", action="store_true",
                    help="after each reply, print to stderr the tokens prefilled (the rest came from the cache), "
@@ -42,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         v = getattr(args, name)
         if v is not None and not math.isfinite(v):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    template = chat_template_of(args)
     import torch
 
     torch.set_num_threads(args.threads or physical_cores())
@@ -59,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load(args.model, dtype=args.dtype, device=args.device,
                      share_weights=args.device == "cpu" and not args.no_weights_cache, quant=args.quant,
                      activations=args.activations)
+        if template is not None and model.tokenizer is not None:
+            model.tokenizer.chat_template = template
         session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
                               kv=args.kv, kv_dtype=args.kv_dtype)
     except (BmcError, OSError, ValueError) as e:

@@ -33,6 +33,25 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
                    "decode to read) (default auto)")
 
 
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template",
+                   help="the chat template: a built-in name (chatml, llama3, gemma) or a Jinja file; replaces the "
+                   "model's own (default: the model's, from its tokenizer config or GGUF)")
+
+
+def chat_template_of(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (None when not given); a bad one exits 2 before anything loads."""
+    if args.chat_template is None:
+        return None
+    from ..chat_templates import chat_template
+    from ..errors import BmcError
+
+    try:
+        return chat_template(args.chat_template)
+    except BmcError as e:
+        fail(str(e))
+
+
 def add_load_arguments(p: argparse.ArgumentParser) -> None:
     """How a CLI loads its model: threads, dtype, device, quantization, the weights cache."""
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")

@@ -10,7 +10,8 @@ from typing import Sequence
 
 from ..choices import KV_STRATEGY_NAMES as KV_STRATEGIES
 from ..errors import BmcError
-from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
+from .common import (MAX_THREADS, Parser, add_chat_template_argument, add_kv_dtype_argument, add_load_arguments,
+                     chat_template_of, fail, physical_cores)
 
 BENCH_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. Early machines stored a few "
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the heads and MLP; float weights, the PyTorch path; default 1)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_chat_template_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object per completion per line")
     p.add_argument("--benchmark", action="store_true",
                    help="report prefill/decode tokens/s and achieved GB/s (without prompts: synthetic ones)")
@@ -177,6 +179,7 @@ def benchmark_line(kv: str, st) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
+    template = chat_template_of(args)
     kvs = kv_list(args.kv, args.benchmark)
     try:
         prompts: list = read_prompts(args)  # before the load (and torch): a bad file fails in a moment
@@ -192,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load(args.model, dtype=args.dtype, device=args.device, tp=args.tp,
                      share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,
                      quant=args.quant, activations=args.activations)
+        if template is not None:
+            if getattr(model, "tokenizer", None) is None:
+                fail("--chat-template: this model has no tokenizer here (with --tp, prompts are rendered by the ranks)")
+            model.tokenizer.chat_template = template
         if args.benchmark:
             print(f"loaded {model.path} ({model.config.model_type}, {model.config.num_layers} layers, {args.dtype}, "
                   f"{args.device}) in {time.perf_counter() - t0:.1f}s; threads={torch.get_num_threads()}",

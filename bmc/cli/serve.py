@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Sequence
 from ..choices import KV_STRATEGY_NAMES as KV_STRATEGIES
 from ..errors import BmcError
 from ..server.limits import DEFAULT_MAX_BODY_BYTES
-from .common import MAX_THREADS, Parser, add_kv_dtype_argument, add_load_arguments, fail, physical_cores
+from .common import (MAX_THREADS, Parser, add_chat_template_argument, add_kv_dtype_argument, add_load_arguments,
+                     chat_template_of, fail, physical_cores)
 
 if TYPE_CHECKING:
     from ..engine_options import EngineOptions
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine processes behind the one endpoint, each pinned to its own physical cores (the BMC "
                    "paper's BMC_MI): a number, or 'auto' (one per NUMA node) (default 1)")
     add_load_arguments(p)
+    add_chat_template_argument(p)
     add_kv_dtype_argument(p)
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism over this many ranks (processes; GPUs with --device cuda): this process "
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad flags before anything loads: the HTTP and process flags here, the engine's through the one
     EngineOptions they make (engine_options.py checks it)."""
+    chat_template_of(args)  # a bad --chat-template exits here, before the model loads
     if not 0 <= args.port <= 65535:
         fail(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
@@ -245,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads or max(1, physical_cores() // args.tp))
     opts = ServeOptions(model=args.model, served_model_names=args.served_model_name, engine=engine_options(args),
+                        chat_template=chat_template_of(args),
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins,
                         max_body_bytes=args.max_body_bytes, dtype=args.dtype, device=args.device,
                         share_weights=args.device == "cpu" and not args.no_weights_cache and args.tp == 1,

@@ -59,6 +59,7 @@ class ServeOptions:
     quant: str = "auto"  # see bmc/models/quant.py
     activations: str = "float"  # "int8" / "bfloat16": stated-bound arithmetic (bmc.load)
     tp: int = 1  # tensor parallel ranks: this process is rank 0 and runs the scheduler (parallel/serve.py)
+    chat_template: str | None = None  # replaces the model's own (--chat-template), None: the model's
 
 
 def default_served_name(path: str) -> str:
@@ -98,6 +99,12 @@ class ServerState:
                 model = load(o.model, dtype=o.dtype, device=o.device, share_weights=o.share_weights, quant=o.quant,
                              activations=o.activations)
                 scheduler = Scheduler(model, o.engine)
+            tokenizer = getattr(model, "tokenizer", None)
+            if o.chat_template is not None and tokenizer is not None:
+                tokenizer.chat_template = o.chat_template
+            elif tokenizer is not None and not tokenizer.chat_template:
+                log.warning("the model has no chat template: /v1/chat/completions answers 400 (start with "
+                            "--chat-template NAME|FILE)")
             self.names = list(o.served_model_names or [default_served_name(model.path)])
             if o.engine.prefix_cache_bytes and scheduler.prefix_cache is None:
                 log.warning("prefix cache off: not served for %s", scheduler.prefix_cache_off)
