@@ -44,10 +44,11 @@ def test_prompt_file_stdin_and_stream(gqa_dir, tmp_path):
 
 def test_benchmark_compares_strategies_in_one_run(gqa_dir):
     r = run_cli("--model", str(gqa_dir), "--benchmark", "--kv", "all", "--batch-size", "2", "--prompt-len", "8",
-                "--max-new-tokens", "6", "--ignore-eos", "--T", "2")
+                "--max-new-tokens", "6", "--ignore-eos", "--T", "2", "--repeats", "2")
     assert r.returncode == 0, r.stderr
     for kv in ("bmc", "iterative", "upfront"):
         assert kv in r.stderr
+    assert r.stderr.count("(median of 2, decode ") == 3, r.stderr  # every strategy twice, interleaved
     assert "decode=" in r.stderr and "GB/s" in r.stderr
     assert "tokens identical across strategies: True" in r.stderr
 
@@ -60,6 +61,7 @@ def test_benchmark_compares_strategies_in_one_run(gqa_dir):
     (["--top-p", "2", "--temperature", "1", "hi"], "top_p"),
     (["--top-k", "0", "--temperature", "1", "hi"], "top_k"),
     (["--r", "0", "hi"], "r must"),
+    (["--benchmark", "--repeats", "0"], "--repeats must be"),
     (["--T", "0", "hi"], "T must"),
     ([""], "empty"),
     ([], "no prompt"),
