@@ -82,6 +82,17 @@ class ChatSession:
         self._reply_ids: list[int] = []
         self.last = TurnStats()
 
+    def load_messages(self, messages: list[dict[str, str]]) -> None:
+        """Continue a saved conversation (`messages` as /save writes them: role and content): its turns replace this
+        one's, and the next turn prefills them all once (their tokens as the template renders them now)."""
+        roles = ("system", "user", "assistant")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in messages):
+            raise InvalidRequestError("a conversation is a JSON list of {\"role\": system|user|assistant, "
+                                      "\"content\": text} objects")
+        self.reset()
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
     def _new_engine(self) -> Scheduler:
         """One row, prompts prefilled PREFILL_CHUNK tokens a step, and a prefix cache that can hold the model's
         whole context once (blocks of one token: every token of a turn is kept)."""

@@ -240,3 +240,27 @@ def test_ctrl_c_inside_a_step_stops_the_reply_and_keeps_the_conversation(model):
     reply = "".join(chat.turn("go on"))
     assert chat.last.prefilled_tokens < chat.last.prompt_tokens // 2, "only the new part prefilled"
     assert reply == bmc.generate(model, [chat.prompt_ids], max_new_tokens=20)[0].text
+
+
+def test_save_load_and_a_message_of_several_lines(chat_dir, tmp_path, model):
+    """/save writes the conversation as JSON, /load continues it (the next reply is generate() on the conversation
+    as the template renders it), and a message between two triple-quote marks keeps its lines."""
+    import json
+    import subprocess
+    import sys
+
+    saved, again = tmp_path / "c.json", tmp_path / "d.json"
+    script = f'hi\n/save {saved}\n/reset\n/load {saved}\n"""\nline one\nline two\n"""\n/save {again}\n/exit\n'
+    r = subprocess.run([sys.executable, "-m", "bmc.cli.chat", "-m", str(chat_dir), "-n", "6"], input=script,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first = json.loads(saved.read_text())
+    assert [m["role"] for m in first] == ["user", "assistant"] and first[0]["content"] == "hi"
+    second = json.loads(again.read_text())
+    assert second[:2] == first and second[2] == {"role": "user", "content": "line one\nline two"}
+    session = ChatSession(model, max_new_tokens=6)
+    session.load_messages(first)
+    reply = "".join(session.turn("line one\nline two"))
+    assert reply == second[3]["content"]
+    with pytest.raises(bmc.InvalidRequestError, match="JSON list"):
+        session.load_messages([{"role": "wizard", "content": "x"}])

@@ -3,6 +3,7 @@ turn prefills only the new message. /reset starts over, /exit (or Ctrl-D) quits,
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -11,7 +12,25 @@ from typing import Sequence
 from .common import (MAX_THREADS, Parser, add_chat_template_argument, add_kv_dtype_argument, add_load_arguments,
                      chat_template_of, fail, physical_cores)
 
-HELP = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+HELP = ("/reset clears the conversation, /save FILE and /load FILE keep it as JSON, \"\"\" opens and closes a message "
+        "of several lines, /help, /exit (or Ctrl-D) quits, Ctrl-C stops a reply")
+
+
+def read_message(first: str) -> str:
+    """A message of several lines between two \"\"\" marks (Ollama's convention), or the line itself."""
+    text = first.strip()
+    if not text.startswith('"""'):
+        return first
+    body = text[3:]
+    if len(body) >= 3 and body.endswith('"""'):  # opened and closed on one line
+        return body[:-3]
+    lines = [body] if body else []
+    while True:
+        line = input(". ")
+        if line.rstrip().endswith('"""'):
+            last = line.rstrip()[:-3]
+            return "\n".join(lines + ([last] if last else []))
+        lines.append(line)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +111,32 @@ def main(argv: Sequence[str] | None = None) -> None:
             session.reset()
             print("(conversation cleared)", flush=True)
             continue
+        if command == "/help":
+            print(HELP, flush=True)
+            continue
+        if command.startswith(("/save ", "/load ")):
+            path = command[6:].strip()
+            try:
+                if command.startswith("/save"):
+                    with open(path, "w", encoding="utf-8") as f:
+                        json.dump(session.messages, f, ensure_ascii=False, indent=1)
+                    print(f"(saved {len(session.messages)} messages to {path})", flush=True)
+                else:
+                    with open(path, encoding="utf-8") as f:
+                        session.load_messages(json.load(f))
+                    print(f"(loaded {len(session.messages)} messages from {path})", flush=True)
+            except (OSError, ValueError, BmcError) as e:
+                print(f"bmc-chat: {command[:5]} {path}: {e}", file=sys.stderr, flush=True)
+            continue
         if command.startswith("/"):
             print(f"unknown command {command}: {HELP}", flush=True)
+            continue
+        try:
+            line = read_message(line)
+        except (EOFError, KeyboardInterrupt):
+            print()
+            continue
+        if not line.strip():
             continue
         t0 = time.perf_counter()
         try:
