@@ -60,6 +60,16 @@ class Tokenizer:
             return piece.replace("\u2581", " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def logprob_text(self, token_id: int) -> str:
+        """A token as the logprobs' `token` shows it: its text, or where its bytes are not whole UTF-8 (a part of a
+        character) `bytes:\\xNN...`, as OpenAI writes them, so that two such tokens never read as the same "\ufffd"."""
+        raw = self.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.decode([token_id], skip_special_tokens=False)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         if self.is_sentencepiece:

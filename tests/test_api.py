@@ -300,3 +300,16 @@ def test_options_are_checked_in_one_place(model):
     assert (gen.sampling.temperature, gen.sampling.seed, gen.stop) == (0.7, 1, ("\n",))
     assert (gen.attention_options.sparq.k, gen.attention_options.window_k) == (64, 9)
     assert set(bmc.GenerateOptions.__annotations__) >= {"max_new_tokens", "kv_dtype", "speculative", "share_prefix"}
+
+
+def test_tokens_that_hold_part_of_a_character_show_their_own_bytes(gqa_dir):
+    """logprobs' `token` for a token whose bytes are not whole UTF-8: `bytes:\\xNN`, as OpenAI writes it, never the
+    replacement character, so two such tokens stay two entries of `top_logprobs`."""
+    tok = bmc.load(str(gqa_dir)).tokenizer
+    partial = [i for i in range(tok.backend.get_vocab_size()) if tok.logprob_text(i).startswith("bytes:")]
+    assert len(partial) >= 2 and len({tok.logprob_text(i) for i in partial}) == len(partial)
+    for i in partial:
+        shown = tok.logprob_text(i).removeprefix("bytes:")
+        assert bytes(int(h, 16) for h in shown.split("\\x")[1:]) == tok.token_bytes(i)
+    whole = tok.encode("the", add_special_tokens=False)[0]
+    assert tok.logprob_text(whole) == tok.decode([whole], skip_special_tokens=False)

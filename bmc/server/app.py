@@ -338,14 +338,15 @@ class Run:
 
     # ---- logprobs in the two OpenAI shapes ------------------------------------------------------
     def _token_text(self, tid: int) -> str:
+        """/v1/completions' `tokens` and `top_logprobs` keys: a part of a character as `bytes:\\xNN` (OpenAI's)."""
         tok = self.model.tokenizer
-        return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
+        return tok.logprob_text(tid) if tok is not None else str(tid)
 
     def _chat_logprob(self, out: TokenOutput) -> dict[str, Any]:
         tok = self.model.tokenizer
 
-        def entry(tid: int, lp: float) -> dict[str, Any]:
-            s = self._token_text(tid)
+        def entry(tid: int, lp: float) -> dict[str, Any]:  # text as decoded (joined, the reply), and its own bytes
+            s = tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
             raw = tok.token_bytes(tid) if tok is not None else s.encode("utf-8")
             return {"token": s, "logprob": lp, "bytes": list(raw)}  # raw: a client rebuilds split characters
         return dict(entry(out.token_id, out.logprob), top_logprobs=[entry(t, lp) for t, lp in out.top_logprobs or []])
