@@ -45,14 +45,14 @@ def hub_cache(tmp_path, monkeypatch, gqa_dir):
     return cache
 
 
-def test_names_are_told_from_paths(tmp_path):
+def test_names_are_told_from_paths(tmp_path, monkeypatch):
     assert split_name("org/name") == ("org/name", None)
     assert split_name("org/name:file.gguf") == ("org/name", "file.gguf")
     assert split_name("org/name:file.bin") is None and split_name("just-a-name") is None
     assert split_name("a/b/c") is None and split_name("dir/model.gguf") is None
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # given back after the test: later tests start processes from the repository
     assert not is_hub_name("org/name"), "a path that exists is a path"
     assert is_hub_name("org/other")
 
