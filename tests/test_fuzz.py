@@ -21,7 +21,7 @@ from .serving import ServerProcess, schemathesis_command
 openai = pytest.importorskip("openai", reason="the fuzz test drives bmc-serve with the openai client")
 pytest.importorskip("schemathesis", reason="the fuzz test runs Schemathesis (the test extra)")
 
-FUZZ_SECONDS = int(os.environ.get("BMC_FUZZ_SECONDS", "15"))
+FUZZ_SECONDS = int(os.environ.get("BMC_FUZZ_SECONDS", "10"))
 KEY = "fuzz-key"
 PROMPTS = ["the quick brown fox", "hello world, hello", "a balanced cache allocates"]
 
