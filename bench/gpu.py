@@ -43,6 +43,12 @@ def build_hf(name: str, dtype: torch.dtype):
     return model.to(dtype).eval(), cfg
 
 
+def quarter_medians(steps_ms: list[float]) -> list[float]:
+    """Median step time in each quarter of the decode: where in the run (which bucket) two engines differ."""
+    q = max(1, len(steps_ms) // 4)
+    return [sorted(part)[len(part) // 2] for part in (steps_ms[i:i + q] for i in range(0, q * 4, q)) if part]
+
+
 def warm_runs(model, prompts: list[list[int]], gen: int, kv: str, repeats: int, **kw) -> tuple[EngineRun, dict]:
     """The engine `repeats` + 1 times in a row: the first (cold: it captures the graphs its buckets need) is
     reported apart, the rest give the median run. The model's arena and graphs are let go at the end, as if the
@@ -52,14 +58,15 @@ def warm_runs(model, prompts: list[list[int]], gen: int, kv: str, repeats: int, 
     peak = torch.cuda.max_memory_allocated() / 2**20
     B = len(prompts)
     tps = [r.summary(B)["decode_tokens_per_s"] for r in runs]
-    warm = sorted(range(1, len(runs)), key=lambda i: tps[i])
+    warm = sorted(range(1, len(runs)), key=lambda i: tps[i]) or [0]  # --repeats 0: the cold run only
     median = runs[warm[len(warm) // 2]]
     extra = {"first_run_tokens_per_s": tps[0], "warm_tokens_per_s": [tps[i] for i in range(1, len(runs))],
              "first_over_warm": tps[0] / tps[warm[len(warm) // 2]],
              "captures_per_run": [r.extra.get("cuda_graph_captures", 0) for r in runs],
              "capture_s_per_run": [r.extra.get("cuda_graph_capture_s", 0.0) for r in runs],
              "peak_cuda_mb": peak,
-             "cold_slowest_steps_ms": sorted(runs[0].summary(B)["step_latency_ms"], reverse=True)[:5]}
+             "cold_slowest_steps_ms": sorted(runs[0].summary(B)["step_latency_ms"], reverse=True)[:5],
+             "warm_step_ms_by_quarter": quarter_medians(median.summary(B)["step_latency_ms"])}
     store = graph_store(model)
     store.arena.free()
     gc.collect()
@@ -90,21 +97,33 @@ def run_config(args, B: int, N: int) -> dict:
         engines.append(("bmc-iterative", "iterative", {}))
     if args.engines:
         engines = [e for e in engines if e[0] == "bmc" or e[0] in args.engines.split(",")]
-    warm = {}
+    warm, failed = {}, {}
     for name, kv, kw in engines:
-        r, warm[name] = warm_runs(model, prompts, gen, kv, args.repeats, **kw)
+        try:
+            r, warm[name] = warm_runs(model, prompts, gen, kv, args.repeats, **kw)
+        except torch.cuda.OutOfMemoryError as e:  # e.g. upfront's B x N cache beside 7B of weights
+            failed[name] = {"engine": name, "error": f"CUDA out of memory: {str(e).splitlines()[0]}"}
+        if name in failed:  # freed here, not in the handler: its traceback still holds the run's cache
+            graph_store(model).arena.free()
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         r.engine = name
         runs.append(r)
     res = {r.engine: r.summary(B) for r in runs}
     for k, v in res.items():
         v.pop("step_latency_ms")
         v.update(warm.get(k, {}))
-    bmc_tps = res["bmc"]["decode_tokens_per_s"]
-    out = {"batch": B, "N": N, "gen": gen, "repeats": args.repeats, "graph_warmup": args.graph_warmup, "engines": res,
+    bmc_tps = res["bmc"]["decode_tokens_per_s"] if "bmc" in res else float("nan")
+    out = {"batch": B, "N": N, "gen": gen, "repeats": args.repeats, "graph_warmup": args.graph_warmup,
+           "engines": res, "failed": failed,
            "ratios": {k: bmc_tps / v["decode_tokens_per_s"] for k, v in res.items() if k != "bmc"},
-           "first_divergence_vs_bmc": {r.engine: first_divergence(runs[first_bmc].tokens, r.tokens) for r in runs}}
+           "first_divergence_vs_bmc": ({r.engine: first_divergence(runs[first_bmc].tokens, r.tokens) for r in runs}
+                                       if "bmc" in res else {})}
     print(f"{args.model} {args.dtype} B={B} N={N} prompt={args.prompt} gen={gen} on {torch.cuda.get_device_name()}"
           f" (bmc engines: median of {args.repeats} warm runs after a cold one)")
+    for k, v in failed.items():
+        print(f"  {k:14s} {v['error']}")
     for k, v in res.items():
         extra = f" T={v.get('T')} r={v.get('r')} allocs={v.get('kv_allocations')}" if "T" in v else ""
         if "first_run_tokens_per_s" in v:
@@ -136,7 +155,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-hf", action="store_true", help="bmc engines only (e.g. for a T sweep)")
-    ap.add_argument("--repeats", type=int, default=3, help="warm runs per bmc engine after its cold one (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="warm runs per bmc engine after its cold one (median; 0: the cold run is reported)")
     ap.add_argument("--engines", default="", help="only these bmc engines, comma-separated (bmc is always kept)")
     ap.add_argument("--graph-warmup", action="store_true",
                     help="bmc and bmc-upfront capture their buckets before the prompts (graph_warmup=True)")
@@ -165,19 +184,22 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
-    engines = [e for e in results[0]["engines"] if all(e in r["engines"] for r in results)]
+    results = [r for r in report["results"] if "bmc" in r["engines"]]
+    engines = list(dict.fromkeys(e for r in results for e in r["engines"]))  # an engine out of memory: no bar
     fig, ax = plt.subplots(figsize=(2.2 * len(results) + 3, 4))
     w = 0.8 / len(engines)
     for j, e in enumerate(engines):
-        ax.bar([i + j * w for i in range(len(results))], [r["engines"][e]["decode_tokens_per_s"] for r in results],
-               w, label=e)
+        ax.bar([i + j * w for i in range(len(results))],
+               [r["engines"][e]["decode_tokens_per_s"] if e in r["engines"] else 0 for r in results], w, label=e)
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(results))], [f"B={r['batch']} N={r['N']}" for r in results])
     ax.set_yscale("log")  # batch 1 and batch 64 on one chart
     ax.set_ylabel("decode tokens/s (log)")
     if "bmc-upfront" in engines:  # the ratio the BMC claim is about, over each group
         for i, r in enumerate(results):
-            top = max(r["engines"][e]["decode_tokens_per_s"] for e in engines)
+            top = max(r["engines"][e]["decode_tokens_per_s"] for e in engines if e in r["engines"])
+            if "bmc-upfront" not in r["engines"]:
+                ax.text(i + 0.4 - w / 2, top * 1.15, "upfront: out of memory", ha="center", fontsize=8)
+                continue
             ratio = r["engines"]["bmc"]["decode_tokens_per_s"] / r["engines"]["bmc-upfront"]["decode_tokens_per_s"]
             ax.text(i + 0.4 - w / 2, top * 1.15, f"bmc / upfront {ratio:.2f}x", ha="center", fontsize=8)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.6)

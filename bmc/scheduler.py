@@ -448,8 +448,9 @@ class Scheduler:
         if self.graphs is None or self.cache.arena is None or self.cache.batch_size or rows < 1:
             return 0
         dev, cache = self.model.device, self.cache
-        seed = make_cache(self.model, self.options.generation_defaults(), rows, self.max_length, [0] * rows,
-                          GenerationStats())
+        # one column per row, as a prefill's cache holds only its prompt (an upfront seed of max_length would hold a
+        # second batch-sized cache beside the arena)
+        seed = make_cache(self.model, self.options.generation_defaults(), rows, 1, [0] * rows, GenerationStats())
         seed.reserve(1)
         zeros = torch.zeros(rows, self.model.config.num_kv_heads, 1, self.model.config.head_dim,
                             dtype=self.model.dtype, device=dev)

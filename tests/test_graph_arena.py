@@ -150,15 +150,28 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("kv,r", [("bmc", 16), ("upfront", None)])
-def test_the_ladder_steps_once_in_every_bucket_the_batch_can_reach(gqa_dir, kv, r):
+def test_the_ladder_steps_once_in_every_bucket_the_batch_can_reach(gqa_dir, kv, r, monkeypatch):
     import bmc
     from bmc.scheduler import Scheduler
+
+    import bmc.scheduler
 
     model = bmc.load(str(gqa_dir))
     sched = Scheduler(model, max_num_seqs=3, max_length=100, kv=kv, r=r)
     sched.graphs = _Recorder()
     sched.cache.arena, sched.cache.arena_rows, sched.cache.grow_in_place = DeviceArena(model.device), 3, True
+    made = []
+
+    def recorded(*a, **k):
+        made.append(bmc.scheduler.make_cache.__wrapped__(*a, **k))
+        return made[-1]
+
+    recorded.__wrapped__ = bmc.scheduler.make_cache
+    monkeypatch.setattr(bmc.scheduler, "make_cache", recorded)
     assert sched.capture_ladder(3) == (7 if kv == "bmc" else 1)
+    # the placeholder rows hold one column each, as a prefill's cache holds its prompt: an upfront placeholder of
+    # max_length would be a second batch-sized cache beside the arena (out of memory at a 7B's B=64, N=1024)
+    assert [c.max_length for c in made] == [1]
     # each bucket with MIN_BUCKET_STEPS free rows, or as many as a run entering it has (the first: all but the
     # placeholder's column; the last: the 4 beyond 96), so the graphs taken are the ones a run would take
     want = [(16, 15), (32, 16), (48, 16), (64, 16), (80, 16), (96, 16), (100, 4)] if kv == "bmc" else [(100, 16)]
