@@ -19,6 +19,7 @@ from .analytic import choose_T
 from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, causal_attention,
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
+from .graphs import GRAPH_LIMIT, MIN_BUCKET_STEPS
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
 from .models import Model, ModelConfig
 from .sampling import SamplingParams
@@ -197,11 +198,18 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
         r, stats.T_source = r_from_T(max_length, gen.T), "T given"
     else:
         k, m = speculation_shape(gen)
+        copy_free = copy_free_growth(model, gen, max_length)
         # the whole model's shapes under tensor parallelism: every rank grows its cache at the same boundaries
         T, stats.T_source = choose_T(max_length, model=model.full_config or cfg, batch=batch, dtype=model.dtype,
                                      device=model.device, k=k, m=m,
                                      kv_bytes=kv_format(gen.kv_dtype, model.dtype).bytes_per_value(cfg.head_dim),
-                                     copy_free=copy_free_growth(model, gen, max_length))
+                                     copy_free=copy_free)
+        if copy_free and model.device.type == "cuda":
+            # every bucket is a kept graph: no more than the store keeps for two batch shapes, and none so short
+            # that it runs eager (graphs.py captures only with MIN_BUCKET_STEPS rows left)
+            most = max(1, min(GRAPH_LIMIT // 2, max_length // (2 * MIN_BUCKET_STEPS)))
+            if T > most:
+                T, stats.T_source = most, stats.T_source + f"; T<={most}: each bucket a kept CUDA graph"
         if k > 1:
             stats.T_source += f"; SD k={k} m~{m:.2f} (Eq. 9)"
         r = r_from_T(max_length, T)

@@ -19,10 +19,12 @@ the same kernels on the same data as the eager step, so tokens are identical (te
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -38,6 +40,21 @@ GRAPH_LIMIT = 64  # graphs a model keeps over its arena (least recently used dro
 # peak, two buckets, is larger), and for the rows it may come to have (taken only while memory is plentiful)
 ARENA_SHARE = 0.9
 ARENA_SHARE_AHEAD = 0.5
+
+
+@contextlib.contextmanager
+def capture_into(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """torch.cuda.graph with Python's cycle collector held off while the stream captures: a collection then could
+    destroy a graph left in a cycle by an earlier run, and a graph's reset is not permitted during a capture (the
+    capture fails, and with it the step)."""
+    enabled = gc.isenabled()
+    with torch.cuda.graph(graph, pool=pool):  # its entry collects first
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.enable()
 
 
 class DeviceArena:
@@ -249,7 +266,7 @@ class DecodeGraphs:
                 self.store.pool = torch.cuda.graph_pool_handle()
             pool = self.store.pool
         # recorded, not run (the K/V written above stay as they are)
-        with torch.cuda.graph(graph, pool=pool):
+        with capture_into(graph, pool):
             out = self.model.net(tok_in, pos_in, cache, attention, cache.bias)
         seconds = time.perf_counter() - t0
         entry = _Captured(graph, tok_in, pos_in, out, attention)

@@ -445,3 +445,19 @@ def test_cuda_graph_warmup_captures_the_ladder_before_the_prompts(tiny_dirs):
     assert after.stats.cuda_graph_captures == 0 and after.stats.cuda_graph_replays >= 60
     warm = bmc.generate(gpu, PROMPTS[:2], graph_warmup=True, **kw)
     assert [c.token_ids for c in warm] == want[:2] and warm.stats.cuda_graph_replays >= 60
+
+
+def test_cuda_T_keeps_every_bucket_a_kept_graph(tiny_dirs, monkeypatch):
+    """A profile whose growth looks free (no capture term) asks for T near N; on CUDA with graphs T is held to
+    what the graph store keeps for two batch shapes, with buckets long enough to be captured, not run eagerly."""
+    import bmc.engine
+    from bmc.graphs import GRAPH_LIMIT, MIN_BUCKET_STEPS
+
+    monkeypatch.setattr(bmc.engine, "choose_T", lambda n, **kw: (n, "test: growth free"))
+    gpu = bmc.load(str(tiny_dirs["llama-gqa"]), device="cuda")
+    kw = dict(max_new_tokens=110, ignore_eos=True, kv="bmc")
+    out = bmc.generate(gpu, PROMPTS, **kw)
+    st = out.stats
+    assert st.T <= GRAPH_LIMIT // 2 and st.r >= 2 * MIN_BUCKET_STEPS and "kept CUDA graph" in st.T_source
+    assert st.cuda_graph_captures >= 1
+    assert [c.token_ids for c in out] == [c.token_ids for c in bmc.generate(gpu, PROMPTS, cuda_graphs=False, **kw)]
