@@ -130,6 +130,10 @@ class GenerateOptions(TypedDict, total=False):
     top_p: float | None
     seed: int | None
     min_p: float | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float]
     num_samples: int
     stop: str | Sequence[str] | None
     kv: str
@@ -150,6 +154,10 @@ class GenerateOptions(TypedDict, total=False):
     kv_dtype: str
 
 
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias")
+
+
 def generation_config(**options: Unpack[GenerateOptions]) -> GenerationConfig:
     """The one place generate()'s and stream()'s options become a GenerationConfig: an unknown option or a missing
     max_new_tokens is refused by name, every value is checked by the config's own types."""
@@ -161,7 +169,11 @@ def generation_config(**options: Unpack[GenerateOptions]) -> GenerationConfig:
         raise InvalidRequestError("max_new_tokens is required")
     o: dict[str, Any] = dict(options)
     stop = o.pop("stop", None)
-    sampling = SamplingParams(**{k: o.pop(k) for k in ("temperature", "top_k", "top_p", "seed", "min_p") if k in o})
+    if "logit_bias" in o:  # {token id: bias}, as OpenAI's requests carry it
+        if not isinstance(o["logit_bias"], (dict, type(None))):
+            raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {type(o['logit_bias'])}")
+        o["logit_bias"] = tuple((o["logit_bias"] or {}).items())
+    sampling = SamplingParams(**{k: o.pop(k) for k in SAMPLING_OPTIONS if k in o})
     sparq = SparQOptions(r=o.pop("sparq_r", None), k=o.pop("sparq_k", 128))
     attention_options = AttentionOptions(sparq, window_k=o.pop("window_k", 256))
     return GenerationConfig(sampling=sampling, attention_options=attention_options,
@@ -184,7 +196,10 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     required), with their defaults:
 
     temperature=0.0 (greedy), top_k, top_p, min_p, seed: sampling; num_samples=1: completions per prompt; stop:
-    strings that end a completion; ignore_eos=False.
+    strings that end a completion; ignore_eos=False. presence_penalty and frequency_penalty (OpenAI's, [-2, 2],
+    over the tokens generated), repetition_penalty (vLLM's, over prompt and output; 1 = none) and logit_bias
+    ({token id: bias in [-100, 100]}) adjust the logits before greedy or sampled selection; such a request's rows
+    decode without speculation.
     kv="bmc" (or "upfront", "iterative"), with r or T: the KV cache strategy and its chunk (default: T chosen by
     the analytic model). kv_dtype: how the cache stores K and V: "auto" (the model's dtype: exact), "bfloat16",
     "float16", or "int8" (a float32 scale per token and KV head; each value within max|row| / 254 of its float,

@@ -1,4 +1,5 @@
-"""Next-token selection: greedy, temperature, top-k, top-p, min-p, with a seeded generator.
+"""Next-token selection: greedy, temperature, top-k, top-p, min-p, with a seeded generator; before it, the logit
+adjustments a request asks for (logit_bias, repetition, frequency and presence penalties: `adjust_logits`).
 
 Values are checked as the kernels see them, in float32: a temperature that rounds to 0 there is refused (0 is
 greedy; anything above it is a distribution), and the most likely token always survives top-p and min-p, so no
@@ -18,8 +19,40 @@ class SamplingError(BmcError):
     """The sampler produced something that is not a token id (non-finite logits): the request fails, alone."""
 
 
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # a logit divided by it stays finite in float32
+
+
 def _float32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None,
+                  prompt_seen: torch.Tensor | None) -> torch.Tensor:
+    """[n, V] logits (float32, a copy) with the request's adjustments, in vLLM's order: logit_bias, then the
+    repetition penalty (tokens of the prompt or the output), then frequency and presence (the output's counts,
+    [n, V] float32, one row per sample). The greedy argmax and the sampler both read the result."""
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=out.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=out.device)
+        out.index_add_(1, ids, bias.expand(out.shape[0], -1))  # an id named twice gets both
+    if counts is None:
+        return out
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_seen is not None:
+            seen = seen | prompt_seen
+        rp = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if params.frequency_penalty != 0.0:
+        out -= counts * params.frequency_penalty
+    if params.presence_penalty != 0.0:
+        out -= (counts > 0).float() * params.presence_penalty
+    return out
 
 
 @dataclass(frozen=True)
@@ -29,6 +62,12 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     min_p: float | None = None  # drop tokens whose probability is below min_p x the most likely one's
+    # OpenAI's: logits -= count * frequency_penalty + (count > 0) * presence_penalty, over the tokens generated
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / HF's: a logit of a token in the prompt or the output is divided by it when > 0, else multiplied
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's [-100, 100]
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -43,6 +82,36 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _number(rp) or not REPETITION_PENALTY_RANGE[0] <= rp <= REPETITION_PENALTY_RANGE[1]:
+            raise InvalidRequestError(f"repetition_penalty must be a number in [{REPETITION_PENALTY_RANGE[0]}, "
+                                      f"{REPETITION_PENALTY_RANGE[1]}] (1 = none), got {rp!r}")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], int) or pair[0] < 0):
+                raise InvalidRequestError(f"logit_bias maps token ids (integers >= 0) to biases, got {pair!r}")
+            if not _number(pair[1]) or not -100.0 <= pair[1] <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {pair[1]!r} "
+                                          f"for token {pair[0]}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before selection (then the request's rows are selected on their own)."""
+        return bool(self.logit_bias) or self.penalizes
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether selection depends on the tokens so far (then the request's rows keep their token counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab: int) -> None:
+        bad = sorted(t for t, _ in self.logit_bias if t >= vocab)
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary of {vocab}: {bad[:8]}")
 
     @property
     def greedy(self) -> bool:

@@ -44,7 +44,7 @@ from .platform.threads import ThreadGovernor
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import Node, PrefixCache, common_prefix
-from .sampling import Sampler, SamplingError, SamplingParams
+from .sampling import Sampler, SamplingError, SamplingParams, adjust_logits
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
 from .spec.verify import sample_paths
 from .spec.decode import SpeculativeStep
@@ -103,6 +103,7 @@ class Request:
         self.next_logprobs: torch.Tensor | None = None
         self.cache_limit: int | None = None  # keep at most this many prompt tokens in the prefix cache (None: all)
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
+        self.prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (the repetition penalty)
         self.prefix_node: Node | None = None  # the cached path its rows read in place (locked while it runs)
         self.prefix_locked = False
         self.sampler = Sampler(gen.sampling, torch.device(device))
@@ -138,6 +139,7 @@ class _Row:
     history: list[int] | None = None  # longrope: a row still rotated short keeps its tokens for the switch
     start: int = 0  # the position of the row's first own column (the tokens before it are read in place)
     generated: list[int] | None = None  # its tokens, where its finished turn is kept in the prefix cache
+    counts: torch.Tensor | None = None  # [V] float32: how often each token was generated (penalties only)
 
 
 @dataclass
@@ -238,6 +240,7 @@ class Scheduler:
             where = "the model's context" if self.max_length == self.model.max_context else "this engine's max_length"
             raise InvalidRequestError(f"the prompt has {P} tokens; with max_tokens={gen.max_new_tokens} that is "
                                       f"{P + gen.max_new_tokens} positions, beyond {where} of {self.max_length}")
+        request.sampler.params.check_vocab(self.model.config.vocab_size)
         if request.num_samples > self.max_num_seqs:
             raise InvalidRequestError(f"n={request.num_samples} exceeds the server's max_num_seqs={self.max_num_seqs}")
         with self._lock:
@@ -528,9 +531,11 @@ class Scheduler:
     # ---- speculative decoding (the tree is verified in the batch cache's padding rows) ----
     def _speculates(self, row: _Row | None) -> bool:
         """Rows draft and verify: greedy rows by the argmax (exact), sampled rows by rejection sampling with their
-        request's generator (lossless, spec/verify.py). Rows that report logprobs take one token per step from the
-        root's logits inside the same forward."""
-        return row is not None and row.finish is None and row.request.logprobs is None
+        request's generator (lossless, spec/verify.py). Rows that report logprobs, or whose request adjusts its
+        logits (logit_bias, penalties: the adjustment along a drafted path would depend on the path), take one token
+        per step from the root's logits inside the same forward."""
+        return (row is not None and row.finish is None and row.request.logprobs is None
+                and not row.request.sampler.params.adjusts_logits)
 
     def _draft(self) -> tuple[DraftTree, int, list[Proposal]] | None:
         """Every greedy row's draft tree, within the token budget (half of it while prompts wait, so prefill
@@ -886,7 +891,7 @@ class Scheduler:
         rows = [_Row(req, s, token=-1, pos=len(req.prompt_ids),
                      text=TextStream(self.model.tokenizer, req.gen.stop) if self.model.tokenizer else None,
                      history=list(req.prompt_ids) if short else None, start=start,
-                     generated=[] if keep_turn else None)
+                     generated=[] if keep_turn else None, counts=self._zero_counts(req))
                  for s in range(n)]
         if self.spec is not None:
             for row in filter(self._speculates, rows):
@@ -932,6 +937,18 @@ class Scheduler:
         req.prefix_node, req.prefix_locked = node, True
         p.cache.hide_leading(0, node.end - p.start)
 
+    def _zero_counts(self, req: Request) -> torch.Tensor | None:
+        """A row's token counts when its request's penalties read them (and, for the repetition penalty, the
+        request's prompt tokens as a [V] mask, made once)."""
+        params = req.sampler.params
+        if not params.penalizes:
+            return None
+        V = self.model.config.vocab_size
+        if params.repetition_penalty != 1.0 and req.prompt_seen is None:
+            req.prompt_seen = torch.zeros(V, dtype=torch.bool, device=self.model.device)
+            req.prompt_seen[torch.tensor(req.prompt_ids, dtype=torch.long, device=self.model.device)] = True
+        return torch.zeros(V, dtype=torch.float32, device=self.model.device)
+
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[_Row], first: bool = False) -> None:
         """Next token of every row: greedy rows by one argmax, each sampling request by its own generator over its
         own rows (in sample order, as generate() alone draws them); then stop checks and emission. A request whose
@@ -940,7 +957,8 @@ class Scheduler:
         for i, row in enumerate(rows):
             groups.setdefault(id(row.request), []).append(i)
         ids = [0] * len(rows)
-        greedy = [i for i, row in enumerate(rows) if row.request.sampler.params.greedy]
+        greedy = [i for i, row in enumerate(rows)
+                  if row.request.sampler.params.greedy and not row.request.sampler.params.adjusts_logits]
         if greedy:
             every = len(greedy) == len(rows)  # the usual case: no copy of the logits
             picked = argmax(logits if every else logits.index_select(0, torch.tensor(greedy, device=logits.device)))
@@ -949,8 +967,16 @@ class Scheduler:
         vocab = int(logits.shape[-1])
         for idx in groups.values():
             req = rows[idx[0]].request
+            params = req.sampler.params
             try:
-                if not req.sampler.params.greedy:
+                if params.adjusts_logits:
+                    mine = logits.index_select(0, torch.tensor(idx, device=logits.device))
+                    counts = torch.stack([rows[i].counts for i in idx]) if params.penalizes else None
+                    mine = adjust_logits(mine, params, counts, req.prompt_seen)
+                    picked = (argmax(mine) if params.greedy else req.sampler(mine)).tolist()
+                    for i, t in zip(idx, picked):
+                        ids[i] = t
+                elif not params.greedy:
                     picked = req.sampler(logits.index_select(0, torch.tensor(idx, device=logits.device))).tolist()
                     for i, t in zip(idx, picked):
                         ids[i] = t
@@ -989,6 +1015,8 @@ class Scheduler:
             row.history.append(tid)
         if row.generated is not None:
             row.generated.append(tid)
+        if row.counts is not None:
+            row.counts[tid] += 1
         self.counters.generation_tokens += 1
         if row.key in self._drafting:
             self.spec.drafter.extend(row.key, [tid])  # type: ignore[union-attr]

@@ -158,3 +158,41 @@ def test_generate_at_float32_edges(model, temperature, top_p, min_p):
         assert "float32" in str(e) or "must be" in str(e)
         return
     assert len(out[0].token_ids) == 4 and all(0 <= t < model.config.vocab_size for t in out[0].token_ids)
+
+
+PENALTY_EDGES = st.one_of(FLOAT32_EDGES, FLOAT32_EDGES.map(lambda x: -x), st.sampled_from([float("nan"), float("inf")]))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(presence=PENALTY_EDGES, frequency=PENALTY_EDGES, repetition=PENALTY_EDGES, bias=PENALTY_EDGES,
+       bias_id=st.integers(-2, 200), temperature=st.sampled_from([0.0, 1e-30, 0.7, 2.0]),
+       scale=st.sampled_from([1.0, 1e4, 1e30]))
+def test_logit_adjustments_at_float32_edges_give_a_token_or_a_typed_error(presence, frequency, repetition, bias,
+                                                                          bias_id, temperature, scale):
+    """Penalties and logit_bias anywhere a client can put them: refused by name, or every row gets a token in the
+    vocabulary (or the request fails with a typed error when the logits themselves overflow)."""
+    import torch
+
+    from bmc.sampling import Sampler, SamplingParams, adjust_logits
+
+    try:
+        params = SamplingParams(temperature=temperature, seed=3, presence_penalty=presence,
+                                frequency_penalty=frequency, repetition_penalty=repetition,
+                                logit_bias=((bias_id, bias),))
+        params.check_vocab(97)
+    except bmc.InvalidRequestError as e:
+        assert str(e).split(" ", 1)[0] in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                           "logit_bias", "temperature")
+        return
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 97, generator=g) * scale
+    counts = torch.randint(0, 4, (3, 97), generator=g).float()
+    seen = torch.rand(97, generator=g) < 0.2
+    adjusted = adjust_logits(logits, params, counts, seen)
+    assert adjusted.dtype == torch.float32 and not bool(adjusted.isnan().any())
+    try:
+        ids = Sampler(params, torch.device("cpu"))(adjusted)
+    except BmcError:
+        assert not bool(adjusted.isfinite().all())  # only an overflow of huge logits fails, and typed
+        return
+    assert bool(((ids >= 0) & (ids < 97)).all())

@@ -18,9 +18,9 @@ matches regexes over a trained model's text. Ported, llama.cpp file: its tests -
   multiple_choices -> test_chat_equals_generate; test_chat_completion_stream -> test_chat_stream_chunks;
   test_logprobs, test_logprobs_stream -> test_chat_logprobs; test_context_size_exceeded(_stream)
   -> test_beyond_the_context; test_invalid_chat_completion_req (less user/assistant/assistant: the template's call),
-  test_completion_with_response_format, test_completion_with_json_schema, test_completion_with_grammar,
-  test_logit_bias (and test_completion's) -> test_bad_requests_get_a_400_naming_the_field (bmc has no grammar,
-  JSON output, logit_bias or n_predict: each refused by name)
+  test_completion_with_response_format, test_completion_with_json_schema, test_completion_with_grammar
+  -> test_bad_requests_get_a_400_naming_the_field (bmc has no grammar, JSON output or n_predict: each refused by
+  name); test_logit_bias -> test_logit_bias; penalties (fields bmc supports) -> test_penalties_as_generate_gives_them
 - test_ignore_eos -> test_ignore_eos; min_p (a llama-server field bmc supports, no test of its own) -> test_min_p
 - test_security: test_incorrect_api_key, test_correct_api_key -> test_api_key (test_openai_library_correct_api_key:
   every openai-client test here); test_cors_options -> test_cors_preflight
@@ -317,7 +317,7 @@ BAD_REQUESTS = [(CHAT, {"messages": m}, "messages") for m in (
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
     (CHAT, {"response_format": {"type": "sound"}}, "response_format"),
-    (CHAT, {"logit_bias": {"5": -100}}, "logit_bias")]
+    (CHAT, {"logit_bias": {"hello": -100}}, "logit_bias"), (CHAT, {"presence_penalty": -3}, "presence_penalty")]
 
 
 @pytest.mark.parametrize("path, extra, field", BAD_REQUESTS, ids=[f"{r[2]}-{i}" for i, r in enumerate(BAD_REQUESTS)])
@@ -344,6 +344,30 @@ def test_min_p(client, model):
     r = client.completions.create(model="tiny", prompt=MEANING, max_tokens=12, temperature=1.0, seed=7,
                                   extra_body={"min_p": 0.5, "ignore_eos": True})
     assert r.choices[0].text == want
+
+
+# ---- test_completion.py's test_logit_bias; penalties -----------------------------------------------------------------
+def test_logit_bias(client, model):
+    """-100 bans the tokens greedy decoding would take (none of them comes back), as llama-server's test does; the
+    answer is generate()'s with the same bias."""
+    plain = bmc.generate(model, [MEANING], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    bias = {t: -100.0 for t in plain[:4]}
+    want = bmc.generate(model, [MEANING], max_new_tokens=8, ignore_eos=True, logit_bias=bias)[0]
+    r = client.completions.create(model="tiny", prompt=MEANING, max_tokens=8, temperature=0, logprobs=0,
+                                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and not set(want.token_ids) & set(bias)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_penalties_as_generate_gives_them(client, model, stream):
+    kw = dict(presence_penalty=0.6, frequency_penalty=0.5, repetition_penalty=1.2)
+    want = chat_want(model, BOOK, 16, ignore_eos=True, **kw)[0].text
+    assert want != chat_want(model, BOOK, 16, ignore_eos=True)[0].text
+    r = client.chat.completions.create(model="tiny", messages=BOOK, max_tokens=16, temperature=0, stream=stream,
+                                       presence_penalty=0.6, frequency_penalty=0.5,
+                                       extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+    assert text == want
 
 
 # ---- test_security.py ---------------------------------------------------------------------------------------------

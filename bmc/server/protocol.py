@@ -108,7 +108,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     user: str | None = None
-    # set to anything but their no-op value, these are refused by name (bmc does not implement them)
+    # OpenAI's penalties over the generated tokens, vLLM's repetition_penalty (prompt and output; 1 = none), and
+    # OpenAI's logit_bias {"token id": bias in [-100, 100]}: checked in float32 by SamplingParams
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -280,11 +281,6 @@ class ParsedRequest:
 
 def _refuse_unimplemented(body: _Sampling) -> None:
     """Fields with an effect bmc does not implement: refused when set to anything but their no-op value."""
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) not in (None, neutral):
-            raise bad(f"{name} is not supported by bmc-serve (only {neutral})", name)
-    if body.logit_bias:
-        raise bad("logit_bias is not supported by bmc-serve", "logit_bias")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise bad("echo is not supported by bmc-serve", "echo")
@@ -293,6 +289,16 @@ def _refuse_unimplemented(body: _Sampling) -> None:
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad("best_of other than n is not supported by bmc-serve", "best_of")
         return
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is refused by name."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdecimal() and len(key) <= 12) or int(key) >= vocab:
+            raise bad(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _prompts(body: CompletionRequest, model: Model) -> list[list[int]]:
@@ -372,7 +378,12 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
     try:
         sampling = SamplingParams(temperature=temperature, top_k=body.top_k if body.top_k and body.top_k > 0 else None,
                                   top_p=body.top_p if body.top_p is not None and body.top_p < 1.0 else None,
-                                  min_p=body.min_p or None, seed=body.seed % 2**63 if body.seed is not None else None)
+                                  min_p=body.min_p or None, seed=body.seed % 2**63 if body.seed is not None else None,
+                                  presence_penalty=body.presence_penalty or 0.0,
+                                  frequency_penalty=body.frequency_penalty or 0.0,
+                                  repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                                  logit_bias=_logit_bias(body.logit_bias, model.config.vocab_size))
+        sampling.check_vocab(model.config.vocab_size)
         gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=tuple(stops),
                                ignore_eos=bool(body.ignore_eos), kv=server_gen.kv, r=server_gen.r, T=server_gen.T,
                                kv_dtype=server_gen.kv_dtype)
