@@ -15,6 +15,7 @@ import torch
 from .attention import AttentionOptions, SparQOptions
 from .engine import GenerationConfig, GenerationStats, TokenEvent, encode_prompts, generate_tokens
 from .errors import BmcError, InvalidRequestError, ModelLoadError, UnsupportedModelError
+from .grammar import GrammarSpec, check_grammar
 from .models import Model, load_model
 from .sampling import SamplingParams
 
@@ -134,6 +135,9 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: dict[int, float]
+    json_schema: dict[str, Any] | str | bool
+    regex: str
+    grammar: str
     num_samples: int
     stop: str | Sequence[str] | None
     kv: str
@@ -174,6 +178,16 @@ def generation_config(**options: Unpack[GenerateOptions]) -> GenerationConfig:
             raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {type(o['logit_bias'])}")
         o["logit_bias"] = tuple((o["logit_bias"] or {}).items())
     sampling = SamplingParams(**{k: o.pop(k) for k in SAMPLING_OPTIONS if k in o})
+    constraints = {k: o.pop(k) for k in ("json_schema", "regex", "grammar") if o.get(k) is not None}
+    o.pop("json_schema", None), o.pop("regex", None), o.pop("grammar", None)
+    if len(constraints) > 1:
+        raise InvalidRequestError(f"give one of json_schema, regex, grammar, not {' and '.join(constraints)}")
+    if "json_schema" in constraints:
+        o["grammar"] = GrammarSpec.json_schema(constraints["json_schema"])
+    elif "regex" in constraints:
+        o["grammar"] = GrammarSpec("regex", constraints["regex"])
+    elif "grammar" in constraints:
+        o["grammar"] = GrammarSpec("lark", constraints["grammar"])
     sparq = SparQOptions(r=o.pop("sparq_r", None), k=o.pop("sparq_k", 128))
     attention_options = AttentionOptions(sparq, window_k=o.pop("window_k", 256))
     return GenerationConfig(sampling=sampling, attention_options=attention_options,
@@ -187,6 +201,8 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, **options: Unp
     gen = generation_config(**options)
     if gen.stop and model.tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+    if gen.grammar is not None:
+        check_grammar(model, gen.grammar)  # refused here, by the library's reason, before any prompt runs
     return TokenStream(model, encode_prompts(model, prompts, chat), gen)
 
 
@@ -198,8 +214,10 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     temperature=0.0 (greedy), top_k, top_p, min_p, seed: sampling; num_samples=1: completions per prompt; stop:
     strings that end a completion; ignore_eos=False. presence_penalty and frequency_penalty (OpenAI's, [-2, 2],
     over the tokens generated), repetition_penalty (vLLM's, over prompt and output; 1 = none) and logit_bias
-    ({token id: bias in [-100, 100]}) adjust the logits before greedy or sampled selection; such a request's rows
-    decode without speculation.
+    ({token id: bias in [-100, 100]}) adjust the logits before greedy or sampled selection. json_schema (a dict,
+    its JSON text, or True for any JSON object), regex, or grammar (Lark, llguidance's dialect) constrain the output
+    through llguidance: every token is one the grammar allows, and a completion ends ("stop") when the grammar is
+    complete. Such requests' rows decode without speculation.
     kv="bmc" (or "upfront", "iterative"), with r or T: the KV cache strategy and its chunk (default: T chosen by
     the analytic model). kv_dtype: how the cache stores K and V: "auto" (the model's dtype: exact), "bfloat16",
     "float16", or "int8" (a float32 scale per token and KV head; each value within max|row| / 254 of its float,

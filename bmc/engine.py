@@ -19,6 +19,7 @@ from .analytic import choose_T
 from .attention import (ATTENTION_BACKENDS, AttentionFn, AttentionOptions, causal_attention,
                         dense_attention)
 from .errors import InvalidRequestError, UnsupportedModelError
+from .grammar import GrammarSpec
 from .graphs import GRAPH_LIMIT, MIN_BUCKET_STEPS
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
 from .models import Model, ModelConfig
@@ -52,6 +53,7 @@ class GenerationConfig:
     # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
     kv_dtype: str = "auto"  # how the cache stores K and V (bmc/kv/formats.py): "auto" (the model's dtype),
     # "float32", "bfloat16", "float16" or "int8" (a float32 scale per token and KV head)
+    grammar: GrammarSpec | None = None  # what the output must match (a JSON schema, a regex, a grammar: grammar.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -123,6 +125,8 @@ class GenerationStats:
     prefix_kv_bytes: int = 0  # cached prompt KV that rows read in place, stored once for them (0 when not sharing)
     prefix_groups: int = 0  # the most cached segments one decode step read
     cached_prompt_tokens: int = 0  # prompt tokens read from the call's prefix cache (a part common to prompts)
+    grammar_masks: int = 0  # constrained rows' masked tokens (json_schema, regex, grammar)
+    grammar_mask_seconds: float = 0.0  # the time their masks took (inside decode_seconds)
     decode_kernel: str = ""  # "native-cpu" (bmc.kernels' C++ step), "cuda-graphs" or "torch" (eager ops)
     cuda_graph_captures: int = 0  # decode-step graphs captured (one per capacity bucket and batch)
     cuda_graph_replays: int = 0

@@ -121,6 +121,7 @@ def finish_stats(stats: GenerationStats, model: Model, engine: Scheduler, rows: 
     stats.kv_allocations = engine.cache.allocations
     stats.peak_kv_bytes = engine.peak_kv_bytes
     stats.cached_prompt_tokens = c.cached_prompt_tokens
+    stats.grammar_masks, stats.grammar_mask_seconds = c.grammar_masks, c.grammar_mask_seconds
     if engine.spec is not None:
         stats.speculative = engine.spec.stats
     attention = engine.decode_attention

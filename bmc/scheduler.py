@@ -44,6 +44,7 @@ from .platform.threads import ThreadGovernor
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import Node, PrefixCache, common_prefix
+from .grammar import RowMatcher, apply_masks, check_grammar
 from .sampling import Sampler, SamplingError, SamplingParams, adjust_logits
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
 from .spec.verify import sample_paths
@@ -104,6 +105,7 @@ class Request:
         self.cache_limit: int | None = None  # keep at most this many prompt tokens in the prefix cache (None: all)
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
         self.prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (the repetition penalty)
+        self.grammar_text: str | None = None  # gen.grammar compiled for llguidance (at its first token)
         self.prefix_node: Node | None = None  # the cached path its rows read in place (locked while it runs)
         self.prefix_locked = False
         self.sampler = Sampler(gen.sampling, torch.device(device))
@@ -140,6 +142,7 @@ class _Row:
     start: int = 0  # the position of the row's first own column (the tokens before it are read in place)
     generated: list[int] | None = None  # its tokens, where its finished turn is kept in the prefix cache
     counts: torch.Tensor | None = None  # [V] float32: how often each token was generated (penalties only)
+    matcher: RowMatcher | None = None  # its grammar's state (constrained requests only)
 
 
 @dataclass
@@ -154,6 +157,8 @@ class SchedulerCounters:
     relongs: int = 0  # rows whose KV was recomputed at longrope's switch
     draft_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
+    grammar_masks: int = 0  # rows whose logits a grammar masked (one per constrained row and token)
+    grammar_mask_seconds: float = 0.0  # the time those masks took (computed and applied)
     finished: collections.Counter = field(default_factory=collections.Counter)  # by finish reason / "abort" / "error"
 
 
@@ -532,10 +537,10 @@ class Scheduler:
     def _speculates(self, row: _Row | None) -> bool:
         """Rows draft and verify: greedy rows by the argmax (exact), sampled rows by rejection sampling with their
         request's generator (lossless, spec/verify.py). Rows that report logprobs, or whose request adjusts its
-        logits (logit_bias, penalties: the adjustment along a drafted path would depend on the path), take one token
-        per step from the root's logits inside the same forward."""
+        logits (logit_bias, penalties, a grammar: the adjustment along a drafted path would depend on the path), take
+        one token per step from the root's logits inside the same forward (so no draft reaches them unchecked)."""
         return (row is not None and row.finish is None and row.request.logprobs is None
-                and not row.request.sampler.params.adjusts_logits)
+                and not row.request.sampler.params.adjusts_logits and row.request.gen.grammar is None)
 
     def _draft(self) -> tuple[DraftTree, int, list[Proposal]] | None:
         """Every greedy row's draft tree, within the token budget (half of it while prompts wait, so prefill
@@ -937,6 +942,15 @@ class Scheduler:
         req.prefix_node, req.prefix_locked = node, True
         p.cache.hide_leading(0, node.end - p.start)
 
+    def _matcher(self, row: _Row) -> RowMatcher:
+        """The row's grammar matcher (made at its first token; the grammar compiled once per request)."""
+        if row.matcher is None:
+            req = row.request
+            if req.grammar_text is None:
+                req.grammar_text = check_grammar(self.model, req.gen.grammar)
+            row.matcher = RowMatcher(self.model, req.grammar_text)
+        return row.matcher
+
     def _zero_counts(self, req: Request) -> torch.Tensor | None:
         """A row's token counts when its request's penalties read them (and, for the repetition penalty, the
         request's prompt tokens as a [V] mask, made once)."""
@@ -957,22 +971,44 @@ class Scheduler:
         for i, row in enumerate(rows):
             groups.setdefault(id(row.request), []).append(i)
         ids = [0] * len(rows)
-        greedy = [i for i, row in enumerate(rows)
-                  if row.request.sampler.params.greedy and not row.request.sampler.params.adjusts_logits]
+        greedy = [i for i, row in enumerate(rows) if row.request.sampler.params.greedy
+                  and not row.request.sampler.params.adjusts_logits and row.request.gen.grammar is None]
         if greedy:
             every = len(greedy) == len(rows)  # the usual case: no copy of the logits
             picked = argmax(logits if every else logits.index_select(0, torch.tensor(greedy, device=logits.device)))
             for i, t in zip(greedy, picked.tolist()):
                 ids[i] = t
         vocab = int(logits.shape[-1])
+        # greedy rows under a grammar (and nothing else): their masks applied and their argmax taken at once
+        masked = [i for i, row in enumerate(rows) if row.request.gen.grammar is not None
+                  and row.request.sampler.params.greedy and not row.request.sampler.params.adjusts_logits]
+        if masked:
+            try:
+                t0 = time.perf_counter()
+                mine = logits.index_select(0, torch.tensor(masked, device=logits.device)).float()
+                mine = apply_masks(mine, [self._matcher(rows[i]) for i in masked])
+                self.counters.grammar_mask_seconds += time.perf_counter() - t0
+                self.counters.grammar_masks += len(masked)
+                for i, t in zip(masked, argmax(mine).tolist()):
+                    ids[i] = t
+            except Exception:  # a request's grammar failed: its rows go the per-request way, and it fails alone
+                masked = []
+        done = set(masked)
         for idx in groups.values():
             req = rows[idx[0]].request
             params = req.sampler.params
             try:
-                if params.adjusts_logits:
+                if idx[0] in done:
+                    pass
+                elif params.adjusts_logits or req.gen.grammar is not None:
                     mine = logits.index_select(0, torch.tensor(idx, device=logits.device))
                     counts = torch.stack([rows[i].counts for i in idx]) if params.penalizes else None
                     mine = adjust_logits(mine, params, counts, req.prompt_seen)
+                    if req.gen.grammar is not None:
+                        t0 = time.perf_counter()
+                        mine = apply_masks(mine, [self._matcher(rows[i]) for i in idx])
+                        self.counters.grammar_mask_seconds += time.perf_counter() - t0
+                        self.counters.grammar_masks += len(idx)
                     picked = (argmax(mine) if params.greedy else req.sampler(mine)).tolist()
                     for i, t in zip(idx, picked):
                         ids[i] = t
@@ -1017,11 +1053,19 @@ class Scheduler:
             row.generated.append(tid)
         if row.counts is not None:
             row.counts[tid] += 1
+        grammar_done = False
+        if row.matcher is not None:
+            try:
+                row.matcher.consume(tid)
+            except Exception as e:
+                self._fail(req, e)
+                return
+            grammar_done = row.matcher.finished
         self.counters.generation_tokens += 1
         if row.key in self._drafting:
             self.spec.drafter.extend(row.key, [tid])  # type: ignore[union-attr]
         gen = req.gen
-        finish = "stop" if (tid in self.eos and not gen.ignore_eos) else (
+        finish = "stop" if (tid in self.eos and not gen.ignore_eos) or grammar_done else (
             "length" if row.count >= gen.max_new_tokens else None)
         text = ""
         if row.text is not None:

@@ -19,13 +19,13 @@ matches regexes over a trained model's text. Ported, llama.cpp file: its tests -
   test_logprobs, test_logprobs_stream -> test_chat_logprobs; test_context_size_exceeded(_stream)
   -> test_beyond_the_context; test_invalid_chat_completion_req (less user/assistant/assistant: the template's call),
   test_completion_with_response_format, test_completion_with_json_schema, test_completion_with_grammar
-  -> test_bad_requests_get_a_400_naming_the_field (bmc has no grammar, JSON output or n_predict: each refused by
-  name); test_logit_bias -> test_logit_bias; penalties (fields bmc supports) -> test_penalties_as_generate_gives_them
+  -> test_constrained_output (their invalid formats and n_predict -> test_bad_requests_get_a_400_naming_the_field);
+  test_logit_bias -> test_logit_bias; penalties (fields bmc supports) -> test_penalties_as_generate_gives_them
 - test_ignore_eos -> test_ignore_eos; min_p (a llama-server field bmc supports, no test of its own) -> test_min_p
 - test_security: test_incorrect_api_key, test_correct_api_key -> test_api_key (test_openai_library_correct_api_key:
   every openai-client test here); test_cors_options -> test_cors_preflight
 Not ported (llama-server-only: bmc has no such route or field): /tokenize, /detokenize (test_tokenize), /props,
-/slots, /infill, /embedding, /rerank, lora, tool calls, grammar/JSON-schema output, /apply-template and __verbose
+/slots, /infill, /embedding, /rerank, lora, tool calls, /apply-template and __verbose
 prompts, assistant prefill, return_progress, timings, response_fields, n_probs/post_sampling_probs/return_tokens,
 test_metrics (cache_n timings, llamacpp: metric names), context shift (bmc refuses), the web UI, X-Api-Key
 (Anthropic's header), media paths, host families, split-GGUF downloads, router and stream-resume tests.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import httpx
 import pytest
@@ -312,11 +313,14 @@ def test_chat_logprobs(client, model, stream):
 BAD_REQUESTS = [(CHAT, {"messages": m}, "messages") for m in (
     None, "string", [123], [{}], [{"role": 123}], [{"role": "system", "content": 123}],
     [{"role": "system", "content": "test"}, {}])] + [
-    (COMPLETIONS, {"n_predict": 8}, "n_predict"), (CHAT, {"grammar": 'root ::= "a"{5,5}'}, "grammar"),
-    (CHAT, {"json_schema": {"const": "42"}}, "json_schema"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    (COMPLETIONS, {"n_predict": 8}, "n_predict"),
     (CHAT, {"response_format": {"type": "sound"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_object", "schema": 123}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_object", "schema": {"type": 123}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_basdasd"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
+    (COMPLETIONS, {"grammar": "root ::= ("}, "grammar"), (COMPLETIONS, {"regex": "a(b"}, "regex"),
+    (CHAT, {"json_schema": {"const": "42"}, "regex": "4+"}, "regex"),
     (CHAT, {"logit_bias": {"hello": -100}}, "logit_bias"), (CHAT, {"presence_penalty": -3}, "presence_penalty")]
 
 
@@ -344,6 +348,46 @@ def test_min_p(client, model):
     r = client.completions.create(model="tiny", prompt=MEANING, max_tokens=12, temperature=1.0, seed=7,
                                   extra_body={"min_p": 0.5, "ignore_eos": True})
     assert r.choices[0].text == want
+
+
+# ---- test_chat_completion.py's response_format, json_schema and grammar tests ---------------------------------------
+@pytest.mark.parametrize("path, extra, want", [
+    (CHAT, {"response_format": {"type": "json_object", "schema": {"const": "42"}}}, '"42"'),
+    (CHAT, {"response_format": {"type": "json_object", "schema": {"type": "array", "maxItems": 2, "items": {
+        "type": "integer", "minimum": -9, "maximum": 9}}}}, None),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "foooooo"}}}},
+     '"foooooo"'),
+    (CHAT, {"json_schema": {"const": "42"}}, '"42"'), (COMPLETIONS, {"json_schema": {"const": "42"}}, '"42"'),
+    (CHAT, {"grammar": 'root ::= "a"{5,5}'}, "aaaaa"), (COMPLETIONS, {"grammar": 'root ::= "a"{5,5}'}, "aaaaa"),
+    (COMPLETIONS, {"regex": "[0-9]{2}-x"}, None)])
+def test_constrained_output(server, model, path, extra, want):
+    base = {"messages": BOOK} if path == CHAT else {"prompt": MEANING}
+    r = post(server, path, {**base, "max_tokens": 12, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if path == CHAT else choice["text"]
+    if want is not None:
+        assert text == want and choice["finish_reason"] == "stop"
+    elif "regex" in extra:
+        assert re.fullmatch(extra["regex"], text)
+    else:  # at most two small integers: it always completes
+        value = json.loads(text)
+        assert isinstance(value, list) and len(value) <= 2 and all(-9 <= v <= 9 for v in value)
+
+
+def test_json_schema_streams_deltas_that_join_into_valid_json(client):
+    schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["x", "yy"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["k", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "kn", "schema": schema, "strict": True}}
+    chunks = client.chat.completions.create(model="tiny", messages=BOOK, max_tokens=40, temperature=0, stream=True,
+                                            response_format=fmt)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model="tiny", messages=BOOK, max_tokens=40, temperature=0,
+                                           response_format=fmt)
+    assert text == whole.choices[0].message.content
+    value = json.loads(text)
+    assert value["k"] in ("x", "yy") and 0 <= value["n"] <= 9 and set(value) == {"k", "n"}
 
 
 # ---- test_completion.py's test_logit_bias; penalties -----------------------------------------------------------------

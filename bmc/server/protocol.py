@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine import GenerationConfig, encode_prompts
 from ..errors import BmcError
+from ..grammar import GrammarSpec, check_grammar
 from ..models import Model
 from ..sampling import SamplingParams
 
@@ -88,8 +89,21 @@ MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each queued as a r
 Stop = Union[NonEmpty, Annotated[list[NonEmpty], Field(max_length=MAX_STOPS)], None]
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema (strict is accepted: the output always matches the schema)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema: not implemented (refused by name)
+    """OpenAI's: text, any JSON object, or a JSON schema; llama-server's json_object with a `schema` too."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class _Sampling(_Body):
@@ -114,6 +128,12 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # constrained output (llguidance, bmc/grammar.py), at most one: OpenAI's response_format, llama-server's
+    # json_schema and grammar (GBNF), and a regex (SGLang's name)
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+    regex: str | None = None
     # the prefix cache: false opts this request out (llama-server's cache_prompt); requests share cached prompt
     # KV only under the same cache_salt (vLLM's)
     cache_prompt: bool | None = None
@@ -152,7 +172,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     function_call: Literal["none", "auto"] | None = None
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     # no effect on the tokens
     store: bool | None = None
@@ -291,6 +310,29 @@ def _refuse_unimplemented(body: _Sampling) -> None:
         return
 
 
+def _grammar(body: _Sampling) -> tuple[GrammarSpec | None, str | None]:
+    """The request's output constraint and the field it came from (a 400 when more than one is given)."""
+    given = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad('response_format of type "json_schema" needs a "json_schema" object', "response_format")
+            schema = rf.json_schema.schema_
+            given.append(("response_format", GrammarSpec.json_schema(schema if schema is not None else {})))
+        else:
+            given.append(("response_format", GrammarSpec.json_schema(rf.schema_ if rf.schema_ is not None else True)))
+    if body.json_schema is not None:
+        given.append(("json_schema", GrammarSpec.json_schema(body.json_schema)))
+    if body.grammar is not None:
+        given.append(("grammar", GrammarSpec("gbnf", body.grammar)))
+    if body.regex is not None:
+        given.append(("regex", GrammarSpec("regex", body.regex)))
+    if len(given) > 1:
+        raise bad(f"give one output constraint, not {' and '.join(f for f, _ in given)}", given[1][0])
+    return (given[0][1], given[0][0]) if given else (None, None)
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is refused by name."""
     pairs = []
@@ -384,9 +426,15 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
                                   repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                                   logit_bias=_logit_bias(body.logit_bias, model.config.vocab_size))
         sampling.check_vocab(model.config.vocab_size)
+        spec, source = _grammar(body)
+        if spec is not None:
+            try:
+                check_grammar(model, spec)
+            except BmcError as e:
+                raise bad(str(e) if str(e).startswith(str(source)) else f"{source}: {e}", source) from None
         gen = GenerationConfig(max_new_tokens=max_tokens or room, sampling=sampling, num_samples=n, stop=tuple(stops),
                                ignore_eos=bool(body.ignore_eos), kv=server_gen.kv, r=server_gen.r, T=server_gen.T,
-                               kv_dtype=server_gen.kv_dtype)
+                               kv_dtype=server_gen.kv_dtype, grammar=spec)
     except BmcError as e:  # SamplingParams' float32 checks name their field first
         field = str(e).split(" ", 1)[0]
         raise bad(str(e), field if field in type(body).model_fields else None) from None
@@ -401,7 +449,8 @@ UNSUPPORTED = {
     "functions": "functions (function calling) are not supported by bmc-serve",
     "tool_choice": "tool_choice other than none/auto is not supported by bmc-serve (no tools)",
     "function_call": "function_call other than none/auto is not supported by bmc-serve (no tools)",
-    "response_format": "response_format other than {\"type\": \"text\"} is not supported by bmc-serve",
+    "response_format": "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "modalities": "modalities other than [\"text\"] are not supported by bmc-serve",
 }
 
