@@ -208,7 +208,8 @@ def stream(model: Model, prompts: Prompts, *, chat: bool = False, **options: Unp
 
 def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: Unpack[GenerateOptions]) -> Completions:
     """Generate for a batch of prompts (strings or token-id lists); returns whole completions with `.stats`.
-    `chat=True` wraps each prompt in the model's chat template. The options (GenerateOptions; max_new_tokens is
+    `chat=True` wraps each prompt in the model's chat template (a prompt may then also be a conversation: a list of
+    {"role", "content"} messages). The options (GenerateOptions; max_new_tokens is
     required), with their defaults:
 
     temperature=0.0 (greedy), top_k, top_p, min_p, seed: sampling; num_samples=1: completions per prompt; stop:

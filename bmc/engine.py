@@ -9,6 +9,7 @@ import os
 
 import logging
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -286,8 +287,22 @@ def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]
             if chat:
                 p = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
             ids = tok.encode(p)
+        elif chat and isinstance(p, Sequence) and p and all(isinstance(m, dict) for m in p):
+            if tok is None:
+                raise InvalidRequestError("this model has no tokenizer, so no chat template")
+            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in p):
+                raise InvalidRequestError(f"prompt {i}: each message needs a string role and content")
+            ids = tok.encode(tok.apply_chat_template(list(p), add_generation_prompt=True))
         else:
-            ids = [int(t) for t in p]
+            try:  # ints, numpy's or a tensor's integers; not floats, bools or messages
+                if any(isinstance(t, bool) for t in p):
+                    raise TypeError("bool")
+                ids = [operator.index(t) for t in p]
+            except TypeError:
+                kind = ("a conversation (a list of messages) needs chat=True"
+                        if isinstance(p, Sequence) and p and all(isinstance(m, dict) for m in p) else
+                        f"got {type(p).__name__}" + (f" of {type(p[0]).__name__}" if isinstance(p, Sequence) and p else ""))
+                raise InvalidRequestError(f"prompt {i} must be a string or a list of token ids (ints): {kind}") from None
             if not ids:
                 raise InvalidRequestError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= t < model.config.vocab_size]

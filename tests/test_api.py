@@ -313,3 +313,22 @@ def test_tokens_that_hold_part_of_a_character_show_their_own_bytes(gqa_dir):
         assert bytes(int(h, 16) for h in shown.split("\\x")[1:]) == tok.token_bytes(i)
     whole = tok.encode("the", add_special_tokens=False)[0]
     assert tok.logprob_text(whole) == tok.decode([whole], skip_special_tokens=False)
+
+
+def test_a_conversation_is_a_chat_prompt_and_other_prompt_kinds_are_refused(model):
+    """With chat=True a prompt may be a list of messages (rendered by the chat template, as a string prompt is);
+    token ids may be ints, numpy or tensor integers; anything else is refused by name, not a TypeError."""
+    import numpy as np
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = bmc.generate(model, [model.tokenizer.encode(text)], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    assert bmc.generate(model, [messages], max_new_tokens=4, ignore_eos=True, chat=True)[0].token_ids == want
+    ids = [5, 17, 33]
+    plain = bmc.generate(model, [ids], max_new_tokens=3, ignore_eos=True)[0].token_ids
+    for same in (np.array(ids), torch.tensor(ids)):
+        assert bmc.generate(model, [same], max_new_tokens=3, ignore_eos=True)[0].token_ids == plain
+    for bad, reason in (([messages], "needs chat=True"), ([[1.5, 2.0]], "list of float"), ([None], "NoneType"),
+                        ([[True, 5]], "token ids"), ([[{"role": 1, "content": "x"}]], "string role")):
+        with pytest.raises(InvalidRequestError, match=reason):
+            bmc.generate(model, bad, max_new_tokens=2, chat=bad == [[{"role": 1, "content": "x"}]])
