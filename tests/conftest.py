@@ -190,6 +190,17 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
+def real_server():
+    """bmc-serve on the default model, started once for the tests that need the real model behind the API (served
+    as "smol"); it serves every request exactly as generate() alone, so the tests may share it."""
+    from .serving import ServerProcess
+
+    srv = ServerProcess(["--model", require_real_model(), "--max-num-seqs", "4", "--served-model-name", "smol"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def hf_real_model():
     d, f = os.path.split(require_real_model())
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()

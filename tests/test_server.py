@@ -260,43 +260,38 @@ def test_a_failing_request_gets_500_and_the_server_goes_on(gqa_dir, monkeypatch)
 
 
 @pytest.mark.slow
-def test_real_model_staggered_streams_equal_generate_alone(real_model):
+def test_real_model_staggered_streams_equal_generate_alone(real_model, real_server):
     """SmolLM2 behind bmc-serve (default budget 256: the long prompt is prefilled in 3 chunks between the others'
     decode steps): five staggered streams, chat included, each gives generate()'s greedy text alone; /health said
     503 while the model loaded."""
-    from .conftest import require_real_model
+    srv = real_server
+    assert srv.health_codes[0] in (503, 200) and 503 in srv.health_codes  # loading took a while
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    doc = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(80))
+    prompts = ["The capital of France is", doc + " The colour of item 7 is", "def fibonacci(n):",
+               "Once upon a time", "List three prime numbers:"]
+    lengths = [24, 12, 20, 16, 18]
 
-    srv = ServerProcess(["--model", require_real_model(), "--max-num-seqs", "4", "--served-model-name", "smol"])
-    try:
-        assert srv.health_codes[0] in (503, 200) and 503 in srv.health_codes  # loading took a while
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=300, max_retries=0)
-        doc = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(80))
-        prompts = ["The capital of France is", doc + " The colour of item 7 is", "def fibonacci(n):",
-                   "Once upon a time", "List three prime numbers:"]
-        lengths = [24, 12, 20, 16, 18]
+    def chat(delay: float) -> str:
+        time.sleep(delay)
+        out = ""
+        for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi!"}],
+                                                    max_tokens=20, temperature=0, stream=True):
+            out += "".join(c.delta.content or "" for c in chunk.choices)
+        return out
 
-        def chat(delay: float) -> str:
-            time.sleep(delay)
-            out = ""
-            for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi!"}],
-                                                        max_tokens=20, temperature=0, stream=True):
-                out += "".join(c.delta.content or "" for c in chunk.choices)
-            return out
-
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(_stream_model, client, "smol", p, n, 0.3 * i)
-                       for i, (p, n) in enumerate(zip(prompts, lengths))]
-            chat_future = pool.submit(chat, 0.5)
-            got = [f.result(timeout=600) for f in futures]
-            got_chat = chat_future.result(timeout=600)
-        for (text, finish), p, n in zip(got, prompts, lengths):
-            want = bmc.generate(real_model, [p], max_new_tokens=n)[0]
-            assert (text, finish) == (want.text, want.finish_reason), p[-40:]
-        assert got_chat == bmc.generate(real_model, ["Hi!"], max_new_tokens=20, chat=True)[0].text
-        assert srv.wait_metric("bmc:num_requests_running", 0) == 0
-        assert srv.wait_metric("bmc:kv_cache_usage_bytes", 0) == 0
-    finally:
-        srv.stop()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_stream_model, client, "smol", p, n, 0.3 * i)
+                   for i, (p, n) in enumerate(zip(prompts, lengths))]
+        chat_future = pool.submit(chat, 0.5)
+        got = [f.result(timeout=600) for f in futures]
+        got_chat = chat_future.result(timeout=600)
+    for (text, finish), p, n in zip(got, prompts, lengths):
+        want = bmc.generate(real_model, [p], max_new_tokens=n)[0]
+        assert (text, finish) == (want.text, want.finish_reason), p[-40:]
+    assert got_chat == bmc.generate(real_model, ["Hi!"], max_new_tokens=20, chat=True)[0].text
+    assert srv.wait_metric("bmc:num_requests_running", 0) == 0
+    assert srv.wait_metric("bmc:kv_cache_usage_bytes", 0) == 0
 
 
 def _stream_model(client, name: str, prompt: str, max_tokens: int, delay: float) -> tuple[str, str]:

@@ -102,15 +102,6 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "required": names, "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def real_server(real_model):
-    from .serving import ServerProcess
-
-    srv = ServerProcess(["--max-num-seqs", "8"])
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.slow
 def test_parse_with_a_pydantic_model_and_twenty_random_schemas(real_server):
     import openai
@@ -141,7 +132,7 @@ def test_parse_with_a_pydantic_model_and_twenty_random_schemas(real_server):
         assert r.choices[0].finish_reason == "stop"
         return r.choices[0].message.content
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 4 run at once (the server's max-num-seqs), 4 wait
         texts = list(pool.map(ask, schemas))
     for schema, text in zip(schemas, texts):
         jsonschema.validate(json.loads(text), schema)
