@@ -91,10 +91,12 @@ class Request:
 
     def __init__(self, prompt_ids: list[int], gen: GenerationConfig, emit: Emit, *, logprobs: int | None = None,
                  request_id: str | None = None, device: torch.device | str = "cpu", cache_salt: str | None = None,
-                 cache_prompt: bool = True, prompt_logprobs: bool = False) -> None:
+                 cache_prompt: bool = True, prompt_logprobs: bool = False, prompt_top: int = 0) -> None:
         """prompt_logprobs: score the prompt (perplexity, the API's echo): `prompt_logprobs` gets each prompt token's
         log-probability given the ones before it and `next_logprobs` the log-probabilities of the token after the
-        prompt, all computed (a prefix-cache hit would skip them: such a request reads and writes no cache)."""
+        prompt, all computed (a prefix-cache hit would skip them: such a request reads and writes no cache);
+        prompt_top > 0 also keeps each position's `prompt_top` most likely tokens (`prompt_top_logprobs`: the API's
+        echo with logprobs)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         self.request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -102,6 +104,8 @@ class Request:
         self.cache_salt, self.cache_prompt = cache_salt, cache_prompt and not prompt_logprobs  # tenant; False = opt out
         self.prompt_logprobs: list[float] | None = [] if prompt_logprobs else None
         self.next_logprobs: torch.Tensor | None = None
+        self.prompt_top = prompt_top if prompt_logprobs else 0
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []  # per scored position, most likely first
         self.cache_limit: int | None = None  # keep at most this many prompt tokens in the prefix cache (None: all)
         self.cached_tokens = 0  # prompt tokens a prefix-cache hit gave it (not prefilled)
         self.prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (the repetition penalty)
@@ -920,6 +924,10 @@ class Scheduler:
         if targets:
             picked = lp[: len(targets)].gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0]
             req.prompt_logprobs.extend(picked.double().tolist())
+            if req.prompt_top:
+                top = torch.topk(lp[: len(targets)], min(req.prompt_top, lp.shape[-1]), dim=-1)
+                req.prompt_top_logprobs.extend([list(zip(i, v)) for i, v in zip(top.indices.tolist(),
+                                                                                 top.values.double().tolist())])
         if start + t == len(ids):
             req.next_logprobs = lp[-1].clone()
         return logits[:, -1].clone()  # a view would keep the chunk's [t, V] logits alive for the whole step

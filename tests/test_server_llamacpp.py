@@ -24,7 +24,9 @@ matches regexes over a trained model's text. Ported, llama.cpp file: its tests -
 - test_ignore_eos -> test_ignore_eos; min_p (a llama-server field bmc supports, no test of its own) -> test_min_p
 - test_security: test_incorrect_api_key, test_correct_api_key -> test_api_key (test_openai_library_correct_api_key:
   every openai-client test here); test_cors_options -> test_cors_preflight
-Not ported (llama-server-only: bmc has no such route or field): /tokenize, /detokenize (test_tokenize), /props,
+test_tokenize -> test_tokenize_and_detokenize (vLLM's and llama-server's fields); echo with prompt logprobs (lm-eval's
+  local-completions) -> test_echo_scores_the_prompt_as_the_reference_does.
+Not ported (llama-server-only: bmc has no such route or field): /props,
 /slots, /infill, /embedding, /rerank, lora, tool calls, /apply-template and __verbose
 prompts, assistant prefill, return_progress, timings, response_fields, n_probs/post_sampling_probs/return_tokens,
 test_metrics (cache_n timings, llamacpp: metric names), context shift (bmc refuses), the web UI, X-Api-Key
@@ -388,6 +390,60 @@ def test_json_schema_streams_deltas_that_join_into_valid_json(client):
     assert text == whole.choices[0].message.content
     value = json.loads(text)
     assert value["k"] in ("x", "yy") and 0 <= value["n"] <= 9 and set(value) == {"k", "n"}
+
+
+# ---- echo with prompt logprobs (lm-eval's local-completions); test_tokenize.py ------------------------------------
+def test_echo_scores_the_prompt_as_the_reference_does(server, model):
+    """echo + logprobs + max_tokens 0, as lm-eval's loglikelihood requests send it: the prompt comes back with
+    each token's logprob (the first null) within 1e-4 of HF's log-softmax, its top alternatives, and nothing
+    generated; with max_tokens 3 the completion follows the prompt."""
+    import torch
+
+    from .conftest import hf
+
+    ids = model.tokenizer.encode(MEANING)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(model.path)(torch.tensor([ids])).logits[0].float(), dim=-1)
+    r = post(server, COMPLETIONS, {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice, usage = body["choices"][0], body["usage"]
+    assert choice["text"] == model.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < 1e-4, j
+        top = lp["top_logprobs"][j]
+        assert len(top) == 2 and abs(max(top.values()) - float(ref[j - 1].max())) < 1e-4
+    want = bmc.generate(model, [MEANING], max_new_tokens=3, ignore_eos=True)[0]
+    r = post(server, COMPLETIONS, {"prompt": MEANING, "echo": True, "max_tokens": 3, "logprobs": 1, "temperature": 0,
+                                   "ignore_eos": True})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == MEANING + want.text and len(choice["logprobs"]["tokens"]) == len(ids) + 3
+    assert choice["logprobs"]["token_logprobs"][1:len(ids)] == lp["token_logprobs"][1:]
+
+
+@pytest.mark.parametrize("extra, field", [({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo")])
+def test_echo_misuse_is_refused(server, extra, field):
+    assert field in openai_error(post(server, COMPLETIONS, {"prompt": MEANING, **extra}), 400, field)["message"]
+
+
+def test_tokenize_and_detokenize(server, model):
+    tok = model.tokenizer
+    for body in ({"prompt": MEANING}, {"content": MEANING}, {"prompt": MEANING, "add_special_tokens": False}):
+        r = post(server, "/tokenize", body)
+        assert r.status_code == 200, r.text
+        want = tok.encode(MEANING, add_special_tokens=body.get("add_special_tokens", True))
+        assert r.json()["tokens"] == want and r.json()["count"] == len(want) and r.json()["max_model_len"] == CTX
+    r = post(server, "/tokenize", {"messages": BOOK})
+    assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(BOOK, add_generation_prompt=True))
+    r = post(server, "/detokenize", {"tokens": tok.encode(MEANING, add_special_tokens=False)})
+    assert r.json()["prompt"] == r.json()["content"] == MEANING
+    assert "tokens" in openai_error(post(server, "/detokenize", {"tokens": [10**6]}), 400, "tokens")["message"]
+    assert openai_error(post(server, "/tokenize", {"prompt": "a", "content": "b"}), 400)["message"]
+    assert post(server, "/tokenize", {"prompt": "a"}, headers={}).status_code == 401
 
 
 # ---- test_completion.py's test_logit_bias; penalties -----------------------------------------------------------------

@@ -36,7 +36,8 @@ from .engine import EngineThread, RequestGroup
 from .gate import RequestGate
 from .metrics import ServerMetrics
 from .protocol import (CHAT_RESPONSES, COMPLETION_RESPONSES, ERRORS, APIError, ChatCompletionRequest,
-                       CompletionRequest, ModelCard, ModelList, ParsedRequest, parse_request, validation_message)
+                       CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ParsedRequest, TokenizeRequest,
+                       detokenize, parse_request, tokenize, validation_message)
 
 log = logging.getLogger("bmc.server")
 from .limits import DEFAULT_MAX_BODY_BYTES
@@ -235,6 +236,16 @@ def build_app(opts: ServeOptions) -> FastAPI:
             raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
         return JSONResponse(card(model_id))
 
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
+        model, scheduler, _ = state.require_ready()
+        return JSONResponse(await asyncio.to_thread(tokenize, body, model, scheduler.max_length))
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        model, _, _ = state.require_ready()
+        return JSONResponse(await asyncio.to_thread(detokenize, body, model))
+
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serve(body, request)
@@ -255,7 +266,7 @@ def build_app(opts: ServeOptions) -> FastAPI:
         group = RequestGroup(state.engine, asyncio.get_running_loop())
         try:
             group.submit(parsed.prompts, parsed.gen, parsed.logprobs, cache_salt=parsed.cache_salt,
-                         cache_prompt=parsed.cache_prompt)
+                         cache_prompt=parsed.cache_prompt, score_prompt=parsed.echo and parsed.logprobs is not None)
         except (QueueFullError, EngineStoppedError) as e:
             raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
         except InvalidRequestError as e:
@@ -301,9 +312,9 @@ class Run:
     @property
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.p.prompts)
+        completion = 0 if self.p.echo_only else self.completion_tokens  # echo only: the token computed is not sent
         cached = sum(req.cached_tokens for req in self.group.requests)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}  # OpenAI's: found in the prefix cache
 
     async def outputs(self) -> AsyncIterator[tuple[int, TokenOutput]]:
@@ -375,6 +386,8 @@ class Run:
             raise
         except Exception as e:
             raise APIError(500, f"the request failed: {type(e).__name__}: {e}") from None
+        if self.p.echo:
+            text, lps = self._echo(text, lps)
         choices = []
         for i in range(self.total):
             c: dict[str, Any] = {"index": i, "logprobs": lps.get(i), "finish_reason": self.finished.get(i)}
@@ -385,6 +398,41 @@ class Run:
             choices.append(c)
         return {"id": self.id, "object": "chat.completion" if self.p.chat else "text_completion",
                 "created": self.created, "model": self.name, "choices": choices, "usage": self.usage}
+
+    def _echo(self, text: dict[int, str], lps: dict[int, Any]) -> tuple[dict[int, str], dict[int, Any]]:
+        """The prompt before each choice's completion (OpenAI's echo); with logprobs, its tokens first, the first
+        one's logprob null (nothing predicts it), as lm-eval's local-completions reads them. max_tokens 0: the
+        prompt alone, finish_reason "length"."""
+        assert self.p.prompt_texts is not None
+        out_text, out_lps = {}, {}
+        for i in range(self.total):
+            prompt_index = i // self.n
+            req = self.group.requests[prompt_index]
+            gen_text = "" if self.p.echo_only else text[i]
+            out_text[i] = self.p.prompt_texts[prompt_index] + gen_text
+            if self.p.echo_only:
+                self.finished[i] = "length"
+            if self.p.logprobs is None:
+                continue
+            ids = self.p.prompts[prompt_index]
+            acc: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            offset = 0
+            scored = req.prompt_logprobs or []
+            tops = req.prompt_top_logprobs
+            for j, tid in enumerate(ids):
+                acc["tokens"].append(self._token_text(tid))
+                acc["token_logprobs"].append(None if j == 0 else scored[j - 1])
+                acc["top_logprobs"].append(None if j == 0 else {self._token_text(t): lp for t, lp in tops[j - 1]}
+                                           if tops else {})
+                acc["text_offset"].append(offset)
+                offset += len(self.model.tokenizer.decode([tid]) if self.model.tokenizer else "")
+            if not self.p.echo_only and i in lps:
+                gen = lps[i]
+                for key in ("tokens", "token_logprobs", "top_logprobs"):
+                    acc[key].extend(gen[key])
+                acc["text_offset"].extend(len(self.p.prompt_texts[prompt_index]) + o for o in gen["text_offset"])
+            out_lps[i] = acc
+        return out_text, out_lps
 
     # ---- streaming ------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:

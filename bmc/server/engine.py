@@ -117,12 +117,14 @@ class RequestGroup:
         return emit
 
     def submit(self, prompts: list[list[int]], gen: GenerationConfig, logprobs: int | None, *,
-               cache_salt: str | None = None, cache_prompt: bool = True) -> None:
-        """Queue every prompt; if one is refused (queue full, too long) the ones already queued are aborted."""
+               cache_salt: str | None = None, cache_prompt: bool = True, score_prompt: bool = False) -> None:
+        """Queue every prompt; if one is refused (queue full, too long) the ones already queued are aborted.
+        score_prompt: each prompt token's logprob (and the top `logprobs`) is kept (echo with logprobs)."""
         try:
             for i, ids in enumerate(prompts):
                 req = Request(ids, gen, self._emitter(i), logprobs=logprobs, device=self.scheduler.model.device,
-                              cache_salt=cache_salt, cache_prompt=cache_prompt)
+                              cache_salt=cache_salt, cache_prompt=cache_prompt, prompt_logprobs=score_prompt,
+                              prompt_top=logprobs or 0)
                 self.scheduler.add(req)
                 self.requests.append(req)
         except Exception:

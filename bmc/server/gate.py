@@ -22,8 +22,11 @@ def is_json(content_type: str) -> bool:
     return m.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json"))
 
 
+GATED = ("/v1", "/tokenize", "/detokenize")  # what the key and the body checks cover (/health, /metrics are open)
+
+
 class RequestGate:
-    """401 without `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 says) on /v1 routes when a key is
+    """401 without `Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 says) on GATED routes when a key is
     set; 415 for a POST whose body is declared as anything but JSON (a missing content type is read as JSON);
     413 for a body over `max_body_bytes`, at once when Content-Length says so, else as soon as the bytes read pass
     it (an HTTPException the app's handler answers). CORS preflights (OPTIONS) pass: the CORS middleware outside
@@ -35,7 +38,7 @@ class RequestGate:
         self.key = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or not scope["path"].startswith(GATED) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}

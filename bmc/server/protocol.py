@@ -110,7 +110,7 @@ class _Sampling(_Body):
     """Fields common to both routes."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0: only with echo (the prompt scored, nothing generated)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1.0")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 = off")
@@ -284,6 +284,55 @@ COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"model": Completi
 CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"model": ChatCompletionResponse, "content": SSE}, **ERRORS}
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize (`prompt`, or chat `messages`) and llama-server's (`content`, `add_special`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(body: TokenizeRequest, model: Model, context: int) -> dict[str, Any]:
+    """{"count", "max_model_len", "tokens"} (vLLM's answer; llama-server's `tokens` is in it)."""
+    given = [f for f in ("prompt", "content", "messages") if getattr(body, f) is not None]
+    if len(given) != 1:
+        raise bad("give one of prompt, content (text) or messages (a chat)", given[1] if given else "prompt")
+    tok = model.tokenizer
+    if tok is None:
+        raise bad("this model has no tokenizer")
+    try:
+        if body.messages is not None:
+            ids = tok.encode(_render_chat(body.messages, model, body.add_generation_prompt is not False))
+        else:
+            special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
+            ids = tok.encode(body.prompt if body.prompt is not None else body.content or "",
+                             add_special_tokens=special is not False)
+    except BmcError as e:
+        raise bad(str(e), given[0]) from None
+    return {"count": len(ids), "max_model_len": context, "tokens": ids}
+
+
+def detokenize(body: DetokenizeRequest, model: Model) -> dict[str, Any]:
+    """{"prompt"} (vLLM's) and {"content"} (llama-server's): the same text."""
+    V = model.config.vocab_size
+    bad_ids = [t for t in body.tokens if not 0 <= t < V]
+    if bad_ids:
+        raise bad(f"tokens outside [0, {V}): {bad_ids[:8]}", "tokens")
+    if model.tokenizer is None:
+        raise bad("this model has no tokenizer")
+    text = model.tokenizer.decode(body.tokens)
+    return {"prompt": text, "content": text}
+
+
 # ---- a checked body -> bmc's request ------------------------------------------------------------------------------
 @dataclass
 class ParsedRequest:
@@ -296,13 +345,18 @@ class ParsedRequest:
     model_name: str  # the served name the client asked for (answered back as `model`)
     cache_salt: str | None = None
     cache_prompt: bool = True
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion (with its logprobs if asked)
+    echo_only: bool = False  # max_tokens 0 with echo: one token is computed and not returned
+    prompt_texts: list[str] | None = None  # the prompts as the client wrote them (echo), where they were text
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
     """Fields with an effect bmc does not implement: refused when set to anything but their no-op value."""
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise bad("echo is not supported by bmc-serve", "echo")
+        if body.echo and body.stream:
+            raise bad("echo with stream=true is not supported by bmc-serve (echo without streaming is)", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise bad("max_tokens=0 needs echo=true (it scores the prompt and generates nothing)", "max_tokens")
         if body.suffix:
             raise bad("suffix is not supported by bmc-serve", "suffix")
         if body.best_of is not None and body.best_of != (body.n or 1):
@@ -363,8 +417,13 @@ def _prompts(body: CompletionRequest, model: Model) -> list[list[int]]:
 
 
 def _chat_prompt(body: ChatCompletionRequest, model: Model) -> list[int]:
+    return encode_prompts(model, [_render_chat(body.messages, model)], chat=False)[0]
+
+
+def _render_chat(messages: list[ChatMessage], model: Model, add_generation_prompt: bool = True) -> str:
+    """The messages through the model's chat template."""
     clean = []
-    for m in body.messages:
+    for m in messages:
         content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
         message = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
@@ -373,10 +432,9 @@ def _chat_prompt(body: ChatCompletionRequest, model: Model) -> list[int]:
     if model.tokenizer is None:
         raise bad("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
-        text = model.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        return model.tokenizer.apply_chat_template(clean, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
         raise bad(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return encode_prompts(model, [text], chat=False)[0]
 
 
 def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model, served_names: list[str], *,
@@ -396,7 +454,8 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
         max_tokens = body.max_completion_tokens or body.max_tokens
     else:
         logprobs = body.logprobs
-        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        # max_tokens 0 (echo only): one token is computed, as a prompt's last logits are, and not returned
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     n = body.n or 1
     if n > max_num_seqs:
         raise bad(f"n={n} exceeds the server's --max-num-seqs={max_num_seqs}", "n")
@@ -439,9 +498,15 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
         field = str(e).split(" ", 1)[0]
         raise bad(str(e), field if field in type(body).model_fields else None) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    texts = None
+    if echo:
+        items = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
+        texts = [x if isinstance(x, str) else model.tokenizer.decode(x) if model.tokenizer else "" for x in items]
     return ParsedRequest(prompts, gen, bool(body.stream), include_usage, logprobs, chat,
                          body.model if body.model is not None else served_names[0], body.cache_salt,
-                         body.cache_prompt is not False)
+                         body.cache_prompt is not False, echo=echo, echo_only=echo and body.max_tokens == 0,
+                         prompt_texts=texts)
 
 
 UNSUPPORTED = {
