@@ -31,13 +31,15 @@ SCHEMAS = {
             "tags": {"type": "array", "items": {"type": "string", "enum": ["new", "sale", "gift"]}}},
             "required": ["sku", "qty", "tags"]}},
         "total": {"type": "number"}}, "required": ["items", "total"]},
-               {"items": [{"sku": "A-1", "qty": 2, "tags": ["new"]}, {"sku": "B-22", "qty": 1, "tags": ["sale", "gift"]}],
+               {"items": [{"sku": "A-1", "qty": 2, "tags": ["new"]},
+                          {"sku": "B-22", "qty": 1, "tags": ["sale", "gift"]}],
                 "total": 31.5}),
     "any-json": ({"type": "object"}, {"ok": True, "values": [1, 2, 3], "note": "free-form object"}),
 }
 
 
-def walk_llguidance(tok_json: str, vocab: int, eos: list[int], schema: dict, tokens: list[int]) -> tuple[float, list[float]]:
+def walk_llguidance(tok_json: str, vocab: int, eos: list[int], schema: dict,
+                    tokens: list[int]) -> tuple[float, list[float]]:
     import llguidance
     import llguidance.torch as llt
 

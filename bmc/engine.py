@@ -299,10 +299,12 @@ def encode_prompts(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]
                     raise TypeError("bool")
                 ids = [operator.index(t) for t in p]
             except TypeError:
+                listed = isinstance(p, Sequence) and len(p) > 0
                 kind = ("a conversation (a list of messages) needs chat=True"
-                        if isinstance(p, Sequence) and p and all(isinstance(m, dict) for m in p) else
-                        f"got {type(p).__name__}" + (f" of {type(p[0]).__name__}" if isinstance(p, Sequence) and p else ""))
-                raise InvalidRequestError(f"prompt {i} must be a string or a list of token ids (ints): {kind}") from None
+                        if listed and all(isinstance(m, dict) for m in p) else
+                        f"got {type(p).__name__}" + (f" of {type(p[0]).__name__}" if listed else ""))
+                raise InvalidRequestError(
+                    f"prompt {i} must be a string or a list of token ids (ints): {kind}") from None
             if not ids:
                 raise InvalidRequestError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= t < model.config.vocab_size]

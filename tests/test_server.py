@@ -382,7 +382,9 @@ def test_ctx_size_caps_what_a_request_may_ask_and_is_reported(tiny_dir, model):
     gets generate()'s tokens, one beyond gets a 400 naming the flag, /v1/models reports the cap."""
     srv = ServerProcess(["--model", str(tiny_dir), "-c", "40", "--max-num-seqs", "2", "--served-model-name", "tiny"])
     try:
-        assert httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 40
+        card = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
+        assert card["max_model_len"] == 40
+        assert "json_schema" in card["capabilities"]["structured_outputs"] and card["capabilities"]["echo"]
         prompt = [5, 17, 33, 80, 101, 7, 9]
         ok = httpx.post(srv.url + "/v1/completions", timeout=60,
                         json={"model": "tiny", "prompt": prompt, "max_tokens": 33, "temperature": 0})

@@ -35,7 +35,7 @@ from ..scheduler import EngineStoppedError, QueueFullError, Scheduler, TokenOutp
 from .engine import EngineThread, RequestGroup
 from .gate import RequestGate
 from .metrics import ServerMetrics
-from .protocol import (CHAT_RESPONSES, COMPLETION_RESPONSES, ERRORS, APIError, ChatCompletionRequest,
+from .protocol import (CAPABILITIES, CHAT_RESPONSES, COMPLETION_RESPONSES, ERRORS, APIError, ChatCompletionRequest,
                        CompletionRequest, DetokenizeRequest, ModelCard, ModelList, ParsedRequest, TokenizeRequest,
                        detokenize, parse_request, tokenize, validation_message)
 
@@ -223,7 +223,8 @@ def build_app(opts: ServeOptions) -> FastAPI:
     def card(name: str) -> dict[str, Any]:
         model, scheduler, _ = state.require_ready()
         return {"id": name, "object": "model", "created": state.created, "owned_by": "bmc",
-                "max_model_len": scheduler.max_length, "kv_cache_dtype": scheduler.cache.format.name}
+                "max_model_len": scheduler.max_length, "kv_cache_dtype": scheduler.cache.format.name,
+                "capabilities": CAPABILITIES}
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models() -> JSONResponse:

@@ -267,6 +267,14 @@ class ModelCard(BaseModel):
     owned_by: str
     max_model_len: int
     kv_cache_dtype: str
+    capabilities: dict[str, Any]  # what a client may ask of this server beyond plain text (CAPABILITIES)
+
+
+# /v1/models' `capabilities`: the request fields beyond plain completions that this server implements
+CAPABILITIES: dict[str, Any] = {
+    "structured_outputs": ["json_object", "json_schema", "regex", "grammar"], "echo": True, "logprobs": True,
+    "sampling": ["temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias"], "tokenize": True, "tools": False}
 
 
 class ModelList(BaseModel):
@@ -482,7 +490,8 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
                                   min_p=body.min_p or None, seed=body.seed % 2**63 if body.seed is not None else None,
                                   presence_penalty=body.presence_penalty or 0.0,
                                   frequency_penalty=body.frequency_penalty or 0.0,
-                                  repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                                  repetition_penalty=(1.0 if body.repetition_penalty is None
+                                                      else body.repetition_penalty),
                                   logit_bias=_logit_bias(body.logit_bias, model.config.vocab_size))
         sampling.check_vocab(model.config.vocab_size)
         spec, source = _grammar(body)
