@@ -362,6 +362,30 @@ def test_native_step_over_a_cache_growing_in_place_equals_a_contiguous_one(gqa_d
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_build_reads_its_headers_from_its_own_directory(tmp_path, monkeypatch):
+    """The wing headers a source includes are copied into the build directory and included from there, so no path
+    of this install reaches the compiler's arguments (torch's versioner hashes them: two installs of the same
+    sources would otherwise rebuild each other's kernel)."""
+    import bmc.kernels as kernels
+
+    wing = tmp_path / "pkg" / "cpu"
+    wing.mkdir(parents=True)
+    (wing / "simd.h").write_text('#include "cpu/ops.h"\n// simd\n')
+    (wing / "ops.h").write_text("// ops\n")
+    (wing / "unused.h").write_text("// included by nothing\n")
+    source = tmp_path / "pkg" / "step.cpp"
+    source.write_text('#include "cpu/simd.h"\n')
+    monkeypatch.setattr(kernels, "WING", str(wing))
+    build = tmp_path / "build"
+    folder = kernels.write_wing(str(build), str(source))
+    assert folder == str(build / "wing")
+    assert sorted(p.name for p in (build / "wing" / "cpu").iterdir()) == ["ops.h", "simd.h"]
+    assert (build / "wing" / "cpu" / "simd.h").read_text() == '#include "cpu/ops.h"\n// simd\n'
+    (wing / "ops.h").write_text("// ops v2\n")  # a new source is a new build name; its directory gets the new text
+    kernels.write_wing(str(build), str(source))
+    assert (build / "wing" / "cpu" / "ops.h").read_text() == "// ops v2\n"
+
+
 def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
     """A kernel build's name hashes its source, every header of the wing and the flags: changing any of them names
     another build, so a stale one in the cache is never loaded (no hand-bumped version)."""

@@ -66,20 +66,37 @@ def generated_headers() -> dict[str, str]:
     return {"block_kinds.h": cpp_header()}
 
 
+def _write(path: str, text: str) -> None:
+    """`text` at `path` unless it is there already; atomic: a build beside this one never reads half a header."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_generated(build_dir: str) -> str:
     """The generated headers written under `build_dir`/generated; returns that folder (an include path)."""
     folder = os.path.join(build_dir, "generated")
-    os.makedirs(folder, exist_ok=True)
     for header, text in generated_headers().items():
-        path = os.path.join(folder, header)
-        if os.path.exists(path):
-            with open(path) as f:
-                if f.read() == text:
-                    continue
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # atomic: a build beside this one never reads half a header
+        _write(os.path.join(folder, header), text)
+    return folder
+
+
+def write_wing(build_dir: str, source_file: str) -> str:
+    """The wing headers the source includes, copied under `build_dir`/wing/cpu; returns `build_dir`/wing (an
+    include path). The build then names no path of this install: torch's extension versioner hashes the include
+    paths, so two installs of the same sources (a clone and a CI checkout) share one build instead of rebuilding
+    each other's (the build directory is named by the sources' hash, `build_name`)."""
+    folder = os.path.join(build_dir, "wing")
+    root = os.path.dirname(WING)
+    for path in sources_of(source_file)[1:]:
+        with open(path) as f:
+            _write(os.path.join(folder, os.path.relpath(path, root)), f.read())
     return folder
 
 
@@ -105,7 +122,7 @@ def build(stem: str, source_file: str, functions: list[str] | None, switch: str)
             sys.stderr.flush()
         with open(source_file) as f:
             source = f.read()
-        includes = [os.path.dirname(WING), write_generated(build_dir)]
+        includes = [write_wing(build_dir, source_file), write_generated(build_dir)]
         _built[stem] = load_inline(name=name, cpp_sources=[source], functions=functions, extra_cflags=cflags(),
                                    extra_ldflags=LDFLAGS, extra_include_paths=includes, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the eager path is exact too, only slower
