@@ -55,6 +55,7 @@ class ChatSession:
     system: str | None = None
     kv: str = "bmc"
     kv_dtype: str = "auto"
+    ctx_size: int | None = None  # the conversation's bound in tokens (None: the model's context; at most that)
     messages: list[dict[str, str]] = field(init=False)
     engine: Scheduler = field(init=False)
     prompt_ids: list[int] = field(init=False)  # the last turn's conversation tokens, up to the assistant's header
@@ -70,6 +71,11 @@ class ChatSession:
                                       "(built in: chatml, llama3, gemma)")
         GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling, kv=self.kv,
                          kv_dtype=self.kv_dtype)  # the same checks as generate()
+        limit = self.model.max_context
+        if self.ctx_size is not None and not (isinstance(self.ctx_size, int) and 2 <= self.ctx_size <= limit):
+            raise InvalidRequestError(f"ctx_size (--ctx-size) must be an integer in [2, {limit}] (the model's "
+                                      f"context), got {self.ctx_size}")
+        self.context = self.ctx_size or limit
         self.eos = eos_ids(self.model)
         self.reset()
 
@@ -100,7 +106,8 @@ class ChatSession:
         per_token = kv_bytes_per_token(m, self.kv_dtype)
         return Scheduler(m, EngineOptions(max_num_seqs=1, max_num_batched_tokens=PREFILL_CHUNK + 1, kv=self.kv,
                                           kv_dtype=self.kv_dtype, prefix_block=1, keep_turns=True,
-                                          prefix_cache_bytes=int(per_token * (m.max_context + 64))))
+                                          prefix_cache_bytes=int(per_token * (self.context + 64)),
+                                          max_length=self.context))
 
     @property
     def context_used(self) -> int:
@@ -121,11 +128,12 @@ class ChatSession:
             ids = self.prompt_ids + self._reply_ids + tok.encode(rendered[len(self._anchor):], add_special_tokens=False)
         else:
             ids = tok.encode(rendered)
-        if len(ids) + 1 > self.model.max_context:
-            raise ContextFullError(f"the conversation has {len(ids)} tokens, the model's context is "
-                                   f"{self.model.max_context}: /reset to start over")
+        if len(ids) + 1 > self.context:
+            whose = "the model's context" if self.context == self.model.max_context else "--ctx-size"
+            raise ContextFullError(f"the conversation has {len(ids)} tokens, {whose} is {self.context}: /reset to "
+                                   "start over")
         self.messages, self.prompt_ids, self._reply_ids = messages, ids, []
-        gen = GenerationConfig(max_new_tokens=min(self.max_new_tokens, self.model.max_context - len(ids)),
+        gen = GenerationConfig(max_new_tokens=min(self.max_new_tokens, self.context - len(ids)),
                                sampling=self.sampling, kv=self.kv, kv_dtype=self.kv_dtype)
         events: collections.deque[TokenOutput | BaseException] = collections.deque()
         request = Request(ids, gen, events.append, device=self.model.device)

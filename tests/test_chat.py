@@ -113,6 +113,21 @@ def test_reset_and_a_full_context(model):
         "".join(chat.turn("   "))
 
 
+def test_ctx_size_bounds_the_conversation_and_its_cache(model):
+    """ctx_size (bmc-chat -c): replies stop at it, a turn beyond it is refused naming the flag, the engine's cache
+    is bounded by it; out of range it is refused."""
+    chat = ChatSession(model, max_new_tokens=200, ctx_size=96)
+    assert chat.engine.max_length == 96
+    reply = "".join(chat.turn("hello"))
+    assert chat.context_used <= 96 and reply == reference(model, [{"role": "user", "content": "hello"}],
+                                                          96 - len(chat.prompt_ids))
+    with pytest.raises(ContextFullError, match="--ctx-size is 96"):
+        "".join(chat.turn("word " * 60))
+    for bad in (1, model.max_context + 1):
+        with pytest.raises(InvalidRequestError, match="--ctx-size"):
+            ChatSession(model, ctx_size=bad)
+
+
 def test_a_reply_stopped_early_is_kept_and_the_next_turn_is_exact(model):
     chat = ChatSession(model, max_new_tokens=20)
     stream = chat.turn("tell me a story")
@@ -188,7 +203,7 @@ def test_the_cli_refuses_bad_flags_in_one_line():
     from .conftest import run_side_by_side
 
     cases = ((["--threads", "0"], "--threads"), (["--temperature", "nan"], "finite"), (["--kv", "nope"], "unknown --kv"),
-             (["--model", "/nonexistent/x.gguf"], ""))
+             (["--model", "/nonexistent/x.gguf"], ""), (["-c", "1"], "--ctx-size"))
     procs = run_side_by_side([[sys.executable, "-m", "bmc.cli.chat", *flags] for flags, _ in cases])
     for (flags, message), proc in zip(cases, procs):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("-n", "--max-new-tokens", type=int, default=512, help="longest reply in tokens (default 512)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="the conversation's bound in tokens, and so the KV cache's (default: the model's context; "
+                   "at most that)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -76,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if args.kv not in KV_STRATEGIES:
         fail(f"unknown --kv {args.kv!r}; choose from {', '.join(KV_STRATEGIES)}")
+    if args.ctx_size is not None and args.ctx_size < 2:  # before the model loads (its upper bound: after)
+        fail(f"--ctx-size must be >= 2 (a prompt token and one to generate), got {args.ctx_size}")
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         model = load(args.model, dtype=args.dtype, device=args.device,
@@ -84,10 +89,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if template is not None and model.tokenizer is not None:
             model.tokenizer.chat_template = template
         session = ChatSession(model, max_new_tokens=args.max_new_tokens, sampling=sampling, system=args.system,
-                              kv=args.kv, kv_dtype=args.kv_dtype)
+                              kv=args.kv, kv_dtype=args.kv_dtype, ctx_size=args.ctx_size)
     except (BmcError, OSError, ValueError) as e:
         fail(str(e))
-    print(f"bmc-chat: {model.path} ({model.config.num_layers} layers, context {model.max_context}); {HELP}",
+    print(f"bmc-chat: {model.path} ({model.config.num_layers} layers, context {session.context}); {HELP}",
           file=sys.stderr, flush=True)
     try:
         import readline  # noqa: F401  (line editing and history for input())
