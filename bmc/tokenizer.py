@@ -79,8 +79,10 @@ class Tokenizer:
             return self.backend.DecodeIds(ids)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (jinja2, as HF transformers does). Raises if the model has none."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **variables: Any) -> str:
+        """Render the model's chat template (jinja2, as HF transformers does; `variables` such as `tools` are the
+        template's too). Raises if the model has none."""
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template: give one with --chat-templa"
                                  "te NAME|FILE (built in: chatml, llama3, gemma; in Python, model.tokenizer.chat_template = bmc.chat_templates.chat_template(NAME))")
@@ -98,6 +100,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **variables,
         )
 
 

@@ -27,7 +27,7 @@ matches regexes over a trained model's text. Ported, llama.cpp file: its tests -
 test_tokenize -> test_tokenize_and_detokenize (vLLM's and llama-server's fields); echo with prompt logprobs (lm-eval's
   local-completions) -> test_echo_scores_the_prompt_as_the_reference_does.
 Not ported (llama-server-only: bmc has no such route or field): /props,
-/slots, /infill, /embedding, /rerank, lora, tool calls, /apply-template and __verbose
+/slots, /infill, /embedding, /rerank, lora, /apply-template and __verbose
 prompts, assistant prefill, return_progress, timings, response_fields, n_probs/post_sampling_probs/return_tokens,
 test_metrics (cache_n timings, llamacpp: metric names), context shift (bmc refuses), the web UI, X-Api-Key
 (Anthropic's header), media paths, host families, split-GGUF downloads, router and stream-resume tests.
@@ -444,6 +444,76 @@ def test_tokenize_and_detokenize(server, model):
     assert "tokens" in openai_error(post(server, "/detokenize", {"tokens": [10**6]}), 400, "tokens")["message"]
     assert openai_error(post(server, "/tokenize", {"prompt": "a", "content": "b"}), 400)["message"]
     assert post(server, "/tokenize", {"prompt": "a"}, headers={}).status_code == 401
+
+
+# ---- test_tool_call.py: tools, tool_choice, a two-step loop -------------------------------------------------------
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 10}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_and_its_answer(client, stream, choice):
+    """tool_choice required (or the function by name): the reply is a call whose arguments parse and validate,
+    finish_reason tool_calls, streamed as OpenAI streams it; the call and the tool's result sent back render and
+    get an answer."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice=choice,
+                                       max_tokens=150, temperature=0, stream=stream)
+    if stream:
+        chunks = list(r)
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(deltas) == 1 and finish == ["tool_calls"]
+        call = deltas[0].tool_calls[0]
+        assert call.index == 0
+    else:
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        call = r.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    final = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert final.choices[0].message.tool_calls is None and isinstance(final.choices[0].message.content, str)
+
+
+def test_tools_render_into_the_prompt_and_auto_replies_stay_text_when_no_call_parses(server, model):
+    """With tools (auto) the prompt carries them (more prompt tokens than without); the tiny model's reply holds no
+    call, so it comes back as text with finish_reason stop, streamed or not, and equal to generate() on the same
+    rendering."""
+    from bmc.tools import render_messages
+
+    base = {"messages": BOOK, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = post(server, CHAT, base).json()
+    with_tools = post(server, CHAT, {**base, "tools": [WEATHER_TOOL]}).json()
+    assert with_tools["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    rendered, _ = render_messages([dict(m) for m in BOOK], [WEATHER_TOOL], template_has_tools=False)
+    want = bmc.generate(model, [model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)],
+                        max_new_tokens=8, ignore_eos=True)[0].text
+    choice = with_tools["choices"][0]
+    assert choice["message"]["content"] == want and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"messages": [{"role": "tool", "tool_call_id": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    ({"functions": [{"name": "f"}]}, "functions")])
+def test_bad_tool_requests_get_a_400_naming_the_field(server, extra, field):
+    r = post(server, CHAT, {"messages": BOOK, "max_tokens": 4, **extra})
+    assert field in openai_error(r, 400)["message"] + str(r.json()["error"].get("param")), r.text
 
 
 # ---- test_completion.py's test_logit_bias; penalties -----------------------------------------------------------------

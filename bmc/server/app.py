@@ -32,6 +32,7 @@ from ..engine_options import EngineOptions
 from ..errors import InvalidRequestError
 from ..models import Model
 from ..scheduler import EngineStoppedError, QueueFullError, Scheduler, TokenOutput
+from ..tools import parse_tool_calls
 from .engine import EngineThread, RequestGroup
 from .gate import RequestGate
 from .metrics import ServerMetrics
@@ -394,6 +395,10 @@ class Run:
             c: dict[str, Any] = {"index": i, "logprobs": lps.get(i), "finish_reason": self.finished.get(i)}
             if self.p.chat:
                 c["message"] = {"role": "assistant", "content": text[i]}
+                calls = self._tool_calls(i, text[i])
+                if calls is not None:
+                    c["message"]["content"], c["message"]["tool_calls"] = calls
+                    c["finish_reason"] = "tool_calls"
             else:
                 c["text"] = text[i]
             choices.append(c)
@@ -435,6 +440,13 @@ class Run:
             out_lps[i] = acc
         return out_text, out_lps
 
+    def _tool_calls(self, index: int, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """(the content left, OpenAI's tool_calls) when a finished reply of a request with tools holds calls."""
+        if self.p.tool_names is None or self.finished.get(index) != "stop":
+            return None
+        rest, calls = parse_tool_calls(text, self.p.tool_names)
+        return (rest, [c.as_openai() for c in calls]) if calls else None
+
     # ---- streaming ------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.p.chat else "text_completion",
@@ -461,6 +473,23 @@ class Run:
             events.append(self._chunk([self._choice(index, "", None, out.finish_reason)]))
         return "".join(events)
 
+    def _held_reply(self, index: int, text: str, finish_reason: str) -> str:
+        """A held reply's chunks: its tool calls as one delta (OpenAI's shape, each call with its index, id, name
+        and whole arguments) or its text; then the finish chunk."""
+        calls = self._tool_calls(index, text)
+        if calls is None:
+            delta: dict[str, Any] = {"content": text} if text else {}
+        else:
+            rest, tool_calls = calls
+            delta = {"content": rest} if rest else {}
+            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(tool_calls)]
+            finish_reason = "tool_calls"
+        events = []
+        if delta:
+            events.append(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        events.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]))
+        return "".join(events)
+
     def _choice(self, index: int, text: str, lp: Any, finish_reason: str | None) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": finish_reason}
         if self.p.chat:
@@ -479,10 +508,15 @@ class Run:
                                         "logprobs": None, "finish_reason": None}])
             offsets: dict[int, int] = {}
             pending: list[str] = []  # the events of one engine step go out in one write
+            held: dict[int, str] = {}  # with tools, each reply is held until it ends: it may be a call
             try:
                 async for index, out in self.outputs():
+                    if self.p.tool_names is not None:
+                        held[index] = held.get(index, "") + out.text
+                        if out.finish_reason is not None:
+                            pending.append(self._held_reply(index, held.pop(index), out.finish_reason))
                     # nothing to show for a pending multi-byte character or possible stop string (unless logprobs)
-                    if out.text or out.finish_reason is not None or self.p.logprobs is not None:
+                    elif out.text or out.finish_reason is not None or self.p.logprobs is not None:
                         pending.append(self._stream_event(index, out, offsets))
                     if pending and self.group.queue.empty():
                         yield "".join(pending)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..engine import GenerationConfig, encode_prompts
 from ..errors import BmcError
 from ..grammar import GrammarSpec, check_grammar
+from ..tools import forced_call_grammar, render_messages, template_reads_tools
 from ..models import Model
 from ..sampling import SamplingParams
 
@@ -155,10 +156,52 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: NonEmpty
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[TextPart], None] = None  # None only for an assistant's message of tool calls
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may go without)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: NonEmpty
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -166,10 +209,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # accepted at their no-op values only
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    # tool calls (bmc/tools.py): rendered through the chat template, parsed back into tool_calls
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
+    # accepted at their no-op values only (the legacy function-calling fields)
     functions: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     function_call: Literal["none", "auto"] | None = None
     modalities: list[Literal["text"]] | None = None
@@ -274,7 +318,8 @@ class ModelCard(BaseModel):
 CAPABILITIES: dict[str, Any] = {
     "structured_outputs": ["json_object", "json_schema", "regex", "grammar"], "echo": True, "logprobs": True,
     "sampling": ["temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias"], "tokenize": True, "tools": False}
+                 "repetition_penalty", "logit_bias"], "tokenize": True, "tools": True,
+    "tool_choice": ["none", "auto", "required", "function"]}
 
 
 class ModelList(BaseModel):
@@ -356,6 +401,7 @@ class ParsedRequest:
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (with its logprobs if asked)
     echo_only: bool = False  # max_tokens 0 with echo: one token is computed and not returned
     prompt_texts: list[str] | None = None  # the prompts as the client wrote them (echo), where they were text
+    tool_names: set[str] | None = None  # chat with tools: the replies are parsed into tool_calls (bmc/tools.py)
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
@@ -390,6 +436,13 @@ def _grammar(body: _Sampling) -> tuple[GrammarSpec | None, str | None]:
         given.append(("grammar", GrammarSpec("gbnf", body.grammar)))
     if body.regex is not None:
         given.append(("regex", GrammarSpec("regex", body.regex)))
+    if isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto"):
+        if not body.tools:
+            raise bad("tool_choice names a tool call but the request has no tools", "tool_choice")
+        name = body.tool_choice.function.name if not isinstance(body.tool_choice, str) else None
+        if name is not None and name not in {t.function.name for t in body.tools}:
+            raise bad(f"tool_choice names {name!r}, which is not one of the request's tools", "tool_choice")
+        given.append(("tool_choice", forced_call_grammar(_active_tools(body) or [], name)))
     if len(given) > 1:
         raise bad(f"give one output constraint, not {' and '.join(f for f, _ in given)}", given[1][0])
     return (given[0][1], given[0][0]) if given else (None, None)
@@ -425,22 +478,40 @@ def _prompts(body: CompletionRequest, model: Model) -> list[list[int]]:
 
 
 def _chat_prompt(body: ChatCompletionRequest, model: Model) -> list[int]:
-    return encode_prompts(model, [_render_chat(body.messages, model)], chat=False)[0]
+    tools = _active_tools(body)
+    return encode_prompts(model, [_render_chat(body.messages, model, tools=tools)], chat=False)[0]
 
 
-def _render_chat(messages: list[ChatMessage], model: Model, add_generation_prompt: bool = True) -> str:
-    """The messages through the model's chat template."""
+def _active_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as plain dicts, unless there are none or tool_choice is "none"."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def _render_chat(messages: list[ChatMessage], model: Model, add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> str:
+    """The messages (and tools) through the model's chat template (bmc/tools.py when the template has no tools)."""
     clean = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
-        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+            part.text for part in m.content)
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         clean.append(message)
     if model.tokenizer is None:
         raise bad("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    has_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in clean)
+    variables: dict[str, Any] = {}
+    if tools or has_tools:
+        clean, variables = render_messages(clean, tools, template_reads_tools(model.tokenizer.chat_template))
     try:
-        return model.tokenizer.apply_chat_template(clean, add_generation_prompt=add_generation_prompt)
+        return model.tokenizer.apply_chat_template(clean, add_generation_prompt=add_generation_prompt, **variables)
     except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
         raise bad(f"the model's chat template rejected the messages: {e}", "messages") from None
 
@@ -515,14 +586,14 @@ def parse_request(body: CompletionRequest | ChatCompletionRequest, model: Model,
     return ParsedRequest(prompts, gen, bool(body.stream), include_usage, logprobs, chat,
                          body.model if body.model is not None else served_names[0], body.cache_salt,
                          body.cache_prompt is not False, echo=echo, echo_only=echo and body.max_tokens == 0,
-                         prompt_texts=texts)
+                         prompt_texts=texts,
+                         tool_names=({t.function.name for t in body.tools} if isinstance(body, ChatCompletionRequest)
+                                     and _active_tools(body) else None))
 
 
 UNSUPPORTED = {
-    "tools": "tools (function calling) are not supported by bmc-serve",
-    "functions": "functions (function calling) are not supported by bmc-serve",
-    "tool_choice": "tool_choice other than none/auto is not supported by bmc-serve (no tools)",
-    "function_call": "function_call other than none/auto is not supported by bmc-serve (no tools)",
+    "functions": "functions (legacy function calling) are not supported by bmc-serve: use tools",
+    "function_call": "function_call other than none/auto is not supported by bmc-serve: use tool_choice",
     "response_format": "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "modalities": "modalities other than [\"text\"] are not supported by bmc-serve",
