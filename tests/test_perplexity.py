@@ -89,10 +89,13 @@ def test_a_scored_chunk_keeps_only_its_last_logits():
 
     from bmc.scheduler import Scheduler
 
-    req = SimpleNamespace(prompt_logprobs=[], prompt_ids=[3, 1, 4, 1, 5, 9], next_logprobs=None)
+    req = SimpleNamespace(prompt_logprobs=[], prompt_ids=[3, 1, 4, 1, 5, 9], next_logprobs=None, prompt_top=2,
+                          prompt_top_logprobs=[])
     logits = torch.randn(1, 6, 50, generator=torch.Generator().manual_seed(0))
     last = Scheduler._score_prompt(SimpleNamespace(request=req, done=0), 6, logits)
     assert torch.equal(last, logits[:, -1]) and last.untyped_storage().nbytes() == 50 * 4
     lp = torch.log_softmax(logits[0], dim=-1)
     assert req.prompt_logprobs == pytest.approx([float(lp[i, req.prompt_ids[i + 1]]) for i in range(5)], abs=1e-6)
     assert torch.equal(req.next_logprobs, lp[-1])
+    top = torch.topk(lp[:5], 2, dim=-1)  # the echo's alternatives: each scored position's two most likely tokens
+    assert [[t for t, _ in pos] for pos in req.prompt_top_logprobs] == top.indices.tolist()
