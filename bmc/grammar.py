@@ -141,8 +141,10 @@ class RowMatcher:
         self.finished = False  # the grammar is complete: nothing but EOS may follow
 
     def _fill(self) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-        fill_next_token_bitmask(self.matcher, self.mask, 0)
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module: it compiles a kernel
+        # with torch.compile at import, which loads dynamo (seconds, in every process that constrains a request)
+        row = self.mask[0]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens as bits (int32 words, llguidance's layout) into bitmask[row]."""

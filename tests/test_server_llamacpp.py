@@ -453,8 +453,9 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "properties": {"city": {"type": "string", "maxLength": 10}}}}}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("stream, choice", [(False, "required"),
+                                           (True, {"type": "function", "function": {"name": "get_weather"}})],
+                         ids=["required", "named-streamed"])
 def test_a_forced_tool_call_and_its_answer(client, stream, choice):
     """tool_choice required (or the function by name): the reply is a call whose arguments parse and validate,
     finish_reason tool_calls, streamed as OpenAI streams it; the call and the tool's result sent back render and
