@@ -5,6 +5,7 @@ it to, so quant="gguf" gives quant="none"'s greedy tokens (and its logits within
 quantizers write the bytes llama.cpp's reference quantizers (as the `gguf` package implements them) write."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -75,11 +76,15 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     _write(path, tied=tied, plan=uniform_plan(qtype), embed_type=qtype)
     mq, mf = bmc.load(path), bmc.load(path, quant="none")  # auto: gguf on a CPU in float32
     assert mq.quant == "gguf" and mf.quant == "none"
-    for lq, lf in zip(mq.linears(), mf.linears()):
+    for lq, lf in zip([lin for lin in mq.linears() if lin is not mq.net.embed_q], mf.linears()):
         if lq.quant is not None:
             assert torch.equal(lq.dense_weight(), lf.dense_weight())
-    assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + 1  # every layer matrix and the head (tied:
-    # the table in the file's type; untied: output.weight, F16 in these files)
+    assert sum(lq.quant is not None for lq in mq.linears()) == 4 * 2 + 1 + (not tied)  # every layer matrix and the
+    # head (tied: the table in the file's type; untied: output.weight, F16 in these files, and the table on its own)
+    if not tied:  # the table kept in the file's type too, its rows dequantized as looked up: gguf's values
+        assert mq.net.embed is None and mq.net.embed_q.quant == kind
+        ids = torch.tensor([0, 5, 17, 99])
+        assert torch.equal(mq.net.embed_q.rows(ids), mf.net.embed[ids])
     assert mq.weight_bytes < 0.6 * mf.weight_bytes  # the matrices 3.8-6.4x smaller; norms and an untied table not
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42], [100, 3, 99, 98, 97, 96]]
     a = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True)
@@ -87,6 +92,26 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     spec = bmc.generate(mq, prompts, max_new_tokens=24, ignore_eos=True, speculative="ngram")
     assert [c.token_ids for c in spec] == [c.token_ids for c in b]
+
+
+def test_an_untied_quantized_table_stays_quantized_in_the_weights_cache(tmp_path, monkeypatch):
+    """An untied token_embd in Q8_0 (Qwen2.5's Q5_0 is widened to Q8_0 blocks) is written to the weights cache as
+    its blocks, not as float32 (4x the bytes), and the mapped model gives the float model's tokens."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(tmp_path / "untied.gguf")
+    _write(path, tied=False, plan=uniform_plan(Q.Q8_0), embed_type=Q.Q8_0)
+    mf = bmc.load(path, quant="none")
+    bmc.load(path, share_weights=True)  # writes the weight file
+    again = bmc.load(path, share_weights=True)  # built from it: nothing dequantized
+    assert getattr(again, "weight_file", None) and again.net.embed is None and again.net.embed_q.quant == "q8_0"
+    table = again.net.embed_q.panels
+    assert table.dtype == torch.int8 and table.numel() < 0.3 * mf.net.embed.numel() * 4  # bytes: ~34/32 a value
+    assert table.untyped_storage().nbytes() == os.path.getsize(again.weight_file)  # a view of the mapping
+    prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42]]
+    want = [c.token_ids for c in bmc.generate(mf, prompts, max_new_tokens=16, ignore_eos=True)]
+    assert [c.token_ids for c in bmc.generate(again, prompts, max_new_tokens=16, ignore_eos=True)] == want
+    int8 = bmc.models.derive.quantize_int8(again)  # the int8-self draft: a float copy of this table, not the head's
+    assert torch.equal(int8.net.embed, mf.net.embed) and int8.net.embed_q is None
 
 
 def test_q4h_panels_hold_fp16_scales_exactly_or_refuse():

@@ -64,8 +64,10 @@ def quantize_int8(model: Model) -> Model:
     """A copy of the model whose matrices are Int8Linear (embeddings, norms and biases stay as they are)."""
     net = copy.copy(model.net)
     net.layers = [copy.copy(layer) for layer in model.net.layers]
-    if getattr(net, "embed", False) is None:  # a quantized tied table read from the LM head's panels: a float copy
-        net.embed = model.net.lm_head.dense_weight().t()
+    if getattr(net, "embed", False) is None:  # a quantized table read from panels (the LM head's, or its own):
+        # a float copy, looked up as a float table is
+        table = getattr(net, "embed_q", None) or model.net.lm_head
+        net.embed, net.embed_q = table.dense_weight().t(), None
     for obj in [net, *net.layers]:
         for name, value in list(vars(obj).items()):
             if isinstance(value, Linear):

@@ -99,11 +99,13 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, w: WeightSource) -> None:
         self.cfg = cfg
         D = cfg.hidden_size
-        embed = w.get_matrix("model.embed_tokens.weight", (cfg.vocab_size, D))
-        self.layers = [LlamaLayer(cfg, w, i) for i in range(cfg.num_layers)]
+        self.layers = [w.finish(f"layers.{i}", LlamaLayer(cfg, w, i)) for i in range(cfg.num_layers)]
         self.norm = w.get("model.norm.weight", (D,))
         if cfg.norm_plus_one:
             self.norm = (1.0 + self.norm.float()).to(self.norm.dtype)
+        # the table after the layers, and each big matrix handed to finish() once made: a streaming first load
+        # (weight_file.stream_first_load) holds one of them at a time
+        embed = w.get_matrix("model.embed_tokens.weight", (cfg.vocab_size, D))
         tied = cfg.tie_word_embeddings or not w.has("lm_head.weight")
         # lm_head is stored [D, V]; a tied embedding table is its transposed view (one copy of the weights), or,
         # quantized, its panels (embed None: embed_tokens dequantizes the rows it looks up)
@@ -114,9 +116,15 @@ class LlamaModel:
                     *([] if tied else [self.lm_head])]:
             if lin.device_q is not None:
                 lin.device_q.gemm_only()  # no row lookups: the int4 GEMM's copy is the only one
-        if not tied:
-            self.embed = embed if isinstance(embed, torch.Tensor) else w.get("model.embed_tokens.weight",
-                                                                            (cfg.vocab_size, D))
+        # an untied table kept as stored (a GGUF's quantized token_embd): a Linear never multiplied by, whose rows
+        # embed_tokens dequantizes as it looks them up (a float32 copy would be 4-8x the file's bytes)
+        self.embed_q: Linear | None = None
+        if not tied and isinstance(embed, torch.Tensor):
+            self.embed = embed
+        elif not tied:
+            w.finish("net", self)
+            self.embed, self.embed_q = None, Linear(w.as_linear(embed))
+        del embed
         self.inv_freq = rope_inv_freq(cfg).to(w.device)
         # Gemma 3's window layers rotate with their own base; None: every layer uses inv_freq
         self.local_inv_freq = rope_inv_freq(cfg, local=True).to(w.device) if cfg.local_rope_theta else None
@@ -129,6 +137,7 @@ class LlamaModel:
                             else None)
         self.native = NativeDecoders()
         self.bf16_prompts = False  # prompt rows in bfloat16 arithmetic on the native step (models.set_activations)
+        w.finish("net", self)
 
     def native_decoder(self) -> Any:
         """The packed C++ decoder for decode/verify steps, or None where it does not apply."""
@@ -187,7 +196,8 @@ class LlamaModel:
         if self.embed is not None:
             x = F.embedding(tokens, self.embed)
         else:
-            x = self.lm_head.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
+            table = self.embed_q if self.embed_q is not None else self.lm_head
+            x = table.rows(tokens.reshape(-1)).view(*tokens.shape, self.cfg.hidden_size)
         if self.embed_scale is not None:  # Gemma
             x = x * self.embed_scale
         return x

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from .ops import Linear
-from .weights import ShapeSource
+from .weights import ShapeSource, WeightSource
 
-FORMAT_VERSION = 4  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits;
-# 4: Q4_0 / Q4_1 in q4h panels (fp16 scales)
+FORMAT_VERSION = 5  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits;
+# 4: Q4_0 / Q4_1 in q4h panels (fp16 scales); 5: an untied quantized embedding kept quantized (net.embed_q)
 MAGIC = b"BMCWEIGHTS\n"
 ALIGN = 4096  # page-aligned tensors: the mapping hands out whole pages
 
@@ -177,22 +177,131 @@ def load_mapped(source: str, dtype: torch.dtype, quant: str = "none") -> Any | N
     return model
 
 
+class StreamingSource(WeightSource):
+    """A WeightSource that writes each finished part of the model (a layer, then the net's own tensors: finish())
+    into the weight file being written, where the shape model's layout puts it, and leaves the part zero-byte
+    placeholders of the same shapes: a first load holds one layer's panels at a time, not the model's, and the
+    mapping of the finished file replaces the placeholders (stream_first_load)."""
+
+    def __init__(self, tensors: Any, *, fd: int, header: dict[str, Any], **kw: Any) -> None:
+        super().__init__(tensors, **kw)
+        self.fd, self.header = fd, header
+        self.entries: dict[str, list[dict[str, Any]]] = {}
+        for e in header["entries"]:  # a tuple's tensors are listed in order under one name
+            self.entries.setdefault(e["name"], []).append(e)
+        self.written: set[str] = set()
+
+    def finish(self, prefix: str, obj: Any) -> Any:
+        seen: dict[str, int] = {}
+        for name, owner, attr, index in _object_slots(prefix, obj):
+            t = _get(owner, attr, index)
+            k = seen[name] = seen.get(name, -1) + 1
+            if f"{name}#{k}" in self.written:  # finished earlier (a part may be handed over more than once)
+                continue
+            e = self.entries.get(name, [])[k] if k < len(self.entries.get(name, [])) else None
+            if (e is None or list(t.shape) != e["size"] or str(t.dtype).split(".")[-1] != e["dtype"]
+                    or e["stride"] != _contiguous_strides(t.shape)):
+                raise ValueError(f"{name}: the model's tensor does not fit its shape model's layout")
+            data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+            pos = self.header["storages"][e["storage"]]["offset"] + e["offset"] * t.element_size()
+            while data:
+                n = os.pwrite(self.fd, data, pos)
+                data, pos = data[n:], pos + n
+            self.written.add(f"{name}#{k}")
+            _set(owner, attr, index, torch.empty((), dtype=t.dtype).expand(t.shape))
+        return obj
+
+
+def _contiguous_strides(shape: Any) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(list(shape)):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return strides[::-1]
+
+
+def stream_first_load(source: str, dtype: torch.dtype, quant: str) -> Any | None:
+    """The first load of a GGUF file on a CPU: its weight file is laid out from the shape model, and each layer is
+    written to it as soon as it is built and then dropped, so the load's resident memory holds one layer's panels
+    (not the file's worth of panels beside the file's own pages); the model then maps the file. None where this
+    does not apply (not a GGUF; matrices kept in float, whose panels write_weight_file makes): load_model and
+    share_weights instead. Writers take the cache's lock, as share_weights does."""
+    from . import model_from_tensors
+    from .gguf import DeferredBlocks, load_gguf
+    from .quant import QuantWeight
+
+    if not source.endswith(".gguf") or not os.path.isfile(source) or quant != "gguf":
+        return None
+    path = weight_file_for(source, dtype, quant)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    model = None
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait and map what it wrote
+        if _read_header(path) is None:
+            config, tensors, tokenizer = load_gguf(source, keep_blocks=True)  # nothing read yet but metadata
+            shapes = {k: QuantWeight(v.kind, v.shape, None) if isinstance(v, DeferredBlocks) else v
+                      for k, v in tensors.items()}
+            shape_model = model_from_tensors(config, shapes, None, origin=source, dtype=dtype, device="cpu",
+                                             source_type=ShapeSource, quant=quant)
+            if any(lin.wt is not None for lin in shape_model.linears()):
+                return None
+            header, _ = _layout(shape_model)
+            del shape_model, shapes
+            tmp = f"{path}.{os.getpid()}.tmp"
+            sources: list[StreamingSource] = []
+
+            def streaming(tensors: Any, **kw: Any) -> StreamingSource:
+                sources.append(StreamingSource(tensors, fd=f.fileno(), header=header, **kw))
+                return sources[-1]
+
+            try:
+                with open(tmp, "wb") as f:
+                    _write_header(f, header)
+                    model = model_from_tensors(config, tensors, tokenizer, origin=source, dtype=dtype, device="cpu",
+                                               source_type=streaming, quant=quant)  # type: ignore[arg-type]
+                    del tensors
+                    if len(sources[0].written) != len(header["entries"]):
+                        raise ValueError(f"{len(header['entries']) - len(sources[0].written)} tensors not written")
+                os.replace(tmp, path)
+                map_weight_file(model, path, header)
+            except ValueError:
+                return None
+            finally:
+                if os.path.exists(tmp):  # a failed write leaves nothing behind
+                    os.remove(tmp)
+    if model is None:  # another process wrote it meanwhile
+        model = load_mapped(source, dtype, quant)
+        if model is None:
+            return None
+    touch(path)
+    try:
+        evict(path)
+    except OSError:
+        pass
+    _release_freed_memory()
+    return model
+
+
 def _slots(model: Any) -> Iterator[tuple[str, Any, str, int | None]]:
     """(name, owner, attribute, tuple index) of every tensor the model's net holds: its own attributes, its layers',
     and those of their Linear weights (wt, b, panels)."""
     net = model.net
     for prefix, obj in [("net", net), *((f"layers.{i}", L) for i, L in enumerate(net.layers))]:
-        for attr, v in list(vars(obj).items()):
-            if isinstance(v, torch.Tensor):
-                yield f"{prefix}.{attr}", obj, attr, None
-            elif isinstance(v, Linear):
-                for sub in ("wt", "b", "panels"):
-                    if isinstance(getattr(v, sub), torch.Tensor):
-                        yield f"{prefix}.{attr}.{sub}", v, sub, None
-            elif isinstance(v, tuple):
-                for j, x in enumerate(v):
-                    if isinstance(x, torch.Tensor):
-                        yield f"{prefix}.{attr}", obj, attr, j
+        yield from _object_slots(prefix, obj)
+
+
+def _object_slots(prefix: str, obj: Any) -> Iterator[tuple[str, Any, str, int | None]]:
+    for attr, v in list(vars(obj).items()):
+        if isinstance(v, torch.Tensor):
+            yield f"{prefix}.{attr}", obj, attr, None
+        elif isinstance(v, Linear):
+            for sub in ("wt", "b", "panels"):
+                if isinstance(getattr(v, sub), torch.Tensor):
+                    yield f"{prefix}.{attr}.{sub}", v, sub, None
+        elif isinstance(v, tuple):
+            for j, x in enumerate(v):
+                if isinstance(x, torch.Tensor):
+                    yield f"{prefix}.{attr}", obj, attr, j
 
 
 def _get(owner: Any, attr: str, index: int | None) -> torch.Tensor:
@@ -224,6 +333,28 @@ def _add_panels(model: Any) -> None:
 def write_weight_file(model: Any, path: str) -> None:
     """Every distinct storage once, page-aligned, after a JSON header; written to a temporary name and renamed."""
     _add_panels(model)
+    header, blobs = _layout(model)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        _write_header(f, header)
+        for b, s in zip(blobs, header["storages"]):
+            f.seek(s["offset"])
+            f.write(memoryview(b.numpy()))
+    os.replace(tmp, path)
+
+
+def _write_header(f: Any, header: dict[str, Any]) -> None:
+    text = json.dumps(header).encode()
+    if len(text) > header["reserved"]:
+        raise AssertionError("weight file header outgrew its reserved space")
+    f.write(MAGIC + len(text).to_bytes(8, "little") + text)
+    f.truncate(header["size"])
+
+
+def _layout(model: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The file's header for the model's tensors (each distinct storage once, page-aligned) and those storages
+    as uint8 tensors, in the header's order."""
     storages: dict[int, tuple[int, torch.Tensor]] = {}  # storage data_ptr -> (index, a uint8 view of all of it)
     entries = []
     for name, owner, attr, index in _slots(model):
@@ -244,18 +375,8 @@ def write_weight_file(model: Any, path: str) -> None:
     for b in blobs:
         header["storages"].append({"offset": pos, "nbytes": b.numel()})
         pos = (pos + b.numel() + ALIGN - 1) // ALIGN * ALIGN
-    text = json.dumps(header).encode()
-    if len(text) > header_bytes:
-        raise AssertionError("weight file header outgrew its reserved space")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + len(text).to_bytes(8, "little") + text)
-        for b, s in zip(blobs, header["storages"]):
-            f.seek(s["offset"])
-            f.write(memoryview(b.numpy()))
-        f.truncate(pos)
-    os.replace(tmp, path)
+    header["reserved"], header["size"] = header_bytes, pos
+    return header, blobs
 
 
 def _read_header(path: str) -> dict[str, Any] | None:
@@ -361,7 +482,11 @@ def share_weights(model: Any, path: str | None = None) -> str:
 
 
 def _release_freed_memory() -> None:
-    """glibc keeps freed heap memory for reuse; hand the freed weights back to the system now."""
+    """glibc keeps freed heap memory for reuse; hand the freed weights back to the system now (and the panel
+    arena's last chunk, which its mapped replacements no longer use)."""
+    from .quant import PANEL_ARENA
+
+    PANEL_ARENA.drop()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
