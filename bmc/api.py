@@ -77,19 +77,25 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     model = None
     if share_weights:
         from .models import default_model_path, parse_device, parse_dtype, resolve_quant
-        from .models.weight_file import load_mapped, share_weights as map_shared
+        from .models.weight_file import load_mapped, share_weights as map_shared, stream_first_load
 
-        if torch.device(device).type == "cpu":  # the weight file written by an earlier load: nothing to dequantize
+        cpu = torch.device(device).type == "cpu"
+        if cpu:  # the weight file written by an earlier load: nothing to dequantize
             source = default_model_path() if path is None else os.path.expanduser(str(path))
+            mode = resolve_quant(quant, source, parse_dtype(dtype), parse_device(device))
             try:
-                mode = resolve_quant(quant, source, parse_dtype(dtype), parse_device(device))
                 model = load_mapped(source, parse_dtype(dtype), mode)
             except OSError:
                 model = None
-        if model is None:
-            if sys.stderr.isatty() and torch.device(device).type == "cpu":  # seconds, once per model file
+        if model is None and cpu:
+            if sys.stderr.isatty():  # seconds, once per model file
                 print("bmc: first load of this model here: converting its weights and caching them in "
                       "~/.cache/bmc/weights (later runs map them)", file=sys.stderr, flush=True)
+            try:  # a GGUF's layers written to the cache one at a time, then mapped
+                model = stream_first_load(source, parse_dtype(dtype), mode)
+            except OSError:
+                model = None
+        if model is None:
             model = load_model(path, dtype=dtype, device=device, quant=quant)
             try:
                 map_shared(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -159,20 +159,14 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
             if widen:
                 kind = "q8_0"
             if keep_blocks and len(shape) == 2 and kind in GGUF_TYPES and shape[1] % GGUF_TYPES[kind].block_values == 0:
-                blocks, release = None, None
-                if not shapes_only:
-                    data = tensors[name].data
-                    blocks = np.asarray(data).reshape(shape[0], -1).view(np.uint8)  # F16 comes as float16
-                    if widen:
-                        blocks = q5_0_as_q8_0(blocks)
-                    if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
-                        blocks = _unpermute_rows(blocks, heads if m.group(2) == "attn_q" else kv_heads)
-                    blocks = np.ascontiguousarray(blocks)
-                    if np.shares_memory(blocks, data):  # a view of the file: its pages dropped once made panels
-                        release = reader.release
-                    else:
-                        reader.release(data)
-                state[hf_name] = QuantWeight(kind, shape, blocks, release=release)
+                if shapes_only:
+                    state[hf_name] = QuantWeight(kind, shape, None)
+                    continue
+                n_head = (heads if m.group(2) == "attn_q" else kv_heads) if (
+                    m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK) else None
+                # read when the model takes it: a widened or re-ordered copy lives only while its panels are made
+                state[hf_name] = DeferredBlocks(kind, shape, lambda name=name, kind=kind, shape=shape, widen=widen,
+                                                n_head=n_head: _read_blocks(reader, name, kind, shape, widen, n_head))
                 continue
             if shapes_only:
                 state[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
@@ -209,6 +203,34 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         raise ModelLoadError(f"{path}: cannot build the tokenizer from its metadata ({e})") from None
     reader.fields.clear()  # the vocabulary's ~100k strings: the tensors' release callbacks keep the reader alive
     return config, state, tokenizer
+
+
+class DeferredBlocks:
+    """A matrix's blocks read (and widened or re-ordered) only when the model asks for it (WeightSource._entry):
+    a load holds one such copy at a time, not the whole file's worth beside the panels made from them."""
+
+    def __init__(self, kind: str, shape: tuple[int, ...], read: Callable[[], QuantWeight]) -> None:
+        self.kind, self.shape, self._read = kind, tuple(shape), read
+
+    def load(self) -> QuantWeight:
+        return self._read()
+
+
+def _read_blocks(reader: GGUFFile, name: str, kind: str, shape: tuple[int, ...], widen: bool,
+                 n_head: int | None) -> QuantWeight:
+    data = reader.tensors[name].data
+    blocks = np.asarray(data).reshape(shape[0], -1).view(np.uint8)  # F16 comes as float16
+    if widen:
+        blocks = q5_0_as_q8_0(blocks)
+    if n_head is not None:
+        blocks = _unpermute_rows(blocks, n_head)
+    blocks = np.ascontiguousarray(blocks)
+    release = None
+    if np.shares_memory(blocks, data):  # a view of the file: its pages dropped once made panels
+        release = reader.release
+    else:
+        reader.release(data)
+    return QuantWeight(kind, shape, blocks, release=release)
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

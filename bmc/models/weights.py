@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
+from .gguf import DeferredBlocks
 from .quant import QuantWeight, is_half, quantize
 
 if TYPE_CHECKING:
@@ -27,10 +28,17 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def finish(self, prefix: str, obj: object) -> object:
+        """A part of the model (a layer "layers.N", then the net "net") has taken all its tensors: nothing to do
+        here (weight_file.StreamingSource writes it out)."""
+        return obj
+
     def _entry(self, name: str, shape: Sequence[int]) -> Matrix:
         if name not in self.tensors:
             raise ModelLoadError(f"{self.origin}: missing tensor {name!r}")
         t = self.tensors[name]
+        if isinstance(t, DeferredBlocks):
+            t = t.load()
         if tuple(t.shape) != tuple(shape):
             raise ModelLoadError(
                 f"{self.origin}: tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(shape)}"

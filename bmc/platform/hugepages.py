@@ -36,6 +36,11 @@ class HugePageArena:
         self.used += nbytes_aligned
         return out
 
+    def drop(self) -> None:
+        """Forget the chunk being filled: it lives on only while panels carved from it do (a model whose panels
+        were replaced by a weight file's mapping frees it); the next panel starts a new one."""
+        self.chunk, self.used = None, 0
+
 
 def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, reserve: int = 0) -> torch.Tensor:
     """A zero-filled CPU tensor on an anonymous mapping of its own, unmapped when the last view of it dies.
