@@ -58,6 +58,27 @@ log = logging.getLogger("bmc")
 # (a closed loop of 8 random 128-token prompts ran 1.06x slower whole-process with every prompt read in place)
 OWN_PROMPT_IN_PLACE = 512
 SEGMENT_GRAPH_AFTER = 4  # eager steps on one set of segments before its decode step is captured (CUDA)
+SCORED_LOGITS_BYTES = 256 << 20  # at most this much of logits and log-probabilities a scored prompt chunk holds
+
+
+def scored_chunk_rows(vocab: int, available: int | None = None) -> int:
+    """Prompt positions a scored chunk (perplexity, echo) prefills at a time: its [t, V] float32 logits and their
+    log-softmax within SCORED_LOGITS_BYTES, or an eighth of the memory available where that is less (the chunk's
+    rows, not the batch, set the peak: chunks are scored one at a time); at least 16."""
+    budget = SCORED_LOGITS_BYTES if available is None else min(SCORED_LOGITS_BYTES, available // 8)
+    return max(16, budget // (8 * max(vocab, 1)))
+
+
+def available_memory() -> int | None:
+    """MemAvailable (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class QueueFullError(BmcError):
@@ -755,6 +776,8 @@ class Scheduler:
                 break
             P = len(p.request.prompt_ids)
             t = min(budget, P - p.done)
+            if p.request.prompt_logprobs is not None:  # its logits bounded, whatever the batch and context
+                t = min(t, scored_chunk_rows(self.model.config.vocab_size, available_memory()))
             budget -= t
             if group and p.done == 0 and t == P and p.attention is None and p.request.prompt_logprobs is None:
                 whole.append(p)

@@ -99,3 +99,24 @@ def test_a_scored_chunk_keeps_only_its_last_logits():
     assert torch.equal(req.next_logprobs, lp[-1])
     top = torch.topk(lp[:5], 2, dim=-1)  # the echo's alternatives: each scored position's two most likely tokens
     assert [[t for t, _ in pos] for pos in req.prompt_top_logprobs] == top.indices.tolist()
+
+
+def test_a_scored_chunk_is_prefilled_in_rows_its_logits_budget_allows(gqa_dir, monkeypatch):
+    """A scored prompt is prefilled SCORED_LOGITS_BYTES of logits at a time (8 bytes a row and vocabulary entry:
+    the logits and their log-softmax), whatever --batch-size and --ctx-size ask (an eighth of the available memory
+    where that is less): a 262k vocabulary at -c 512 holds 256 MiB, not 1 GiB, per chunk. The perplexity is the
+    one computed from whole chunks."""
+    from bmc import scheduler
+
+    model = bmc.load(str(gqa_dir))
+    whole = bmc.perplexity(model, TEXT, context=64, batch=3)
+    V = model.config.vocab_size
+    assert scheduler.scored_chunk_rows(262144) == 128 and scheduler.scored_chunk_rows(262144, 1 << 30) == 64
+    assert scheduler.scored_chunk_rows(V, 0) == 16  # never fewer rows than 16
+    monkeypatch.setattr(scheduler, "SCORED_LOGITS_BYTES", 8 * V * 20)  # 20 rows a scored chunk
+    widths = []
+    real = scheduler.Scheduler._chunk_part
+    monkeypatch.setattr(scheduler.Scheduler, "_chunk_part", lambda self, p, t: widths.append(t) or real(self, p, t))
+    small = bmc.perplexity(model, TEXT, context=64, batch=3)
+    assert max(widths) == 20 and sum(widths) == small.chunks * 63
+    assert small.ppl == pytest.approx(whole.ppl, rel=1e-6) and small.scored_tokens == whole.scored_tokens

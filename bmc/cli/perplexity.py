@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk (default 512, as llama.cpp)")
-    p.add_argument("-b", "--batch-size", type=int, default=4, help="chunks per forward (default 4)")
+    p.add_argument("-b", "--batch-size", type=int, default=4,
+                   help="chunks scored per step (default 4); memory does not grow with it: a chunk is prefilled 256 MiB "
+                        "of logits at a time")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
     add_load_arguments(p)
     add_kv_dtype_argument(p)
