@@ -160,3 +160,30 @@ def test_short_flags_are_the_long_ones(gqa_dir, capsys):
                        ignore_eos=True)
     assert [x["token_ids"] for x in rows] == [c.token_ids for c in api]
     assert router_argv(["-m", "x", "-t", "4", "--port", "1", "--kv", "bmc"]) == ["-m", "x", "--kv", "bmc"]
+
+
+def test_ctx_size_bounds_prompt_and_generation(gqa_dir, capsys):
+    """bmc-generate -c N: the longest prompt and its generated tokens fill at most N positions (generation stops
+    there, as llama.cpp's does when its context is full; the others stop with it), and so the KV cache; a prompt
+    that fills N, an N past the model's context, below 2 or with --tp is refused in one line (exit 2)."""
+    import torch
+
+    from bmc.cli.generate import main
+
+    model = bmc.load(str(gqa_dir))
+    prompts = ["the quick brown fox jumps", "hello"]
+    longest = max(len(model.tokenizer.encode(p)) for p in prompts)
+    main(["-m", str(gqa_dir), "-n", "50", "-c", str(longest + 7), "--ignore-eos", "--json", "--no-weights-cache",
+          "-t", str(torch.get_num_threads()), *prompts])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [len(x["token_ids"]) for x in rows] == [7, 7]
+    api = bmc.generate(model, prompts, max_new_tokens=7, ignore_eos=True)
+    assert [x["token_ids"] for x in rows] == [c.token_ids for c in api]
+    for flags, message in ((["-c", str(longest)], f"a prompt has {longest} tokens, --ctx-size is {longest}"),
+                           (["-c", "1"], "--ctx-size must be >= 2"),
+                           (["-c", str(model.max_context + 1)], f"--ctx-size must be in [2, {model.max_context}]"),
+                           (["-c", "64", "--tp", "2"], "--ctx-size is not supported with --tp")):
+        with pytest.raises(SystemExit) as e:
+            main(["-m", str(gqa_dir), "--no-weights-cache", *flags, *prompts])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "Hugging Face cache, downloaded if missing; bmc-models lists them) (default: the embedded "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="positions a run may use, prompt and generated tokens together, and so the KV cache's; "
+                   "generation stops when the longest prompt's context is full (default: the model's context; at "
+                   "most that)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: all)")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens of this mass (default 1)")
@@ -106,6 +110,10 @@ def check_args(args: argparse.Namespace) -> None:
         fail(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
     if args.tp < 1:
         fail(f"--tp must be >= 1, got {args.tp}")
+    if args.ctx_size is not None and args.ctx_size < 2:  # before the model loads (its upper bound: after)
+        fail(f"--ctx-size must be >= 2 (a prompt token and one to generate), got {args.ctx_size}")
+    if args.ctx_size is not None and args.tp > 1:
+        fail("--ctx-size is not supported with --tp (the ranks tokenize the prompts): use --max-new-tokens")
     for name in ("batch_size", "prompt_len", "repeats"):  # the generation arguments are checked by GenerationConfig
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -113,6 +121,19 @@ def check_args(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and not math.isfinite(v):
             fail(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+
+
+def within_context(model, prompts: list, args: argparse.Namespace) -> int:
+    """--max-new-tokens cut to what --ctx-size leaves after the longest prompt (as llama.cpp stops when its
+    context is full); a prompt that fills it is refused."""
+    from ..engine import encode_prompts
+
+    if not 2 <= args.ctx_size <= model.max_context:
+        fail(f"--ctx-size must be in [2, {model.max_context}] (the model's context), got {args.ctx_size}")
+    longest = max(len(ids) for ids in encode_prompts(model, prompts, args.chat))
+    if longest >= args.ctx_size:
+        fail(f"a prompt has {longest} tokens, --ctx-size is {args.ctx_size}: nothing left to generate")
+    return min(args.max_new_tokens, args.ctx_size - longest)
 
 
 def synthetic_prompts(model, batch: int, length: int) -> list[list[int]]:
@@ -210,7 +231,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not args.benchmark:
                 fail("no prompt given (pass prompts as arguments or --prompt-file)")
             prompts = synthetic_prompts(model, args.batch_size, args.prompt_len)
-        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        max_new_tokens = args.max_new_tokens
+        if args.ctx_size is not None:
+            max_new_tokens = within_context(model, prompts, args)
+        kw = dict(max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop=args.stop or None,
                   r=args.r, T=args.T, ignore_eos=args.ignore_eos, chat=args.chat, speculative=args.speculative,
                   tree=args.tree, spec_grow=args.spec_grow, share_prefix=args.share_prefix, attention=args.attention,
@@ -236,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print_completion(c, args, many)
         if args.benchmark:
             print(f"batch={len(prompts) * args.num_samples} prompt_tokens={results[0][1].stats.prompt_tokens} "
-                  f"max_new_tokens={args.max_new_tokens}", file=sys.stderr)
+                  f"max_new_tokens={max_new_tokens}", file=sys.stderr)
             base = results[0][1].stats.decode_tokens_per_s
             for kv, out in results:
                 ratio = out.stats.decode_tokens_per_s / base if base else 0.0
