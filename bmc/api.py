@@ -230,9 +230,10 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     "float16", or "int8" (a float32 scale per token and KV head; each value within max|row| / 254 of its float,
     bmc/kv/formats.py).
     speculative="ngram" (prompt lookup), "draft:PATH" (a smaller model with the same vocabulary), "layers:N" (the
-    model's first N layers) or "int8-self" (the model in int8) drafts token trees (`tree`: "chain:K",
-    "dynamic:KxDEPTH" or "static:SIZE", default "dynamic:4x6"; spec_grow=True grows the chunk for a tree instead
-    of trimming it) and verifies them in the KV cache's padding rows: greedy output is identical to plain
+    model's first N layers) or "int8-self" (the model in int8) drafts token trees (`tree`: "auto", the default:
+    each step's trees sized from this model's measured step cost by rows and the drafts' acceptance so far,
+    bmc/spec/auto.py; or a fixed "chain:K", "dynamic:KxDEPTH" or "static:SIZE"; spec_grow=True grows the chunk
+    for a tree instead of trimming it) and verifies them in the KV cache's padding rows: greedy output is identical to plain
     decoding, and sampling (temperature > 0) keeps the exact output distribution.
     share_prefix="auto": the samples of a prompt read its KV in place, and a part of at least 16 tokens common to
     prompts is prefilled once and read by the others (bifurcated attention / Hydragen); "off" gives every row its

@@ -45,7 +45,7 @@ class GenerationConfig:
     attention: str = "dense"  # "dense" (exact), "sparq" or "window" (approximate decode attention)
     attention_options: AttentionOptions = field(default_factory=AttentionOptions)
     speculative: str = "off"  # "off" or a drafter: "ngram", "draft:PATH", "layers:N", "int8-self"
-    tree: str = "dynamic:4x6"  # draft tree shape: chain:K or dynamic:KxDEPTH
+    tree: str = "auto"  # draft tree shape: auto (sized each step from measured costs), chain:K, dynamic:KxDEPTH, static
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
     graph_warmup: bool = False  # CUDA: capture every bucket's graph for the call's batch before its prompts run

@@ -26,8 +26,8 @@ class EngineOptions:
     attention: str = "dense"  # the decode attention (attention/): dense, sparq, window
     attention_options: AttentionOptions = field(default_factory=AttentionOptions)
     speculative: str = "off"  # a drafter (spec/registry.py): off, ngram, draft:PATH, layers:N, int8-self
-    tree: str = "chain:4"  # each row's draft tree
-    spec_max_tokens: int | None = 24  # verify rows a step may hold in all (None: no cap)
+    tree: str = "auto"  # each row's draft tree (auto: sized each step from measured costs, spec/auto.py)
+    spec_max_tokens: int | None = None  # verify rows a step may hold in all (None: no cap; auto sizes trees)
     spec_trim: bool = True  # trim a tree to its rows' free padding (else the cache grows for it)
     prefix_cache_bytes: int = 0  # prompt KV kept across requests under this budget (0: no prefix cache)
     prefix_block: int = BLOCK  # the prefix cache's block, in tokens

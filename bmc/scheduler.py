@@ -47,6 +47,7 @@ from .prefix_cache import Node, PrefixCache, common_prefix
 from .grammar import RowMatcher, apply_masks, check_grammar
 from .sampling import Sampler, SamplingError, SamplingParams, adjust_logits
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
+from .spec.auto import AutoTree, row_costs
 from .spec.verify import sample_paths
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
@@ -582,6 +583,25 @@ class Scheduler:
         specs = [spec.spec.capped(min(r.request.gen.max_new_tokens - r.count, switch - r.pos if r.history is not None
                                       else r.request.gen.max_new_tokens) - 1) if self._speculates(r) else None
                  for r in rows]
+        share = self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1)
+        if self.spec_max_tokens is not None:
+            share = min(share, self.spec_max_tokens)
+        most = share // len(rows) - 1
+        if spec.auto is not None:  # the step's tree size from measured costs and acceptance (spec/auto.py)
+            auto = spec.auto
+            drafting = [r.key for r, s in zip(rows, specs) if s is not None]  # type: ignore[union-attr]
+            for r, s in zip(rows, specs):
+                if s is not None:
+                    auto.observe(r.key, r.token)  # type: ignore[union-attr]
+            most = auto.nodes(len(rows), drafting, most) if drafting else 0
+            if most < 1:
+                if drafting and spec.drafter.cheap:  # a first token for each, checked against what it decodes
+                    ones = [s.capped(1) if s is not None else None for s in specs]
+                    for key, p in zip(drafting, spec.drafter.propose_batch(drafting, [s for s in ones if s])):
+                        if p.tokens:
+                            auto.guessed(key, p.tokens[0])
+                return None
+            specs = [s.capped(most) if s is not None else None for s in specs]
         try:
             tree, proposals, free = spec.draft(self.cache, [r.key if r else -1 for r in rows], specs)
         except Exception:  # a drafter that fails (a draft model's forward) costs speed, never a request: any
@@ -589,11 +609,10 @@ class Scheduler:
             log.exception("the drafter failed; this step decodes without drafts")
             self.counters.draft_failures += 1
             return None
-        share = self.max_num_batched_tokens // (2 if self.prefilling or self.waiting else 1)
-        if self.spec_max_tokens is not None:
-            share = min(share, self.spec_max_tokens)
-        nodes = min(tree.num_nodes, share // len(rows) - 1)
+        nodes = min(tree.num_nodes, most)
         if nodes < 1 or not bool(tree.valid[:, :nodes].any()):
+            if spec.auto is not None:  # nothing proposed: the drafting rows' nodes count as not accepted
+                spec.auto.record([(r.key, [0]) for r, s in zip(rows, specs) if s is not None], most)  # type: ignore[union-attr]
             return None
         return tree.truncate(nodes), free, proposals
 
@@ -632,6 +651,9 @@ class Scheduler:
         self.cache.accept(paths, 1 + tree.num_nodes)
         assert self.spec is not None
         self.spec.record(tree, paths, free)
+        if self.spec.auto is not None:
+            self.spec.auto.record([(rows[i].key, paths[i]) for i in live if self._speculates(rows[i])],  # type: ignore[union-attr]
+                                  tree.num_nodes)
         self.counters.decode_steps += 1
         plain = [i for i in live if not self._speculates(rows[i])]
         if plain:  # their trees are empty: path [0], the root's logits as a plain decode step
@@ -677,6 +699,8 @@ class Scheduler:
         keep = {r.key for r in self.live_rows} | {r.key for _, rows in self.joining for r in rows}
         for key in self._drafting - keep:
             self.spec.drafter.forget(key)
+            if self.spec.auto is not None:
+                self.spec.auto.forget(key)
         self._drafting &= keep
 
     def _finish_decode(self, result: torch.Tensor | BaseException) -> None:
@@ -1195,4 +1219,6 @@ def served_speculation(model: Model, speculative: str, tree: str, trim: bool = T
     if speculative == "off":
         return None
     drafter = make_drafter(speculative, model, Sampler(SamplingParams(), model.device))
-    return SpeculativeStep(drafter, TreeSpec.parse(tree), trim_to_chunk=trim)
+    spec = TreeSpec.parse(tree)
+    auto = AutoTree(row_costs(model)) if spec.auto else None
+    return SpeculativeStep(drafter, spec, trim_to_chunk=trim, auto=auto)

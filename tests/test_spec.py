@@ -134,7 +134,7 @@ def test_speculative_greedy_is_identical_to_plain_greedy(tiny_dirs, variant):
         ref = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True)
         want = [c.token_ids for c in ref]
         for kv, extra in (("bmc", dict(r=8)), ("bmc", dict(r=3)), ("iterative", {}), ("upfront", {})):
-            for tree in ("chain:1", "chain:4", "dynamic:3x4", "static:12"):
+            for tree in ("chain:1", "chain:4", "dynamic:3x4", "static:12", "auto"):
                 for grow in (False, True):
                     out = bmc.generate(model, prompts, max_new_tokens=30, ignore_eos=True, kv=kv, speculative="ngram",
                                        tree=tree, spec_grow=grow, **extra)
@@ -181,6 +181,61 @@ def test_speculative_rejects_bad_drafters_and_trees(gqa_dir):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram:3")
     with pytest.raises(InvalidRequestError, match="tree"):
         bmc.generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", tree="wide")
+
+
+def _auto_with(costs, rate: float):
+    from bmc.spec.auto import AutoTree
+
+    auto = AutoTree(costs)
+    for state in (0, 1):  # evidence: 1000 rows at every node, each node accepted at `rate`
+        auto.seen[state] = [1000] * len(auto.seen[state])
+        auto.accepted[state] = [int(1000 * rate)] * len(auto.seen[state])
+    return auto
+
+
+def test_auto_picks_smaller_trees_when_verify_rows_are_dear():
+    """tree="auto" maximises expected tokens per measured second: with rows nearly free (a step bound by reading
+    the weights) it verifies deep trees, with each row costing about a step it verifies few nodes or none, and with
+    drafts rarely right it drafts less than when they are usually right."""
+    from bmc.spec.auto import RowCosts
+
+    cheap = RowCosts((1, 4, 33), (1.0, 1.05, 1.3))
+    dear = RowCosts((1, 4, 33), (1.0, 3.6, 30.0))
+    for rate in (0.9, 0.5):
+        n_cheap, n_dear = _auto_with(cheap, rate).nodes(1, [0], 32), _auto_with(dear, rate).nodes(1, [0], 32)
+        assert n_cheap >= 16 and n_dear < n_cheap, (rate, n_cheap, n_dear)
+    assert _auto_with(dear, 0.05).nodes(1, [0], 32) == 0  # drafts that do not pay are not verified
+    assert _auto_with(dear, 0.9).nodes(1, [0], 32) > _auto_with(dear, 0.3).nodes(1, [0], 32)
+    mid = RowCosts((1, 4, 33), (1.0, 1.6, 12.0))
+    assert _auto_with(mid, 0.7).nodes(8, list(range(8)), 32) < _auto_with(mid, 0.7).nodes(1, [0], 32)  # a batch of
+    # 8: each node costs 8 rows of the same curve, further up it
+    assert _auto_with(dear, 0.9).nodes(1, [0], 3) <= 3  # never past the token budget's cap
+
+
+def test_auto_rows_turn_hot_and_cold_from_what_their_drafts_got():
+    from bmc.spec.auto import COLD, HOT, AutoTree, RowCosts
+
+    auto = AutoTree(RowCosts((1, 2), (1.0, 2.0)))
+    assert auto.state.get(7, COLD) == COLD
+    auto.record([(7, [0, 1, 2, 3])], 4)  # three of four drafts accepted: copying
+    assert auto.state[7] == HOT and auto.seen[COLD][:5] == [1, 1, 1, 1, 0] and auto.accepted[COLD][:4] == [1, 1, 1, 0]
+    auto.record([(7, [0])], 4)
+    assert auto.state[7] == COLD and auto.seen[HOT][:4] == [1, 1, 1, 1] and auto.accepted[HOT][:4] == [0, 0, 0, 0]
+    auto.guessed(7, 42)  # a step decoded plainly: the cheap drafter's first token, checked against what came
+    auto.observe(7, 42)
+    assert auto.state[7] == HOT and auto.accepted[COLD][0] == 2
+    auto.forget(7)
+    assert 7 not in auto.state
+
+
+def test_auto_costs_are_measured_once_and_stored(gqa_dir):
+    from bmc.spec.auto import MEASURED_ROWS, row_costs
+
+    model = bmc.load(str(gqa_dir))
+    costs = row_costs(model)
+    assert costs.rows == MEASURED_ROWS and all(s > 0 for s in costs.seconds)
+    again = bmc.load(str(gqa_dir))  # another model object: read from the cache directory, not measured
+    assert row_costs(again) == costs
 
 
 @pytest.mark.slow

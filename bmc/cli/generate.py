@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding drafter: off (default), ngram (prompt lookup), draft:PATH (a smaller "
                    "model with the same vocabulary), layers:N (the model's first N layers), int8-self (the model in "
                    "int8). Greedy output is identical to plain greedy; sampling keeps the exact distribution")
-    p.add_argument("--tree", default="dynamic:4x6",
-                   help="draft tree: chain:K, dynamic:KxDEPTH or static:SIZE[xDEPTH][:p0,p1,...] (Sequoia's best "
-                   "shape for acceptance rates by child rank; plain 'static' is static:26) (default dynamic:4x6)")
+    p.add_argument("--tree", default="auto",
+                   help="draft tree: auto (each step's trees sized from this model's measured step cost by rows and "
+                   "the drafts' acceptance so far; default), chain:K, dynamic:KxDEPTH or static:SIZE[xDEPTH][:p0,"
+                   "p1,...] (Sequoia's best shape for acceptance rates by child rank; plain 'static' is static:26)")
     p.add_argument("--spec-grow", action="store_true",
                    help="grow the KV chunk for a tree that does not fit its free rows (default: trim the tree)")
     p.add_argument("--share-prefix", default="auto", choices=["auto", "off"],

@@ -77,15 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's first N layers) or int8-self (the model in int8); drafts are verified in the BMC "
                    "cache's padding rows: greedy tokens are identical to plain greedy, sampled ones keep the exact "
                    "distribution")
-    # chain:4 by measurement (docs/performance.md, "Figures behind the code's choices"): a wide tree's verify
-    # FLOPs cost more than its extra accepted tokens once the CPU is compute-bound
-    p.add_argument("--tree", default="chain:4",
-                   help="draft tree per row: chain:K, dynamic:KxDEPTH or static:SIZE (default chain:4); trees "
-                   "take at most half of --max-num-batched-tokens while prompts wait")
-    p.add_argument("--spec-max-tokens", type=int, default=24,
-                   help="verify rows per step at most (every row's root and tree): drafts are nearly free while a "
-                   "step is bound by reading the weights, and cost their arithmetic after; 24 suits fp32 on a "
-                   "few cores (default 24)")
+    p.add_argument("--tree", default="auto",
+                   help="draft tree per row: auto (default: each step's trees sized from this model's measured "
+                   "step cost by rows and the drafts' acceptance so far, batch-wide), chain:K, dynamic:KxDEPTH or "
+                   "static:SIZE; trees take at most half of --max-num-batched-tokens while prompts wait")
+    p.add_argument("--spec-max-tokens", type=int, default=None,
+                   help="verify rows per step at most (every row's root and tree) (default: no cap; --tree auto "
+                   "weighs each row's arithmetic against its expected tokens)")
     p.add_argument("--attention", default="dense", choices=["dense", "sparq", "window"],
                    help="decode attention: dense (exact, default), sparq (approximate: the top --sparq-r query "
                    "components pick the top --sparq-k positions of each row) or window (the local-window baseline "

@@ -14,6 +14,7 @@ import torch
 from ..attention import AttentionFn
 from ..kv import KVCache
 from ..models import Model
+from .auto import AutoTree
 from .drafters import Drafter, Proposal
 from .tree import DraftTree, TreeSpec, rank_counts, tree_visibility
 
@@ -50,8 +51,9 @@ class SpeculativeStep:
     verifies (`verify_forward`), accepts (greedy_accept, or verify.sample_paths with each request's sampler) and
     records."""
 
-    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool) -> None:
+    def __init__(self, drafter: Drafter, spec: TreeSpec, trim_to_chunk: bool, auto: AutoTree | None = None) -> None:
         self.drafter, self.spec, self.trim = drafter, spec, trim_to_chunk
+        self.auto = auto  # tree="auto": the measured choice of each step's tree size (spec/auto.py)
         self.stats = SpecStats()
 
     def draft(self, cache: KVCache, rows: list[int], specs: list[TreeSpec | None]) -> tuple[DraftTree, list[Proposal], int]:

@@ -45,6 +45,9 @@ class Proposal:
 
 class Drafter(ABC):
     name: ClassVar[str]
+    # proposing costs next to nothing (no model forward): tree="auto" may draft a token for a row it does not
+    # verify, to see whether the drafter would have been right (spec/auto.py)
+    cheap: ClassVar[bool] = False
 
     @abstractmethod
     def start(self, row: int, context: list[int], sampler: Sampler | None = None) -> None:
@@ -71,6 +74,7 @@ class NGramDrafter(Drafter):
     code). Incremental n-gram index per row, so a proposal costs O(width * depth), not O(context)."""
 
     name = "ngram"
+    cheap = True
 
     def __init__(self, max_n: int = 3) -> None:
         self.max_n = max_n

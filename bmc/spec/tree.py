@@ -7,6 +7,7 @@ different trees: the mask is per row, and rows with fewer proposals are padded w
 the root and are never accepted."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,17 +27,22 @@ class TreeSpec:
     depth: int
     size: int
     parents: tuple[int, ...] | None = None  # a static tree's shape (level by level, siblings in rank order)
+    auto: bool = False  # tree="auto": proposals of this shape, cut each step to the measured best (spec/auto.py)
 
     @staticmethod
     def parse(spec: str) -> "TreeSpec":
         """`chain:K` (one continuation of K tokens), `dynamic:KxD` (up to K branches of depth D, a trie / beam) or
         `static:SIZE[xDEPTH][:p0,p1,...]` (Sequoia's best shape of SIZE nodes and at most DEPTH levels for the
         acceptance rates p by child rank; defaults in static_tree.py)."""
+        if spec == "auto":
+            from .auto import AUTO_PROPOSAL
+
+            return dataclasses.replace(AUTO_PROPOSAL, auto=True)
         if spec == "static" or spec.startswith("static:"):
             return TreeSpec._parse_static(spec)
         m = re.fullmatch(r"chain:(\d+)", spec) or re.fullmatch(r"dynamic:(\d+)x(\d+)", spec)
         if m is None:
-            raise InvalidRequestError(f"unknown tree {spec!r}: use chain:K, dynamic:KxDEPTH or static:SIZE")
+            raise InvalidRequestError(f"unknown tree {spec!r}: use auto, chain:K, dynamic:KxDEPTH or static:SIZE")
         nums = [int(g) for g in m.groups()]
         width, depth = (1, nums[0]) if len(nums) == 1 else (nums[0], nums[1])
         if width < 1 or depth < 1 or width * depth > MAX_TREE:
@@ -76,7 +82,7 @@ class TreeSpec:
         if depth >= self.depth:
             return self
         if self.parents is None:
-            return TreeSpec(self.width, depth, self.width * depth)
+            return TreeSpec(self.width, depth, self.width * depth, auto=self.auto)
         keep = tuple(p for p, d in zip(self.parents, node_depths(self.parents)) if d <= depth)  # a prefix
         return TreeSpec(self.width, depth, len(keep), keep)
 

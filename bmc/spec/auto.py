@@ -1,0 +1,192 @@
+"""tree="auto": each verify step's draft trees sized from measurement, not a fixed shape.
+
+A step of m token rows costs cost(m) seconds (RowCosts: the model's own forward timed at m rows on a scratch
+cache, once per model, machine, arithmetic and thread count, and stored beside the calibration profile). Node i of a
+row's proposal (nodes in draft order, parents first, so the first n nodes are a tree) is accepted with probability
+p_i, counted online over this engine's verify steps (Laplace's estimate: untried nodes start at 1/2, so deeper trees
+get tried and kept only where they pay). The step's trees are cut to the n nodes that maximise the expected tokens a
+second,
+
+    rows_drafting * (1 + sum_{i<n} p_i) / cost(batch_rows * (1 + n)),
+
+Sequoia's / dynamic-tree objective (expected accepted tokens per unit of measured step time); n = 0 is plain decoding,
+so a drafter that does not pay is not used. Greedy tokens do not depend on the tree (verification is exact), and
+sampled ones keep the model's distribution."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .tree import TreeSpec
+
+AUTO_PROPOSAL = TreeSpec(4, 8, 32)  # what a drafter proposes under tree="auto" (four continuations of 8 tokens)
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
+COSTS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds of one step of the model by its token rows, measured at `rows` (increasing)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def at(self, m: int) -> float:
+        """cost(m): linear between measured points, the last segment's slope beyond them."""
+        rows, secs = self.rows, self.seconds
+        if m <= rows[0]:
+            return secs[0] * m / rows[0]
+        for (r0, s0), (r1, s1) in zip(zip(rows, secs), zip(rows[1:], secs[1:])):
+            if m <= r1:
+                return s0 + (s1 - s0) * (m - r0) / (r1 - r0)
+        r0, r1, s0, s1 = rows[-2], rows[-1], secs[-2], secs[-1]
+        return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (m - r1)
+
+
+HOT, COLD = 1, 0  # a row whose last verify step accepted at least two drafts (or all, when fewer), or not
+
+
+@dataclass
+class AutoTree:
+    """The online acceptance counts and the choice of n (module docstring). A row is hot after a verify step that
+    accepted at least two of its drafts (or all of a shorter tree: it is copying, and its next draft is likely right),
+    cold otherwise (and when new); node i's rate is counted apart for the two, over the drafting rows of the steps
+    whose trees reached i + 1 nodes, whether or not the row proposed it (a drafter that finds nothing to propose
+    lowers it), as Laplace's estimate (accepted + 1) / (rows + 2)."""
+
+    costs: RowCosts
+    seen: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
+    accepted: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
+    state: dict[int, int] = field(default_factory=dict)  # row key -> HOT or COLD
+    guess: dict[int, int] = field(default_factory=dict)  # row key -> its drafter's next token, in a step not verified
+    chosen: list[int] = field(default_factory=list)  # n of each step (stats)
+
+    def rate(self, state: int, i: int) -> float:
+        return (self.accepted[state][i] + 1) / (self.seen[state][i] + 2)
+
+    def nodes(self, batch_rows: int, keys: list[int], most: int) -> int:
+        """The node count (0..most) of the step's trees; batch_rows: rows of the verify forward (every slot of the
+        batch), keys: the rows that may draft."""
+        states = [self.state.get(k, COLD) for k in keys]
+        hot = sum(states)
+        best_n, best = 0, len(keys) / self.costs.at(batch_rows)
+        gain = float(len(keys))
+        for n in range(1, min(most, AUTO_PROPOSAL.size) + 1):
+            gain += hot * self.rate(HOT, n - 1) + (len(keys) - hot) * self.rate(COLD, n - 1)
+            value = gain / self.costs.at(batch_rows * (1 + n))
+            if value > best:
+                best_n, best = n, value
+        self.chosen.append(best_n)
+        return best_n
+
+    def record(self, outcomes: list[tuple[int, list[int]]], nodes: int) -> None:
+        """One step of trees cut at `nodes`: each drafting row's key and accepted path (0 = the root, j = node
+        j - 1; [0] where it proposed nothing)."""
+        for key, path in outcomes:
+            state = self.state.get(key, COLD)
+            on_path = set(path[1:])
+            for i in range(min(nodes, AUTO_PROPOSAL.size)):
+                self.seen[state][i] += 1
+                self.accepted[state][i] += (i + 1) in on_path
+            self.state[key] = HOT if len(on_path) >= min(2, nodes) else COLD
+            self.guess.pop(key, None)
+
+    def guessed(self, key: int, token: int) -> None:
+        """A cheap drafter's first token for a row whose step decodes plainly (tested by `observe`)."""
+        self.guess[key] = token
+
+    def observe(self, key: int, token: int) -> None:
+        """The token a row decoded after a guessed step: the first node would have been accepted (greedy) where it
+        equals the guess. Counted as a one-node step, so a cold row whose drafter is right again turns hot."""
+        guess = self.guess.pop(key, None)
+        if guess is not None:
+            self.record([(key, [0, 1] if guess == token else [0])], 1)
+
+    def forget(self, key: int) -> None:
+        self.state.pop(key, None)
+        self.guess.pop(key, None)
+
+
+def row_costs(model: Any) -> RowCosts:
+    """The model's step cost by token rows: kept on the model, else read from the cache directory, else measured
+    (about a second for a small model) and stored there."""
+    cached = getattr(model, "_row_costs", None)
+    if cached is not None:
+        return cached
+    from ..analytic.profile import cache_dir
+
+    key = _costs_key(model)
+    path = cache_dir() / f"rows-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
+    costs = None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            costs = RowCosts(tuple(data["rows"]), tuple(data["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if costs is None:
+        costs = measure_row_costs(model)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "rows": list(costs.rows), "seconds": list(costs.seconds)}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    model._row_costs = costs
+    return costs
+
+
+def _costs_key(model: Any) -> list:
+    from ..analytic.profile import identity
+
+    ident = identity(model.device, model.dtype)
+    return [COSTS_VERSION, ident, str(getattr(model, "path", "")), getattr(model, "quant", ""),
+            getattr(model, "activations", ""), torch.get_num_threads(), model.config.num_layers,
+            model.config.hidden_size, model.config.vocab_size]
+
+
+@torch.inference_mode()
+def measure_row_costs(model: Any, rows: tuple[int, ...] = MEASURED_ROWS, context: int = 64,
+                      repeats: int = 3) -> RowCosts:
+    """Median seconds of the model's forward over m new token rows (all logits, as a verify step) after `context`
+    cached positions, on a scratch cache of one row, for each m in `rows`."""
+    from ..attention import dense_attention
+    from ..engine import prefill_attention
+    from ..kv import KV_STRATEGIES
+
+    cfg = model.config
+    most = max(rows)
+    cache = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=1, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, max_length=context + most, dtype=model.dtype,
+                                     device=model.device)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, context + most), generator=gen).to(model.device)
+    pos = torch.arange(context, device=model.device)[None]
+    cache.reserve(context, pos)
+    model.net(tokens[:, :context], pos, cache, prefill_attention(dense_attention, cache, context),
+              cache.attention_bias(context), all_logits=False)
+    cache.commit(context)
+    seconds = []
+    for m in rows:
+        times = []
+        for _ in range(repeats + 1):  # the first a warm-up (buffers of this row count)
+            pos = torch.arange(context, context + m, device=model.device)[None]
+            cache.reserve(m, pos)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.net(tokens[:, context : context + m], pos, cache, dense_attention, cache.attention_bias(m),
+                      all_logits=True)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)  # nothing committed: the next forward writes the same columns
+        seconds.append(statistics.median(times[1:]))
+    return RowCosts(tuple(rows), tuple(seconds))
