@@ -291,17 +291,21 @@ def test_cuda_narrow_kv_graphs_equal_eager_and_track_cpu(tiny_dirs, kv_dtype):
     torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
 
 
-def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path):
-    """quant="gguf" on CUDA in float32: a Q4_K_M-mixed file's matrices held as their blocks' values on the GPU and
-    dequantized by torch ops per GEMM (bit for bit quant="none"'s weights): graphs equal eager, and both give
+@pytest.mark.parametrize("plan", ["q4_k_m", "q8_0", "q4_0", "q4_1"])
+def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path, plan):
+    """quant="gguf" on CUDA in float32: a file's matrices held as their blocks' quants on the GPU, multiplied by the
+    Triton GEMV in decode (the weights fma(q, d, m) in float32, bit for bit quant="none"'s) and dequantized for
+    cuBLAS in the prompts (Q6_K, with two scales a block, by torch ops): graphs equal eager, and both give
     quant="none"'s tokens on the GPU and the CPU's native quantized step's."""
     from .test_quant import PLANS, _write_llama_gguf
 
-    path = str(tmp_path / "q4_k_m.gguf")
-    _write_llama_gguf(path, PLANS["q4_k_m"][0])
+    path = str(tmp_path / f"{plan}.gguf")
+    _write_llama_gguf(path, PLANS[plan][0] if plan in PLANS else {"default": plan, "token_embd": plan})
     mq = bmc.load(path, device="cuda", quant="gguf")
     mf = bmc.load(path, device="cuda", quant="none")
     assert all(lin.device_q is not None and lin.device_q.int4 is None for lin in mq.linears())
+    if plan != "q4_k_m":
+        assert all(lin.device_q.triton and lin.device_q.d_hi is None for lin in mq.linears())
     assert mq.weight_bytes < 0.5 * mf.weight_bytes
     prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
     graphs = bmc.generate(mq, prompts, max_new_tokens=70, ignore_eos=True)
@@ -312,6 +316,72 @@ def test_cuda_quantized_weights_give_the_dequantized_models_tokens(tmp_path):
     assert [c.token_ids for c in graphs] == [c.token_ids for c in none]
     cpu = bmc.generate(bmc.load(path, quant="gguf"), prompts, max_new_tokens=70, ignore_eos=True)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in cpu]
+
+
+U_OUT = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # unit roundoff of the output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k"])
+def test_cuda_triton_gemv_within_its_stated_bound(kind, dtype):
+    """The bound quant_torch.py states for the Triton path, on fresh random inputs: at M <= 8 (the GEMV), per
+    output |y - sum_k x_k w_k| <= K 2^-23 sum_k |x_k w_k| + u |y| (u: the output dtype's unit roundoff; w the
+    exact weights); above (dequantize, then cuBLAS), torch's own GEMM on quant="none"'s weights, bit for bit. The
+    dequantized matrix is quant="none"'s, bit for bit."""
+    from bmc.models.quant_torch import TorchQuantWeight
+
+    from .test_quant import MODEL_D, random_matrix
+
+    N, K = 200, 768  # N past the GEMV's tiles, K/32 = 24 past its loop step: the masked loads run too
+    w = random_matrix(kind, N, K, 5, MODEL_D)
+    tq = TorchQuantWeight(w, torch.device("cuda"), dtype)
+    tq.int4 = None  # the Triton kernels for Q4 kinds in bfloat16 too (tinygemm: the next test)
+    assert tq.triton and tq.d_hi is None
+    exact = w.dequantize().double().cuda()
+    assert torch.equal(tq.dense(), w.dequantize().cuda().to(dtype))
+    g = torch.Generator(device="cuda").manual_seed(hash((kind, str(dtype))) % 2**31)
+    for M in (1, 3, 8, 13):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        y = tq.linear(x, None)
+        assert y.dtype == dtype and y.shape == (M, N) and torch.isfinite(y).all()
+        if M > 8:
+            assert torch.equal(y, torch.nn.functional.linear(x, w.dequantize().cuda().to(dtype)))
+            continue
+        want = x.double() @ exact.t()
+        bound = K * 2.0**-23 * (x.double().abs() @ exact.abs().t()) + U_OUT[dtype] * want.abs()
+        err = (y.double() - want).abs()
+        assert (err <= bound).all(), (M, (err / bound).max().item())
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    x = torch.randn(2, 3, K, device="cuda", generator=g).to(dtype)  # a Linear's [B, t, K] input, with a bias
+    torch.testing.assert_close(tq.linear(x, b), tq.linear(x.view(6, K), None).view(2, 3, N) + b)
+
+
+def test_cuda_int8_model_tracks_the_bfloat16_model(tmp_path):
+    """A Q8_0 file in bfloat16 on CUDA: every matrix on the Triton GEMV in decode; graphs equal eager; logits within
+    bfloat16's tolerance of quant="none"'s bfloat16 model; quant="q8_0" at load (its bfloat16 values quantized
+    again: other blocks) as well."""
+    from bmc.parallel.tp import prompt_logits
+
+    from .test_quant import _write_llama_gguf
+
+    path = str(tmp_path / "q8_0.gguf")
+    _write_llama_gguf(path, {"default": "q8_0", "token_embd": "q8_0"})
+    mq = bmc.load(path, device="cuda", quant="gguf", dtype="bfloat16")
+    mf = bmc.load(path, device="cuda", quant="none", dtype="bfloat16")
+    assert all(lin.device_q is not None and lin.device_q.triton and lin.device_q.int4 is None for lin in mq.linears())
+    assert mq.weight_bytes < 0.6 * mf.weight_bytes
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    graphs = bmc.generate(mq, prompts, max_new_tokens=40, ignore_eos=True)
+    eager = bmc.generate(mq, prompts, max_new_tokens=40, ignore_eos=True, cuda_graphs=False)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
+    with torch.inference_mode():
+        want = prompt_logits(mf, prompts[1]).float()
+        torch.testing.assert_close(prompt_logits(mq, prompts[1]).float(), want, rtol=0.02,
+                                   atol=0.05 * want.abs().max().item())
+        again = bmc.load(path, device="cuda", quant="q8_0", dtype="bfloat16")
+        assert [lin.quant for lin in again.linears()] == ["q8_0"] * len(again.linears())
+        torch.testing.assert_close(prompt_logits(again, prompts[1]).float(), want, rtol=0.02,
+                                   atol=0.05 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k"])
