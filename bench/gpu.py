@@ -4,12 +4,17 @@ tool on an H100. HF runs first, then its weights are handed to bmc (bmc keeps it
 
     python bench/gpu.py --model llama-7b --batch 32 --total 1024 --prompt 128 --out /tmp/out   # one setting
     python bench/gpu.py --model llama-7b --plot --out /tmp/out      # merge the settings' JSONs into one PNG
+    python bench/gpu.py --quant none,q8_0,q4_0 --batch 1 --out /tmp/out  # weight-only int8 / int4 against bf16
 
 Engines: HF generate with DynamicCache and with StaticCache (which transformers compiles with torch.compile on its
 own when the cache is static), bmc (auto T; decode step captured as a CUDA graph per capacity bucket), bmc-eager
 (the same without graphs), bmc-iterative, bmc-upfront (one graph for the whole run). Each bmc engine runs warm: a
 cold run first (it captures the graphs its buckets need; reported as first_run_tokens_per_s with its captures), then
 --repeats runs, of which the median is reported; the model's arena and graphs are let go between engines.
+
+--quant: the bmc engine alone on the same HF weights loaded with each quant in turn (quant="q8_0" / "q4_0":
+quantized at load, GGUF's blocks of 32), one process, none first: decode tok/s, the weights' bytes on the GPU and
+the GB/s they stream at (weight bytes x decode steps/s), and each quant's ratio to the first.
 """
 from __future__ import annotations
 
@@ -147,6 +152,46 @@ def run_config(args, B: int, N: int) -> dict:
     return out
 
 
+def run_quant(args) -> dict:
+    """--quant: one bmc engine per quant on the same random weights, in this process (quant_torch.py's paths)."""
+    dtype = getattr(torch, args.dtype)
+    B, N = args.batch, args.total
+    gen = N - args.prompt
+    hf, cfg = build_hf(args.model, dtype)
+    prompts = [[(13 * b + 7 * i) % (cfg.vocab_size - 10) + 5 for i in range(args.prompt)] for b in range(B)]
+    state = dict(hf.state_dict())
+    del hf
+    rows: dict[str, dict] = {}
+    for quant in args.quant.split(","):
+        import time
+
+        t0 = time.time()
+        model = model_from_tensors(cfg.to_dict(), state, origin=args.model, dtype=dtype, device="cuda", quant=quant)
+        load_s = time.time() - t0
+        gc.collect()
+        torch.cuda.empty_cache()
+        kw = {"graph_warmup": True} if args.graph_warmup else {}
+        r, extra = warm_runs(model, prompts, gen, "bmc", args.repeats, **kw)
+        summ = r.summary(B)
+        tps = summ["decode_tokens_per_s"]
+        wb = model.weight_bytes
+        rows[quant] = {"decode_tokens_per_s": tps, "time_per_output_token_ms": summ["time_per_output_token_ms"],
+                       "weight_bytes": wb, "weight_GBps": wb * tps / B / 1e9, "load_s": load_s,
+                       "first_run_tokens_per_s": extra["first_run_tokens_per_s"],
+                       "warm_tokens_per_s": extra["warm_tokens_per_s"], "peak_cuda_mb": extra["peak_cuda_mb"],
+                       "tokens": r.tokens[0][:32]}
+        print(f"  {quant:6s} {tps:8.1f} tok/s  {summ['time_per_output_token_ms']:6.2f} ms/step  weights "
+              f"{wb / 1e9:5.2f} GB  {rows[quant]['weight_GBps']:7.0f} GB/s  x{tps / next(iter(rows.values()))['decode_tokens_per_s']:.2f}"
+              f"  (load {load_s:.0f} s)", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    first = next(iter(rows.values()))["decode_tokens_per_s"]
+    return {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "batch": B, "N": N, "prompt": args.prompt, "gen": gen, "repeats": args.repeats,
+            "quants": rows, "ratios": {q: v["decode_tokens_per_s"] / first for q, v in rows.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-7b", choices=list(SHAPES))
@@ -162,10 +207,18 @@ def main() -> None:
     ap.add_argument("--no-iterative", action="store_true", help="skip bmc-iterative (slow at large batch)")
     ap.add_argument("--sweep-T", action="store_true", help="also sweep bmc's T = 1, 2, 4, ... (the paper's Fig. 15)")
     ap.add_argument("--plot", action="store_true", help="only merge the gpu-MODEL-*.json files in --out into a PNG")
+    ap.add_argument("--quant", default="", help="e.g. none,q8_0,q4_0: the bmc engine per quant, ratios to the first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
+    if args.quant:
+        print(f"{args.model} {args.dtype} B={args.batch} N={args.total} prompt={args.prompt} on "
+              f"{torch.cuda.get_device_name()} (median of {args.repeats} warm runs after a cold one)", flush=True)
+        report = run_quant(args)
+        name = f"gpu-quant-{args.model}-B{args.batch}-N{args.total}.json"
+        (path / name).write_text(json.dumps(report, indent=1))
+        return
     if not args.plot:
         out = run_config(args, args.batch, args.total)
         report = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name(),
