@@ -10,7 +10,7 @@ float32, bit for bit the float32 weight `gguf` dequantizes.
 A quant becomes a float without a conversion instruction: the bits at position s are OR-ed into the mantissa of
 2^(23 - s) and that power of two subtracted, exactly. Every operand (words, scales, x) is loaded at the weights'
 full tile shape, so in their layout: no shuffles through shared memory. The first version (GGUF's byte order, one
-I2F a value, x re-laid through shared memory with four barriers a loop step, by its SASS) was 12 % (Q4_0) and 6 %
+I2F a value, x re-laid through shared memory with four barriers a loop step, by its SASS) was 13 % (Q4_0) and 6 %
 (Q8_0) slower on an H100; software pipelining of the loads (`stages` > 1) was 2-3x slower.
 
 - `gemv`: small M (decode). A program reads a strip of BN output rows across K once, 16 bytes a load, for up to
