@@ -1220,5 +1220,9 @@ def served_speculation(model: Model, speculative: str, tree: str, trim: bool = T
         return None
     drafter = make_drafter(speculative, model, Sampler(SamplingParams(), model.device))
     spec = TreeSpec.parse(tree)
+    if spec.auto and model.full_config is not None:  # a tensor-parallel rank: every rank must cut its trees alike,
+        # and a choice from each rank's own timing need not be: the fixed tree of before auto
+        log.info("tree='auto' under tensor parallelism runs chain:4 (every rank must choose the same trees)")
+        spec = TreeSpec.parse("chain:4")
     auto = AutoTree(row_costs(model)) if spec.auto else None
     return SpeculativeStep(drafter, spec, trim_to_chunk=trim, auto=auto)

@@ -31,9 +31,14 @@ def test_a_16_bit_checkpoint_is_kept_in_16_bits_with_hfs_float32_logits(tmp_path
     path = half_llama(tmp_path / "m", variant, dtype)
     stored, widened = bmc.load(str(path)), bmc.load(str(path), quant="none")
     assert stored.quant == "stored" and widened.quant == "none"
-    linears = stored.linears()
+    linears = [lin for lin in stored.linears() if lin is not stored.net.embed_q]
     assert linears and all(lin.panels is not None and lin.panels.dtype == dtype for lin in linears)
     assert sum(lin.panels.nbytes for lin in linears) * 2 == sum(lin.panels.nbytes for lin in widened.linears())
+    if widened.net.embed is not None and stored.net.embed is None:  # an untied table: kept in 16 bits too, its
+        # rows widened exactly as looked up
+        assert stored.net.embed_q.panels.dtype == dtype
+        ids = torch.tensor(IDS[:4])
+        assert torch.equal(stored.net.embed_q.rows(ids), widened.net.embed[ids])
     got = logits_by_chunks(stored, IDS, "bmc", split=5)
     # the float32 GEMM on the same values: bit for bit what quant="none" computes
     assert torch.equal(got, logits_by_chunks(widened, IDS, "bmc", split=5))

@@ -20,7 +20,7 @@ from bmc.parallel.tp import TensorParallelError, TensorParallelModel, prompt_log
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
 SETTINGS = [*(dict(kv=kv) for kv in KV_STRATEGIES), dict(kv="bmc", r=3),
-            dict(kv="bmc", speculative="ngram", tree="chain:3"), dict(num_samples=2)]
+            dict(kv="bmc", speculative="ngram"), dict(num_samples=2)]  # the default tree: auto (chain:4 on ranks)
 
 
 def R(q, kv) -> RankHeads:

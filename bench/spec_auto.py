@@ -1,0 +1,126 @@
+"""tree="auto" against plain decoding and fixed trees (issue 50): the default model in several weight formats, at
+batch 1 and 8, on a copy-heavy prompt (copy a 60-word paragraph) and on free text, with prompt-lookup drafting.
+
+Every run must give plain decoding's tokens (greedy). Repeats are interleaved (plain, each tree, auto, then again)
+and the median of each is reported, with its spread, the ratio to plain in the same round, and the mean accepted
+drafts per verify step. Times are whole generate() calls (prefill included, as a user waits for them); each
+format's first auto call measures the model's step cost by rows (stored, so not in the timed runs: a warm-up call
+runs first).
+
+    python bench/spec_auto.py [--formats stored,q8_0,q4_0,none] [--batches 1,8] [--repeats 3]
+Writes bench/results/cpu/spec-auto.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import bmc
+
+PARAGRAPH = ("The committee met on Tuesday to review the annual budget. After a long discussion about rising costs, "
+             "the members agreed to reduce travel spending by ten percent and to postpone the new building project "
+             "until next spring. The chair thanked everyone for their patience and closed the meeting at six.")
+TASKS = {
+    "copy": [f"Copy the following paragraph exactly.\n\n{PARAGRAPH}\n\nCopy:\n"],
+    "free": ["Write a short story about a dragon who learns to bake bread."],
+}
+FORMAT_NAMES = {"stored": "Q4_1 (as stored)", "q8_0": "Q8_0", "q4_0": "Q4_0", "none": "F32"}
+OUT = Path(__file__).resolve().parent / "results" / "cpu"
+
+
+def run(model, prompts: list[str], tree: str | None, n: int) -> tuple[float, list, float]:
+    kw = dict(max_new_tokens=n, ignore_eos=True, chat=True)
+    if tree is not None:
+        kw.update(speculative="ngram", tree=tree)
+    t0 = time.perf_counter()
+    out = bmc.generate(model, prompts, **kw)
+    seconds = time.perf_counter() - t0
+    sp = out.stats.speculative
+    per_step = sp.accepted / sp.verify_steps if sp is not None and sp.verify_steps else 0.0
+    return seconds, [c.token_ids for c in out], per_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="stored,q8_0,q4_0,none")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--trees", default="chain:2,chain:4,dynamic:4x6,auto")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    trees = args.trees.split(",")
+    results = []
+    for fmt in args.formats.split(","):
+        model = bmc.load(quant="auto" if fmt == "stored" else fmt, share_weights=True)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for task, base_prompts in TASKS.items():
+                prompts = (base_prompts * batch)[:batch]
+                _, want, _ = run(model, prompts, None, args.tokens)
+                run(model, prompts, "auto", 8)  # warm-up: the step-cost curve measured (once per model) here
+                times: dict[str, list[float]] = {t: [] for t in ["plain", *trees]}
+                accepted: dict[str, list[float]] = {t: [] for t in trees}
+                for _ in range(args.repeats):
+                    for t in times:
+                        s, got, per_step = run(model, prompts, None if t == "plain" else t, args.tokens)
+                        assert got == want, (fmt, batch, task, t)  # exactness first
+                        times[t].append(s)
+                        if t != "plain":
+                            accepted[t].append(per_step)
+                plain = statistics.median(times["plain"])
+                for t, v in times.items():
+                    ratios = [p / x for p, x in zip(times["plain"], v)]  # same-round pairs
+                    row = {"format": FORMAT_NAMES.get(fmt, fmt), "quant": fmt, "batch": batch, "task": task,
+                           "tree": t, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
+                           "vs_plain": plain / statistics.median(v), "vs_plain_pairs": ratios,
+                           "tokens_per_s": batch * args.tokens / statistics.median(v),
+                           "accepted_per_verify_step": statistics.median(accepted[t]) if t in accepted else None}
+                    results.append(row)
+                    print(f"{row['format']:16s} B={batch} {task:4s} {t:12s} {row['median_s'] * 1000:8.1f} ms "
+                          f"x{row['vs_plain']:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+                          + (f"  accepted/step {row['accepted_per_verify_step']:.2f}" if t in accepted else ""),
+                          flush=True)
+        del model
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+            "tokens": args.tokens, "repeats": args.repeats, "dtype": "float32 activations", "drafter": "ngram",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    (out / "spec-auto.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, trees, out / "spec-auto.png")
+
+
+def plot(results: list[dict], trees: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["format"], r["batch"], r["task"]) for r in results}, key=lambda g: (g[0], g[1], g[2]))
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.9), 4.5))
+    width = 0.8 / len(trees)
+    for j, t in enumerate(trees):
+        vals = [next(r["vs_plain"] for r in results if (r["format"], r["batch"], r["task"]) == g and r["tree"] == t)
+                for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], vals, width, label=t)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{f}\nB={b} {t}" for f, b, t in groups],
+                  fontsize=7)
+    ax.set_ylabel("speed vs plain decoding (same round)")
+    ax.set_title("Prompt-lookup speculation, default model (SmolLM2-135M), fixed trees and tree=auto")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
