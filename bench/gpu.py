@@ -152,6 +152,35 @@ def run_config(args, B: int, N: int) -> dict:
     return out
 
 
+def gemm_ms(model, rows: int) -> float:
+    """ms of one decode step's GEMMs alone (every Linear of the model once, at `rows` rows), captured in one CUDA graph:
+    the step's time less this is what the rest of the step costs, in the same process."""
+    import statistics
+
+    lins = model.linears()
+    xs = {lin.in_features: torch.randn(rows, lin.in_features, device="cuda", dtype=model.dtype) for lin in lins}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.inference_mode():
+        for lin in lins:
+            lin(xs[lin.in_features])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g):
+        for lin in lins:
+            lin(xs[lin.in_features])
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return statistics.median(times)
+
+
 def run_quant(args) -> dict:
     """--quant: one bmc engine per quant on the same random weights, in this process (quant_torch.py's paths)."""
     dtype = getattr(torch, args.dtype)
@@ -172,6 +201,7 @@ def run_quant(args) -> dict:
         torch.cuda.empty_cache()
         kw = {"graph_warmup": True} if args.graph_warmup else {}
         r, extra = warm_runs(model, prompts, gen, "bmc", args.repeats, **kw)
+        gms = gemm_ms(model, B)
         summ = r.summary(B)
         tps = summ["decode_tokens_per_s"]
         wb = model.weight_bytes
@@ -179,10 +209,12 @@ def run_quant(args) -> dict:
                        "weight_bytes": wb, "weight_GBps": wb * tps / B / 1e9, "load_s": load_s,
                        "first_run_tokens_per_s": extra["first_run_tokens_per_s"],
                        "warm_tokens_per_s": extra["warm_tokens_per_s"], "peak_cuda_mb": extra["peak_cuda_mb"],
+                       "gemm_ms": gms, "outside_gemm_ms": summ["time_per_output_token_ms"] - gms,
                        "tokens": r.tokens[0][:32]}
         print(f"  {quant:6s} {tps:8.1f} tok/s  {summ['time_per_output_token_ms']:6.2f} ms/step  weights "
               f"{wb / 1e9:5.2f} GB  {rows[quant]['weight_GBps']:7.0f} GB/s  x{tps / next(iter(rows.values()))['decode_tokens_per_s']:.2f}"
-              f"  (load {load_s:.0f} s)", flush=True)
+              f"  GEMMs alone {gms:.2f} ms, the rest {summ['time_per_output_token_ms'] - gms:.2f}  (load {load_s:.0f} s)",
+              flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()
