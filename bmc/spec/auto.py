@@ -3,8 +3,8 @@
 A step of m token rows costs cost(m) seconds (RowCosts: the model's own forward timed at m rows on a scratch
 cache, once per model, machine, arithmetic and thread count, and stored beside the calibration profile). Node i of a
 row's proposal (nodes in draft order, parents first, so the first n nodes are a tree) is accepted with probability
-p_i, counted online over this engine's verify steps (Laplace's estimate: untried nodes start at 1/2, so deeper trees
-get tried and kept only where they pay). The step's trees are cut to the n nodes that maximise the expected tokens a
+p_i, counted online over this engine's verify steps (AutoTree.rates: an untried node is taken to be as good as the
+node before it, so rows whose drafts keep being right try deeper trees and keep them only where they pay). The step's trees are cut to the n nodes that maximise the expected tokens a
 second,
 
     rows_drafting * (1 + sum_{i<n} p_i) / cost(batch_rows * (1 + n)),
@@ -59,7 +59,7 @@ class AutoTree:
     accepted at least two of its drafts (or all of a shorter tree: it is copying, and its next draft is likely right),
     cold otherwise (and when new); node i's rate is counted apart for the two, over the drafting rows of the steps
     whose trees reached i + 1 nodes, whether or not the row proposed it (a drafter that finds nothing to propose
-    lowers it), as Laplace's estimate (accepted + 1) / (rows + 2)."""
+    lowers it)."""
 
     costs: RowCosts
     seen: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
@@ -68,8 +68,20 @@ class AutoTree:
     guess: dict[int, int] = field(default_factory=dict)  # row key -> its drafter's next token, in a step not verified
     chosen: list[int] = field(default_factory=list)  # n of each step (stats)
 
-    def rate(self, state: int, i: int) -> float:
-        return (self.accepted[state][i] + 1) / (self.seen[state][i] + 2)
+    def rates(self, state: int, n: int) -> list[float]:
+        """The acceptance estimates of nodes 0..n-1: node 0 Laplace's (accepted + 1) / (rows + 2); node i with its
+        predecessor's rate as the prior mean (weight one row), and never above it (on the first continuation, the
+        first eight nodes, a node is accepted only after its parent): untried deep nodes look as good as the
+        deepest tried one, so copying rows try deeper trees and other rows do not."""
+        out: list[float] = []
+        for i in range(n):
+            seen, acc = self.seen[state][i], self.accepted[state][i]
+            if i == 0:
+                r = (acc + 1) / (seen + 2)
+            else:
+                r = min((acc + out[-1]) / (seen + 1), out[-1])
+            out.append(r)
+        return out
 
     def nodes(self, batch_rows: int, keys: list[int], most: int) -> int:
         """The node count (0..most) of the step's trees; batch_rows: rows of the verify forward (every slot of the
@@ -78,8 +90,10 @@ class AutoTree:
         hot = sum(states)
         best_n, best = 0, len(keys) / self.costs.at(batch_rows)
         gain = float(len(keys))
-        for n in range(1, min(most, AUTO_PROPOSAL.size) + 1):
-            gain += hot * self.rate(HOT, n - 1) + (len(keys) - hot) * self.rate(COLD, n - 1)
+        top = min(most, AUTO_PROPOSAL.size)
+        hot_rates, cold_rates = self.rates(HOT, top), self.rates(COLD, top)
+        for n in range(1, top + 1):
+            gain += hot * hot_rates[n - 1] + (len(keys) - hot) * cold_rates[n - 1]
             value = gain / self.costs.at(batch_rows * (1 + n))
             if value > best:
                 best_n, best = n, value
