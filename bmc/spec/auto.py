@@ -66,6 +66,7 @@ class AutoTree:
     accepted: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
     state: dict[int, int] = field(default_factory=dict)  # row key -> HOT or COLD
     guess: dict[int, int] = field(default_factory=dict)  # row key -> its drafter's next token, in a step not verified
+    streak: dict[int, int] = field(default_factory=dict)  # row key -> its guesses right in a row
     chosen: list[int] = field(default_factory=list)  # n of each step (stats)
 
     def rates(self, state: int, n: int) -> list[float]:
@@ -118,14 +119,22 @@ class AutoTree:
 
     def observe(self, key: int, token: int) -> None:
         """The token a row decoded after a guessed step: the first node would have been accepted (greedy) where it
-        equals the guess. Counted as a one-node step, so a cold row whose drafter is right again turns hot."""
+        equals the guess, counted for node 0 of a cold row; two right in a row turn the row hot (one is often a
+        common word)."""
         guess = self.guess.pop(key, None)
-        if guess is not None:
-            self.record([(key, [0, 1] if guess == token else [0])], 1)
+        if guess is None:
+            return
+        right = guess == token
+        self.seen[COLD][0] += 1
+        self.accepted[COLD][0] += right
+        self.streak[key] = self.streak.get(key, 0) + 1 if right else 0
+        if self.streak[key] >= 2:
+            self.state[key], self.streak[key] = HOT, 0
 
     def forget(self, key: int) -> None:
         self.state.pop(key, None)
         self.guess.pop(key, None)
+        self.streak.pop(key, None)
 
 
 def row_costs(model: Any) -> RowCosts:
