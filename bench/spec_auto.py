@@ -31,7 +31,7 @@ TASKS = {
     "copy": [f"Copy the following paragraph exactly.\n\n{PARAGRAPH}\n\nCopy:\n"],
     "free": ["Write a short story about a dragon who learns to bake bread."],
 }
-FORMAT_NAMES = {"stored": "Q4_1 (as stored)", "q8_0": "Q8_0", "q4_0": "Q4_0", "none": "F32"}
+FORMAT_NAMES = {"stored": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0", "none": "F32"}
 OUT = Path(__file__).resolve().parent / "results" / "cpu"
 
 
