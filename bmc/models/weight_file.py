@@ -273,12 +273,7 @@ def stream_first_load(source: str, dtype: torch.dtype, quant: str) -> Any | None
         model = load_mapped(source, dtype, quant)
         if model is None:
             return None
-    touch(path)
-    try:
-        evict(path)
-    except OSError:
-        pass
-    _release_freed_memory()
+    _mapped(path)
     return model
 
 
@@ -472,13 +467,18 @@ def share_weights(model: Any, path: str | None = None) -> str:
             if header is None:
                 raise OSError(f"could not write the weight file {path}")
             map_weight_file(model, path, header)
+    _mapped(path)
+    return path
+
+
+def _mapped(path: str) -> None:
+    """A model now maps `path`: mark it used, keep the cache within its bound, free what the mapping replaced."""
     touch(path)
     try:
         evict(path)
     except OSError:
         pass
     _release_freed_memory()
-    return path
 
 
 def _release_freed_memory() -> None:
