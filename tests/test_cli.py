@@ -86,15 +86,22 @@ def test_bad_input_from_a_real_process_has_no_traceback(gqa_dir):
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: temperature")
 
 
-def test_speculative_sampling_from_the_command_line(gqa_dir):
+def test_speculative_sampling_from_the_command_line(gqa_dir, capsys):
+    """Seeded sampling with a draft model from the command line (in this process: the CLI's own main)."""
+    import torch
+
+    from bmc.cli.generate import main
+
     args = ["--model", str(gqa_dir), "--max-new-tokens", "6", "--ignore-eos", "--json", "--temperature", "0.8",
-            "--seed", "4", "the quick brown fox"]
-    plain = run_cli(*args)
-    spec = run_cli(*args, "--speculative", "layers:1", "--tree", "static:6")
-    again = run_cli(*args, "--speculative", "layers:1", "--tree", "static:6")
-    assert plain.returncode == spec.returncode == 0, spec.stderr
-    assert spec.stdout == again.stdout  # seeded: reproducible
-    assert len(json.loads(spec.stdout)["token_ids"]) == 6
+            "--seed", "4", "--no-weights-cache", "-t", str(torch.get_num_threads()), "the quick brown fox"]
+    outs = []
+    for extra in ([], ["--speculative", "layers:1", "--tree", "static:6"], ["--speculative", "layers:1", "--tree",
+                                                                           "static:6"]):
+        main([*args, *extra])
+        outs.append(capsys.readouterr().out)
+    plain, spec, again = (json.loads(o) for o in outs)
+    assert spec == again  # seeded: reproducible
+    assert len(spec["token_ids"]) == len(plain["token_ids"]) == 6
 
 
 def test_bad_files_and_ranges_exit_2_before_loading(tmp_path, capsys):

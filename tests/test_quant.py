@@ -199,22 +199,25 @@ def test_refused_where_it_cannot_run(tmp_path, gqa_dir, monkeypatch):
     assert bmc.load(path).quant == "none"  # auto without the native step: dequantized, as before
 
 
-def test_cli_flag(tmp_path):
+def test_cli_flag(tmp_path, capsys):
+    """--quant and --activations from the command line (the CLI's own main, in this process): a run, and bad
+    values refused in one line with exit 2."""
+    from bmc.cli.generate import main
+
     path = str(tmp_path / "m.gguf")
     _write(path, plan=uniform_plan(Q.Q4_1))
-    ok = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--quant", "gguf",
-                         "--max-new-tokens", "4", "hello"], capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--quant", "int3", "hi"], capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2 and "--quant" in bad.stderr and "Traceback" not in bad.stderr
+    common = ["--model", path, "--no-weights-cache", "-t", str(torch.get_num_threads()), "--max-new-tokens", "4"]
+    main([*common, "--quant", "gguf", "hello"])
+    assert capsys.readouterr().out.strip()
     if native_module().has_int8_dot():
-        act = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--activations", "int8",
-                              "--max-new-tokens", "4", "hello"], capture_output=True, text=True, timeout=300)
-        assert act.returncode == 0, act.stderr
-    none = subprocess.run([sys.executable, "-m", "bmc.cli.generate", "--model", path, "--quant", "none",
-                           "--activations", "int8", "hi"], capture_output=True, text=True, timeout=300)
-    assert none.returncode != 0 and "activations='int8'" in none.stderr and "Traceback" not in none.stderr
+        main([*common, "--activations", "int8", "hello"])
+        assert capsys.readouterr().out.strip()
+    for args, message in ((["--quant", "int3", "hi"], "--quant"),
+                          ([*common, "--quant", "none", "--activations", "int8", "hi"], "activations='int8'")):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
