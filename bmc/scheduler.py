@@ -1224,5 +1224,11 @@ def served_speculation(model: Model, speculative: str, tree: str, trim: bool = T
         # and a choice from each rank's own timing need not be: the fixed tree of before auto
         log.info("tree='auto' under tensor parallelism runs chain:4 (every rank must choose the same trees)")
         spec = TreeSpec.parse("chain:4")
-    auto = AutoTree(row_costs(model)) if spec.auto else None
+    auto = None
+    if spec.auto:
+        try:
+            auto = AutoTree(row_costs(model))
+        except Exception:  # timing the model failed (memory, an unusual model): speculate, with the fixed tree
+            log.exception("tree='auto' could not time this model's steps; running chain:4")
+            spec = TreeSpec.parse("chain:4")
     return SpeculativeStep(drafter, spec, trim_to_chunk=trim, auto=auto)

@@ -244,6 +244,21 @@ def test_auto_costs_are_measured_once_and_stored(gqa_dir):
     assert row_costs(again) == costs
 
 
+def test_auto_falls_back_to_a_fixed_tree_when_timing_fails(gqa_dir, monkeypatch, caplog):
+    from bmc import scheduler
+
+    model = bmc.load(str(gqa_dir))
+    want = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=12, ignore_eos=True)]
+
+    def broken(model):
+        raise RuntimeError("no memory for the scratch cache")
+
+    monkeypatch.setattr(scheduler, "row_costs", broken)
+    out = bmc.generate(model, PROMPTS, max_new_tokens=12, ignore_eos=True, speculative="ngram")
+    assert [c.token_ids for c in out] == want and out.stats.speculative.verify_steps > 0  # chain:4 ran
+    assert "could not time" in caplog.text
+
+
 @pytest.mark.slow
 def test_real_model_speculative_identical_and_accepting(real_model):
     """On text the model copies from its prompt, prompt lookup gets accepted and the output is unchanged."""
