@@ -49,6 +49,7 @@
 #include "cpu/attend_float.h"
 #include "cpu/attend_i8.h"
 #include "cpu/attention.h"
+#include "cpu/moe.h"
 
 namespace {
 
@@ -57,6 +58,8 @@ struct Layer {
   Weight qkv, o, up, down;                   // panels; up = fused gate|up (gated MLP) or fc1
   torch::Tensor qkv_b, o_b, up_b, down_b;    // optional biases
   torch::Tensor q_norm, k_norm;              // Qwen3: RMSNorm weights over head_dim of each query / key head
+  bool qk_full = false;                      // OLMoE: q_norm / k_norm span all query / key heads at once
+  Experts moe;                               // routed experts in place of up / down (cpu/moe.h)
   torch::Tensor post_attn, post_mlp;         // Gemma 2/3: RMSNorms of the attention's and the MLP's outputs
   bool local = false;                        // attends with the step's window bias and RoPE (Gemma 2/3)
 };
@@ -80,10 +83,51 @@ class NativeDecoder {
                  const torch::Tensor& ln2_w, const torch::Tensor& ln2_b, const Weight& up,
                  const torch::Tensor& up_b, const Weight& down, const torch::Tensor& down_b) {
     const int64_t nq = (h_ + 2 * kvh_) * hd_, nu = gated_ ? 2 * I_ : I_;
+    const bool mlp = up.data.numel() > 0;  // empty up and down: the layer's experts come by set_moe
     layers_.push_back(Layer{f32(ln1_w), f32(ln1_b), f32(ln2_w), f32(ln2_b), panels(qkv, D_, nq, "qkv"),
-                            panels(o, h_ * hd_, D_, "o"), panels(up, D_, nu, "up"), panels(down, I_, D_, "down"),
-                            f32(qkv_b), f32(o_b), f32(up_b), f32(down_b)});
+                            panels(o, h_ * hd_, D_, "o"), mlp ? panels(up, D_, nu, "up") : Weight{},
+                            mlp ? panels(down, I_, D_, "down") : Weight{}, f32(qkv_b), f32(o_b), f32(up_b),
+                            f32(down_b)});
   }
+
+  // Layer `layer`'s routed experts: the router [D, E] (float), every expert's gate|up stacked along the output
+  // axis [D, E * 2I] and every down projection [I, E * D], top_k chosen per row.
+  void set_moe(int64_t layer, const Weight& router, const Weight& up, const Weight& down, int64_t experts,
+               int64_t inter, int64_t top_k, bool norm_topk) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_moe: no layer ", layer);
+    TORCH_CHECK(gated_ && experts > 0 && top_k > 0 && top_k <= experts && inter > 0 && inter % P == 0 && D_ % P == 0,
+                "set_moe: gated experts, 1 <= top_k <= experts, widths of whole panels");
+    TORCH_CHECK(!router.blocks(), "set_moe: a float router");
+    Experts& X = layers_[layer].moe;
+    X.router = panels(router, D_, experts, "router");
+    const Weight stacked_up = panels(up, D_, experts * 2 * inter, "experts_up");
+    const Weight stacked_down = panels(down, inter, experts * D_, "experts_down");
+    X.up.clear();
+    X.down.clear();
+    for (int64_t e = 0; e < experts; ++e) {
+      X.up.push_back(Weight{stacked_up.data.narrow(0, e * 2 * inter / P, 2 * inter / P), stacked_up.kind});
+      X.down.push_back(Weight{stacked_down.data.narrow(0, e * D_ / P, D_ / P), stacked_down.kind});
+    }
+    X.E = experts;
+    X.I = inter;
+    X.top_k = top_k;
+    X.norm_topk = norm_topk;
+  }
+
+  // Qwen2-MoE's shared expert of layer `layer`: gate|up [D, 2S], down [S, D] and its sigmoid gate [D].
+  void set_shared_expert(int64_t layer, const Weight& up, const Weight& down, const torch::Tensor& gate,
+                         int64_t inter) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].moe.defined(), "set_shared_expert: a routed layer");
+    TORCH_CHECK(gate.numel() == D_, "set_shared_expert: a [hidden] gate");
+    Experts& X = layers_[layer].moe;
+    X.shared_up = panels(up, D_, 2 * inter, "shared_up");
+    X.shared_down = panels(down, inter, D_, "shared_down");
+    X.shared_gate = f32(gate);
+    X.S = inter;
+  }
+
+  // OLMoE: q, k and v clamped to [-clip, clip] after the q / k norms (0: off)
+  void set_clip_qkv(double clip) { clip_qkv_ = static_cast<float>(clip); }
 
   // lm_head: [hidden, vocab], or its panels with `vocab` given
   void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const Weight& lm_head, int64_t vocab) {
@@ -95,10 +139,14 @@ class NativeDecoder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // Qwen3's per-head RMSNorm of queries and keys (before RoPE) for layer `layer`: [head_dim] weights each.
+  // Qwen3's per-head RMSNorm of queries and keys (before RoPE) for layer `layer`: [head_dim] weights each; or
+  // OLMoE's over all heads at once: [heads * head_dim] and [kv_heads * head_dim] weights.
   void set_qk_norm(int64_t layer, const torch::Tensor& q_norm, const torch::Tensor& k_norm) {
     TORCH_CHECK(layer >= 0 && layer < num_layers(), "set_qk_norm: no layer ", layer);
-    TORCH_CHECK(q_norm.numel() == hd_ && k_norm.numel() == hd_, "set_qk_norm: [head_dim] weights");
+    const bool full = q_norm.numel() == h_ * hd_ && k_norm.numel() == kvh_ * hd_ && h_ > 1;
+    TORCH_CHECK(full || (q_norm.numel() == hd_ && k_norm.numel() == hd_),
+                "set_qk_norm: [head_dim] weights, or [heads * head_dim] and [kv_heads * head_dim]");
+    layers_[layer].qk_full = full;
     layers_[layer].q_norm = f32(q_norm);
     layers_[layer].k_norm = f32(k_norm);
   }
@@ -158,10 +206,13 @@ class NativeDecoder {
   void set_profiling(bool on) {
     profiling_ = on;
     std::fill(std::begin(phase_s_), std::end(phase_s_), 0.0);
+    expert_counts_ = ExpertCounts{};
   }
   std::map<std::string, double> profile() const {
     return {{"kv_write_s", phase_s_[0]}, {"attention_s", phase_s_[1]}, {"other_s", phase_s_[2]},
-            {"gemm_s", phase_s_[3]}, {"lm_head_s", phase_s_[4]}};
+            {"gemm_s", phase_s_[3]}, {"lm_head_s", phase_s_[4]},
+            {"expert_runs", static_cast<double>(expert_counts_.runs)},
+            {"expert_rows", static_cast<double>(expert_counts_.rows)}};
   }
 
   // x [B, t, D] (embedded inputs, overwritten), kv [L, 2, B, H_kv, cap, d] written at columns [start, start+t),
@@ -302,7 +353,13 @@ class NativeDecoder {
       clock.lap(2);
       step_gemm(hp, D_, D_, L.qkv, nq, ptr(L.qkv_b), qp, false);
       clock.lap(3);
-      if (L.q_norm.defined()) {  // in place, each head of each row: q heads, then the k heads after them
+      if (L.q_norm.defined() && L.qk_full) {  // OLMoE: all q heads as one vector, all k heads as another
+        for (int64_t m = 0; m < M; ++m) {
+          float* v = qp + m * nq;
+          rms_norm(v, L.q_norm.data_ptr<float>(), v, h_ * hd_, eps_);
+          rms_norm(v + h_ * hd_, L.k_norm.data_ptr<float>(), v + h_ * hd_, kvh_ * hd_, eps_);
+        }
+      } else if (L.q_norm.defined()) {  // in place, each head of each row: q heads, then the k heads after them
         const float *qn = L.q_norm.data_ptr<float>(), *kn = L.k_norm.data_ptr<float>();
         for (int64_t m = 0; m < M; ++m)
           for (int64_t head = 0; head < h_ + kvh_; ++head) {
@@ -310,6 +367,8 @@ class NativeDecoder {
             rms_norm(v, head < h_ ? qn : kn, v, hd_, eps_);
           }
       }
+      if (clip_qkv_ > 0.0f)
+        for (int64_t i = 0; i < M * nq; ++i) qp[i] = std::min(std::max(qp[i], -clip_qkv_), clip_qkv_);
       int64_t row = 0;
       for (const Part& part : parts) {
         const int64_t rows = part.B * part.t, layer_bytes = 2 * part.B * kvh_ * part.slab * part.lay.row_bytes;
@@ -338,9 +397,16 @@ class NativeDecoder {
       }
       norm(xp, L.ln2_w, L.ln2_b, hp, M);
       clock.lap(2);
+      if (L.moe.defined()) {  // each run of one arithmetic routes and runs its own rows
+        auto act = [this](float* mid, int64_t rows, int64_t inter) { activate(mid, rows, inter); };
+        for (const auto& [r0, rows, a] : runs)
+          run_experts(L.moe, hp + r0 * D_, D_, rows, xp + r0 * D_, a, act, profiling_ ? &expert_counts_ : nullptr);
+        clock.lap(3);
+        continue;
+      }
       step_gemm(hp, D_, D_, L.up, nu, ptr(L.up_b), mp, false);
       clock.lap(3);
-      activate(mp, M);
+      activate(mp, M, I_);
       if (L.post_mlp.defined()) {
         clock.lap(2);
         step_gemm(mp, nu, I_, L.down, D_, ptr(L.down_b), hp, false);
@@ -426,21 +492,22 @@ class NativeDecoder {
       }
   }
 
-  void activate(float* mid, int64_t M) const {
-    const int64_t n = gated_ ? 2 * I_ : I_;
+  // the MLP's activation over M rows of width I (gated: rows of [gate | up], 2I wide, written over the gate half)
+  void activate(float* mid, int64_t M, int64_t inter) const {
+    const int64_t n = gated_ ? 2 * inter : inter;
     for (int64_t m = 0; m < M; ++m) {
       float* row = mid + m * n;
       if (gated_ && act_ == "gelu_tanh") {  // Gemma's GeGLU: torch's gelu(approximate="tanh")(gate) * up
-        for (int64_t j = 0; j < I_; ++j) {
+        for (int64_t j = 0; j < inter; ++j) {
           const float g = row[j];
-          row[j] = 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * row[I_ + j];
+          row[j] = 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * row[inter + j];
         }
       } else if (gated_) {  // silu(gate) * up, written over the gate half (the down GEMM reads rows of stride 2I)
-        for (int64_t j = 0; j < I_; ++j) row[j] = row[j] / (1.0f + std::exp(-row[j])) * row[I_ + j];
+        for (int64_t j = 0; j < inter; ++j) row[j] = row[j] / (1.0f + std::exp(-row[j])) * row[inter + j];
       } else if (act_ == "relu") {
-        for (int64_t j = 0; j < I_; ++j) row[j] = std::max(row[j], 0.0f);
+        for (int64_t j = 0; j < inter; ++j) row[j] = std::max(row[j], 0.0f);
       } else {
-        for (int64_t j = 0; j < I_; ++j) row[j] = 0.5f * row[j] * (1.0f + std::erf(row[j] * 0.70710678118654752f));
+        for (int64_t j = 0; j < inter; ++j) row[j] = 0.5f * row[j] * (1.0f + std::erf(row[j] * 0.70710678118654752f));
       }
     }
   }
@@ -468,6 +535,8 @@ class NativeDecoder {
   double eps_;
   bool int8_x_ = false;  // set_int8_activations
   bool bf16_prompts_ = false;  // set_bf16_prompts
+  float clip_qkv_ = 0.0f;  // set_clip_qkv
+  ExpertCounts expert_counts_;  // since set_profiling(true)
   Attention attn_;  // the step's attention over own rows and shared segments (cpu/attention.h)
   std::vector<Layer> layers_;
   torch::Tensor norm_w_, norm_b_;
@@ -507,6 +576,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, std::string, double, double>())
       .def("add_layer", &NativeDecoder::add_layer)
+      .def("set_moe", &NativeDecoder::set_moe)
+      .def("set_shared_expert", &NativeDecoder::set_shared_expert)
+      .def("set_clip_qkv", &NativeDecoder::set_clip_qkv)
       .def("set_head", &NativeDecoder::set_head)
       .def("set_qk_norm", &NativeDecoder::set_qk_norm)
       .def("set_post_norms", &NativeDecoder::set_post_norms)

@@ -67,7 +67,9 @@ class Model:
     @property
     def can_pack(self) -> bool:
         """MKL packing for the eager decode path; the native step (bmc.kernels) packs its own panels instead."""
-        return mkl_packing_available(self.device, self.dtype) and self.net.native_decoder() is None
+        # not for experts: a packed copy of every expert for the rows of a whole step, where each expert sees a few
+        return (mkl_packing_available(self.device, self.dtype) and self.net.native_decoder() is None
+                and not self.config.num_experts)
 
     @property
     def packed_batch(self) -> int:

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", *MOE)
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "opt")
 
@@ -46,6 +47,19 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): each token runs the experts_per_token experts its
+    # router's softmax ranks highest, their outputs weighted by those probabilities (renormalised to sum to 1 where
+    # norm_topk_prob), plus Qwen2-MoE's shared expert gated by a sigmoid; moe_layers: which layers route (Qwen's
+    # decoder_sparse_step / mlp_only_layers; None: every layer), the others keep a dense MLP of intermediate_size
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] | None = None
+    # OLMoE: the q and k RMSNorms span the whole projection (all heads), and q, k, v are clamped to +-clip_qkv
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
     # opt
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
@@ -66,6 +80,10 @@ class ModelConfig:
     def attn_scale(self) -> float:
         """What query-key products are scaled by before the softmax."""
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a routed mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window (when the model has one)."""
@@ -179,7 +197,11 @@ def _sliding_window(cfg: dict[str, Any]) -> tuple[int | None, tuple[bool, ...] |
     elif kind == "gemma3_text":
         pattern = int(cfg.get("sliding_window_pattern", 6))
         local = _layer_types(cfg, [(i + 1) % pattern != 0 for i in range(n)])
-    elif kind in ("mistral", "phi3"):
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        if cfg.get("use_sliding_window", False):  # real checkpoints leave it off; Qwen2-MoE's pattern is its own
+            raise UnsupportedModelError(f"{kind} with use_sliding_window is not supported")
+        return None, None
+    elif kind in ("mistral", "mixtral", "phi3"):
         local = (True,) * n
     else:
         return None, None
@@ -212,7 +234,9 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
     if partial != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported yet")
     window, local_layers = _sliding_window(cfg)
-    qkv_bias = kind == "qwen2" or bool(cfg.get("attention_bias", False))  # Qwen2: always, o_proj none
+    # Qwen2: always, o_proj none; Qwen2-MoE: as its qkv_bias says (on unless written off)
+    qkv_bias = (kind == "qwen2" or (kind == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+                or bool(cfg.get("attention_bias", False)))
     softcaps = [cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")] if gemma else [None, None]
     return ModelConfig(
         model_type=cfg["model_type"],
@@ -230,7 +254,7 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=qkv_bias,
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=kind in ("qwen3", "gemma3_text"),
+        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe"),
         fused_projections=kind == "phi3",
         sliding_window=window,
         local_layers=local_layers,
@@ -247,7 +271,31 @@ def _parse_llama(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
         pad_token_id=cfg.get("pad_token_id"),
+        **(_moe(cfg) if kind in MOE else {}),
     )
+
+
+def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from an HF config, read as transformers reads them."""
+    kind, n = cfg["model_type"], int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelLoadError(f"{kind}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    moe_layers = None
+    inter = int(cfg["intermediate_size"])
+    shared = 0
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+        routed = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+        moe_layers = None if all(routed) else routed
+        inter = int(cfg["moe_intermediate_size"])
+        shared = int(cfg["shared_expert_intermediate_size"]) if kind == "qwen2_moe" else 0
+    clip = cfg.get("clip_qkv") if kind == "olmoe" else None
+    return dict(num_experts=experts, experts_per_token=top_k, expert_intermediate_size=inter,
+                norm_topk_prob=kind == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared, moe_layers=moe_layers, qk_norm_full=kind == "olmoe",
+                clip_qkv=float(clip) if clip is not None else None)
 
 
 def _parse_opt(cfg: dict[str, Any]) -> ModelConfig:

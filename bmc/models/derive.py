@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from . import Model
+from .moe import MOE_ATTRS
 from .ops import Linear, linear
 
 
@@ -70,7 +71,8 @@ def quantize_int8(model: Model) -> Model:
         net.embed, net.embed_q = table.dense_weight().t(), None
     for obj in [net, *net.layers]:
         for name, value in list(vars(obj).items()):
-            if isinstance(value, Linear):
+            # routers and experts stay as they are: experts are run as column slices of their stacked matrices
+            if isinstance(value, Linear) and name not in MOE_ATTRS:
                 setattr(obj, name, Int8Linear(value))
     return Model(config=model.config, net=net, tokenizer=model.tokenizer, path=f"{model.path} (int8)",
                  dtype=model.dtype, device=model.device)

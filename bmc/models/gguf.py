@@ -37,7 +37,15 @@ _PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.
 # arch -> HF model_type. llama.cpp's converter permutes Q/K rows for GGML's interleaved rope in `llama` files only
 # (Mistral included); qwen2 keeps HF's rotate-half layout (llama.cpp's llama_model_rope_type: NEOX).
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2",
-          "gemma3": "gemma3_text"}
+          "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# mixture-of-experts files (a `llama` file with experts is Mixtral): every expert of a layer in one 3-D tensor
+# [E, out, in], the router ffn_gate_inp [E, D], Qwen2-MoE's shared expert as *_shexp; whether the top-k weights are
+# renormalised, where the file does not say (`expert_weights_norm`), is llama.cpp's choice for the arch
+_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the MLP's input norm there too (HF pre_feedforward_layernorm);
 # HF's post_attention_layernorm is the attention output's norm
 _GEMMA2_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -124,6 +132,18 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
         "attn_norm": (hidden,), "ffn_norm": (hidden,)}
     layer_names = _LAYER_NAMES
+    experts = config.get("num_local_experts", 0)
+    if experts:
+        E, Ie, S = experts, config["moe_intermediate_size"], config.get("shared_expert_intermediate_size", 0)
+        for dense in ("ffn_gate", "ffn_up", "ffn_down"):
+            del layer_shapes[dense]
+        layer_shapes.update(ffn_gate_inp=(E, hidden), ffn_gate_exps=(E, Ie, hidden), ffn_up_exps=(E, Ie, hidden),
+                            ffn_down_exps=(E, hidden, Ie))
+        if S:
+            layer_shapes.update(ffn_gate_shexp=(S, hidden), ffn_up_shexp=(S, hidden), ffn_down_shexp=(hidden, S),
+                                ffn_gate_inp_shexp=(1, hidden))
+        mixtral = config["model_type"] == "mixtral"
+        layer_names = {**_LAYER_NAMES, **_MOE_NAMES, **({"ffn_gate_inp": "block_sparse_moe.gate"} if mixtral else {})}
     if arch in ("gemma2", "gemma3"):
         layer_shapes.update(post_attention_norm=(hidden,), post_ffw_norm=(hidden,))
         layer_names = _GEMMA2_NAMES
@@ -134,10 +154,13 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
         layer_names = _PHI3_NAMES
     for i in range(n_layers):
         expected.update({f"blk.{i}.{k}.weight": s for k, s in layer_shapes.items()})
-        if arch == "qwen2":  # q/k/v biases
+        if arch in ("qwen2", "qwen2moe"):  # q/k/v biases
             expected.update({f"blk.{i}.{k}.bias": (layer_shapes[k][0],) for k in ("attn_q", "attn_k", "attn_v")})
-        if arch in ("qwen3", "gemma3"):  # per-head q/k norms
+        if arch in ("qwen3", "gemma3", "qwen3moe"):  # per-head q/k norms
             expected.update({f"blk.{i}.{k}.weight": (head_dim,) for k in ("attn_q_norm", "attn_k_norm")})
+        if arch == "olmoe":  # q/k norms over all heads
+            expected.update({f"blk.{i}.attn_q_norm.weight": (heads * head_dim,),
+                             f"blk.{i}.attn_k_norm.weight": (kv_heads * head_dim,)})
 
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -152,6 +175,10 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
     try:
         for name, shape in expected.items():
             m = _LAYER_RE.fullmatch(name)
+            if m and m.group(2) in _EXPERTS:  # one 3-D tensor: each expert's matrix under its HF name
+                state.update(_expert_matrices(reader, name, shape, config["model_type"], int(m.group(1)),
+                                              _EXPERTS[m.group(2)], keep_blocks, shapes_only, read))
+                continue
             hf_name = (_TOP_NAMES[name] if m is None
                        else f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}")
             kind = tensors[name].tensor_type.name.lower()
@@ -172,6 +199,8 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
                 state[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
                 continue
             w = read(name)
+            if m and m.group(2) == "ffn_gate_inp_shexp":  # llama.cpp stores the [1, D] gate as a [D] vector too
+                w = w.reshape(shape) if w.size == shape[1] else w
             if w.shape != shape:
                 raise ModelLoadError(f"{path}: tensor {name} has shape {list(w.shape)}, config implies {list(shape)}")
             if m and m.group(2) in ("attn_q", "attn_k") and arch in _PERMUTED_QK:
@@ -205,6 +234,35 @@ def load_gguf(path: str, *, shapes_only: bool = False, keep_blocks: bool = False
     return config, state, tokenizer
 
 
+def _expert_matrices(reader: GGUFFile, name: str, shape: tuple[int, ...], model_type: str, layer: int, which: str,
+                     keep_blocks: bool, shapes_only: bool, read: Callable[[str], np.ndarray]) -> dict[str, Any]:
+    """Expert e's [out, in] matrix of the 3-D tensor `name` [E, out, in], under the HF name
+    moe.expert_names gives it: blocks kept as stored (rows [e * out, (e+1) * out) of the tensor, read when the model
+    takes them) or float32 values."""
+    from .moe import expert_names
+
+    E, out, k = shape
+    slot = ("gate", "up", "down").index(which)
+    names = [expert_names(model_type, layer, e)[slot] for e in range(E)]
+    kind = reader.tensors[name].tensor_type.name.lower()
+    widen = kind == "q5_0"
+    kind = "q8_0" if widen else kind
+    if keep_blocks and kind in GGUF_TYPES and k % GGUF_TYPES[kind].block_values == 0:
+        if shapes_only:
+            return {n: QuantWeight(kind, (out, k), None) for n in names}
+        return {n: DeferredBlocks(kind, (out, k), lambda e=e: _read_blocks(reader, name, kind, (E * out, k), widen,
+                                                                             None, rows=(e * out, (e + 1) * out)))
+                for e, n in enumerate(names)}
+    if shapes_only:
+        return {n: torch.empty((out, k), dtype=torch.float32, device="meta") for n in names}
+    w = read(name)
+    if w.shape != shape:
+        raise ModelLoadError(f"{name}: tensor has shape {list(w.shape)}, config implies {list(shape)}")
+    whole = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    reader.release(reader.tensors[name].data)
+    return {n: whole[e] for e, n in enumerate(names)}
+
+
 class DeferredBlocks:
     """A matrix's blocks read (and widened or re-ordered) only when the model asks for it (WeightSource._entry):
     a load holds one such copy at a time, not the whole file's worth beside the panels made from them."""
@@ -217,9 +275,13 @@ class DeferredBlocks:
 
 
 def _read_blocks(reader: GGUFFile, name: str, kind: str, shape: tuple[int, ...], widen: bool,
-                 n_head: int | None) -> QuantWeight:
+                 n_head: int | None, rows: tuple[int, int] | None = None) -> QuantWeight:
+    """The tensor's blocks as an [N, K] QuantWeight of `shape`; rows: only rows [r0, r1) of it (one expert)."""
     data = reader.tensors[name].data
     blocks = np.asarray(data).reshape(shape[0], -1).view(np.uint8)  # F16 comes as float16
+    if rows is not None:
+        blocks = blocks[rows[0] : rows[1]]
+        shape = (rows[1] - rows[0], shape[1])
     if widen:
         blocks = q5_0_as_q8_0(blocks)
     if n_head is not None:
@@ -228,7 +290,7 @@ def _read_blocks(reader: GGUFFile, name: str, kind: str, shape: tuple[int, ...],
     release = None
     if np.shares_memory(blocks, data):  # a view of the file: its pages dropped once made panels
         release = reader.release
-    else:
+    elif rows is None:  # (an expert's widened copy leaves the tensor's pages to the other experts)
         reader.release(data)
     return QuantWeight(kind, shape, blocks, release=release)
 
@@ -259,7 +321,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
         raise ModelLoadError(f"{path}: no {arch}.vocab_size and no token_embd.weight tensor")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     eos = list(dict.fromkeys(int(e) for e in eos))  # EOT (e.g. <|eot_id|>) also ends a turn in llama.cpp
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = _moe_config(path, meta, arch)
     if arch in ("gemma", "gemma2", "gemma3"):
         extra.update(_gemma_config(meta, arch, hidden, heads, int(get("attention.key_length", hidden // heads)),
                                    int(get("block_count"))))
@@ -269,7 +331,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
         rope_dim = int(get("rope.dimension_count", head_dim))
         if rope_dim != head_dim:
             extra["partial_rotary_factor"] = rope_dim / head_dim
-    return extra | {
+    return {
         "model_type": _ARCHS[arch],
         "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -293,7 +355,42 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, Any], arch: str)
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "attention_bias": False,
         "mlp_bias": False,
+    } | extra
+
+
+def _moe_config(path: str, meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The HF config fields of a mixture-of-experts file (llama.cpp's expert_* keys), or {} for a dense one."""
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe", "olmoe"):
+            raise ModelLoadError(f"{path}: a {arch} file without {arch}.expert_count")
+        return {}
+    if arch not in _NORM_TOPK:
+        raise UnsupportedModelError(f"{path}: experts in a {arch} file are not supported")
+    gating = meta.get(f"{arch}.expert_gating_func", 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedModelError(f"{path}: expert gating function {gating} (bmc routes by softmax only)")
+    if meta.get(f"{arch}.expert_shared_count", 0) and arch != "qwen2moe":
+        raise UnsupportedModelError(f"{path}: shared experts in a {arch} file are not supported")
+    ff = meta.get(f"{arch}.feed_forward_length")
+    expert_ff = int(meta.get(f"{arch}.expert_feed_forward_length", ff or 0))
+    out: dict[str, Any] = {
+        "model_type": "mixtral" if arch == "llama" else _ARCHS[arch],
+        "architectures": [{"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                           "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]],
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(meta.get(f"{arch}.expert_used_count", 0)),
+        "moe_intermediate_size": expert_ff,
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch])),
     }
+    if arch in ("llama", "olmoe"):  # one width: the experts'
+        out["intermediate_size"] = expert_ff
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+        out["qkv_bias"] = True
+    if arch == "olmoe":
+        out["clip_qkv"] = meta.get("olmoe.attention.clamp_kqv")
+    return out
 
 
 def _gemma_config(meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int,

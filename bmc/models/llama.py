@@ -18,6 +18,7 @@ from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native
 from .step import StepPart, native_segments
 from ..kv import KVCache
 from .config import ModelConfig
+from .moe import MOE_ATTRS, load_moe, moe_mlp, set_native_moe
 from .ops import Linear, apply_rope, rms_norm, rope_tables, set_native_arithmetic
 from .weights import WeightSource
 
@@ -57,6 +58,11 @@ def longrope_inv_freq(cfg: ModelConfig, which: str) -> torch.Tensor:
     return 1.0 / (ext * rope_powers(cfg.rope_theta, d))
 
 
+def layer_matrices(L: "LlamaLayer") -> list[Any]:
+    """A layer's GEMM matrices: attention's, then the dense MLP's or the experts'."""
+    return [L.qkv, L.o, *(getattr(L, n) for n in ("gate_up", "down", *MOE_ATTRS) if getattr(L, n) is not None)]
+
+
 class LlamaLayer:
     def __init__(self, cfg: ModelConfig, w: WeightSource, i: int) -> None:
         p = f"model.layers.{i}."
@@ -68,16 +74,24 @@ class LlamaLayer:
             gate_up_wt = w.get_t(p + "mlp.gate_up_proj.weight", (2 * I, D))
         else:
             qkv_wt = w.cat_t([a + ".weight" for a in attn], [(h * hd, D), (kvh * hd, D), (kvh * hd, D)])
-            gate_up_wt = w.cat_t([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(I, D), (I, D)])
         self.qkv = Linear(
             qkv_wt,
             w.cat([a + ".bias" for a in attn], [(h * hd,), (kvh * hd,), (kvh * hd,)]) if cfg.attention_bias else None)
         self.o = Linear(w.get_t(p + "self_attn.o_proj.weight", (D, h * hd)),
                         w.get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None)
         mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        self.gate_up = Linear(gate_up_wt, w.cat([m + ".bias" for m in mlp], [(I,), (I,)]) if cfg.mlp_bias else None)
-        self.down = Linear(w.get_t(p + "mlp.down_proj.weight", (D, I)),
-                           w.get(p + "mlp.down_proj.bias", (D,)) if cfg.mlp_bias else None)
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        for name in MOE_ATTRS:
+            setattr(self, name, None)
+        if cfg.is_moe(i):  # routed experts (moe.py) in place of the dense MLP
+            load_moe(self, cfg, w, i)
+        else:
+            if not cfg.fused_projections:
+                gate_up_wt = w.cat_t([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(I, D), (I, D)])
+            self.gate_up = Linear(gate_up_wt, w.cat([m + ".bias" for m in mlp], [(I,), (I,)]) if cfg.mlp_bias else None)
+            self.down = Linear(w.get_t(p + "mlp.down_proj.weight", (D, I)),
+                               w.get(p + "mlp.down_proj.bias", (D,)) if cfg.mlp_bias else None)
         def norm(name: str, n: int = D) -> torch.Tensor:
             t = w.get(p + name + ".weight", (n,))
             return (1.0 + t.float()).to(t.dtype) if cfg.norm_plus_one else t  # Gemma: x_hat * (1 + weight)
@@ -89,9 +103,10 @@ class LlamaLayer:
         self.ln2 = norm("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
         self.post_mlp_norm = norm("post_feedforward_layernorm") if cfg.sandwich_norms else None
         self.qk_width = (h + kvh) * hd  # queries and keys are rotated together, values follow
-        # Qwen3's and Gemma 3's per-head RMSNorm of queries and keys (before RoPE)
-        self.q_norm = norm("self_attn.q_norm", hd) if cfg.qk_norm else None
-        self.k_norm = norm("self_attn.k_norm", hd) if cfg.qk_norm else None
+        # Qwen3's and Gemma 3's per-head RMSNorm of queries and keys (before RoPE); OLMoE's over all heads at once
+        q_width, k_width = (h * hd, kvh * hd) if cfg.qk_norm_full else (hd, hd)
+        self.q_norm = norm("self_attn.q_norm", q_width) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.k_norm = norm("self_attn.k_norm", k_width) if cfg.qk_norm or cfg.qk_norm_full else None
         self.local = cfg.is_local(i)  # attends through the sliding window (some layers only: Gemma 2/3)
 
 
@@ -112,8 +127,7 @@ class LlamaModel:
         self.lm_head = Linear(w.as_linear(embed) if tied else w.get_t("lm_head.weight", (cfg.vocab_size, D)))
         if tied:
             self.embed = self.lm_head.wt.t() if self.lm_head.wt is not None else None
-        for lin in [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")),
-                    *([] if tied else [self.lm_head])]:
+        for lin in [*(lin for L in self.layers for lin in layer_matrices(L)), *([] if tied else [self.lm_head])]:
             if lin.device_q is not None:
                 lin.device_q.gemm_only()  # no row lookups: the int4 GEMM's copy is the only one
         # an untied table kept as stored (a GGUF's quantized token_embd): a Linear never multiplied by, whose rows
@@ -147,25 +161,32 @@ class LlamaModel:
         cfg, L0 = self.cfg, self.layers[0] if self.layers else None
         if L0 is None or not native_supported(L0.ln1.device, L0.ln1.dtype):
             return None
-        if not all(isinstance(getattr(L, n), Linear) for L in self.layers for n in ("qkv", "o", "gate_up", "down")):
+        if not all(isinstance(lin, Linear) for L in self.layers for lin in layer_matrices(L)):
             return None  # quantized drafts keep their own kernels
         none = torch.empty(0)
         dec = native_module().NativeDecoder(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                             cfg.intermediate_size, True, True, cfg.activation, cfg.norm_eps, self.scale)
         if cfg.attn_softcap is not None:
             dec.set_softcap(cfg.attn_softcap)
+        if cfg.clip_qkv is not None:
+            dec.set_clip_qkv(cfg.clip_qkv)
         tied = (self.embed is not None and self.lm_head.wt is not None
                 and self.embed.data_ptr() == self.lm_head.wt.data_ptr())
-        linears = [*(getattr(L, n) for L in self.layers for n in ("qkv", "o", "gate_up", "down")), self.lm_head]
+        linears = [*(lin for L in self.layers for lin in layer_matrices(L)), self.lm_head]
         for lin in linears:
             lin.keep_panels_only()  # the panels are the weights from here on: one copy
         set_native_arithmetic(dec, linears, self.bf16_prompts)
         if tied:
             self.embed = None  # looked up in the LM head's panels
+        no_mlp = native_module().Weight(none)
         for i, L in enumerate(self.layers):
+            dense = L.router is None
             dec.add_layer(L.ln1, none, L.qkv.native_weight(), or_empty(L.qkv.b), L.o.native_weight(), or_empty(L.o.b),
-                          L.ln2, none, L.gate_up.native_weight(), or_empty(L.gate_up.b), L.down.native_weight(),
-                          or_empty(L.down.b))
+                          L.ln2, none, L.gate_up.native_weight() if dense else no_mlp,
+                          or_empty(L.gate_up.b) if dense else none, L.down.native_weight() if dense else no_mlp,
+                          or_empty(L.down.b) if dense else none)
+            if not dense:
+                set_native_moe(dec, i, L, cfg)
             if L.q_norm is not None:  # Qwen3, Gemma 3
                 dec.set_qk_norm(i, L.q_norm, L.k_norm)
             if L.post_attn_norm is not None:  # Gemma 2/3
@@ -291,8 +312,14 @@ class LlamaModel:
         act = F.silu if cfg.activation == "silu" else lambda g: F.gelu(g, approximate="tanh")
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
+            if cfg.qk_norm_full:  # OLMoE: q and k normed across all their heads, then q, k, v clamped
+                a = torch.cat((rms_norm(a[..., : h * hd], L.q_norm, cfg.norm_eps),
+                               rms_norm(a[..., h * hd : L.qk_width], L.k_norm, cfg.norm_eps), a[..., L.qk_width :]),
+                              dim=-1)
+                if cfg.clip_qkv is not None:
+                    a = a.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             qk = a[..., : L.qk_width].view(B, t, h + kvh, hd)
-            if L.q_norm is not None:
+            if L.q_norm is not None and not cfg.qk_norm_full:
                 qk = torch.cat((rms_norm(qk[:, :, :h], L.q_norm, cfg.norm_eps),
                                 rms_norm(qk[:, :, h:], L.k_norm, cfg.norm_eps)), dim=2)
             qk = apply_rope(qk, *(local_rope if L.local else (cos, sin)))
@@ -301,8 +328,11 @@ class LlamaModel:
             o = attention(q, K, V, local_bias if L.local and local_bias is not None else bias, self.scale, layer=i)
             o = L.o(o.transpose(1, 2).reshape(B, t, h * hd))
             x = x + (rms_norm(o, L.post_attn_norm, cfg.norm_eps) if L.post_attn_norm is not None else o)
-            gate, up = L.gate_up(rms_norm(x, L.ln2, cfg.norm_eps)).chunk(2, dim=-1)
-            m = L.down(act(gate) * up)
+            if L.router is not None:
+                m = moe_mlp(L, cfg, rms_norm(x, L.ln2, cfg.norm_eps), act)
+            else:
+                gate, up = L.gate_up(rms_norm(x, L.ln2, cfg.norm_eps)).chunk(2, dim=-1)
+                m = L.down(act(gate) * up)
             x = x + (rms_norm(m, L.post_mlp_norm, cfg.norm_eps) if L.post_mlp_norm is not None else m)
         if not all_logits:
             x = x[:, -1:]

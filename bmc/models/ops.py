@@ -105,6 +105,20 @@ class Linear:
 
         return native_module().quant_rows(self.native_weight(), self.in_features, ids)
 
+    def columns(self, start: int, stop: int) -> "Linear":
+        """Output columns [start, stop) as a Linear over the same storage (one expert of a stacked MoE matrix):
+        whole panels where the weight is held as panels, so start and stop must be multiples of 16 there."""
+        if self.device_q is not None:
+            raise NotImplementedError("a column slice of a weight quantized for torch ops (CUDA)")
+        part = Linear(self.wt[:, start:stop] if self.wt is not None else torch.empty(0, 0))
+        part.b = self.b[start:stop] if self.b is not None else None
+        if self.wt is None:
+            assert start % 16 == 0 and stop % 16 == 0 and self.panels is not None
+            part.wt, part.panels, part.quant = None, self.panels[start // 16 : stop // 16], self.quant
+            part.in_features, part.out_features = self.in_features, stop - start
+        part.int8_activations = self.int8_activations
+        return part
+
     def keep_panels_only(self) -> None:
         """Pack wt into the native step's panels (where not packed yet) and drop wt: one copy of the weight in
         memory, read by the native step and, through the same GEMM, by the PyTorch path."""

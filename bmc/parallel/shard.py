@@ -77,6 +77,9 @@ def shard_model(model: Model, rank: int, world: int, group: Any = None) -> RankH
     returns its heads. model.config becomes the rank's (its heads, its MLP width); the whole model's stays in
     model.full_config (the cost model and every choice that must agree across ranks read that one)."""
     cfg = model.config
+    if cfg.num_experts:
+        raise UnsupportedModelError(f"tensor parallelism of a mixture-of-experts model ({cfg.model_type}): experts "
+                                    "are not sharded across ranks yet")
     if any(lin.wt is None for lin in model.linears()):
         raise UnsupportedModelError("tensor parallelism runs float weights (quant='none'); quantized weights are "
                                     "not sharded yet")
