@@ -49,7 +49,7 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     values, nbytes = gguf.GGML_QUANT_SIZES[qt]
     n = rows * cols // values
     blocks = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
-    if kind in ("q8_0", "q5_0"):  # d first
+    if kind in ("q8_0", "q5_0", "q4_0"):  # d first
         blocks[:, 0:2] = _fp16_scales(rng, n, 1e-3, 4e-3)
     elif kind == "q4_k":  # d, dmin first
         blocks[:, 0:2] = _fp16_scales(rng, n, 6e-5, 1.2e-4)

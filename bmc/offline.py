@@ -96,7 +96,8 @@ def generate_on_steps(model: Model, prompt_ids: list[list[int]], gen: Generation
             _pack_weights(model, len(live), gen.max_new_tokens - max(r.count for r in live), stats)
         engine.step()
         if engine.counters.decode_steps > steps:
-            stats.decode_bytes += weight_bytes + engine.cache.nbytes + (pc.pinned_bytes if pc is not None else 0)
+            weights = weight_bytes if not model.config.num_experts else model.step_weight_bytes(len(live))
+            stats.decode_bytes += weights + engine.cache.nbytes + (pc.pinned_bytes if pc is not None else 0)
         if pc is not None:
             stats.prefix_kv_bytes = max(stats.prefix_kv_bytes, pc.pinned_bytes)
             stats.prefix_groups = max(stats.prefix_groups, engine.shared_segments)

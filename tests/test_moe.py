@@ -264,3 +264,31 @@ def test_gguf_gives_the_directorys_logits(moe_dir, tmp_path):
     assert q8.net.layers[0].experts_gate_up.quant == "q8_0" and q8.net.layers[0].router.quant is None
     torch.testing.assert_close(_step_logits(q8, ids), _step_logits(bmc.load(str(moe_dir), quant="q8_0"), ids),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_steps_bytes_count_the_experts_its_rows_read(moe_dir):
+    """One row reads top_k experts of a layer; many rows read nearly all; a step's weight bytes follow."""
+    from bmc.analytic.model import expected_experts
+
+    assert expected_experts(64, 8, 1) == pytest.approx(8)
+    assert expected_experts(64, 8, 8) == pytest.approx(64 * (1 - (56 / 64) ** 8))
+    assert expected_experts(64, 8, 1000) == pytest.approx(64)
+    model = bmc.load(str(moe_dir))
+    one, eight = model.step_weight_bytes(1), model.step_weight_bytes(8)
+    assert one < eight < model.weight_bytes
+    assert model.step_weight_bytes(10_000) == pytest.approx(model.weight_bytes)
+
+
+def test_shared_prefix_and_sparq_keep_greedy_tokens(moe_dir):
+    """A prompt's KV read in place by several rows (the common prefix of a batch), and SparQ's approximate
+    attention at full rank (exact): the experts see the same rows either way."""
+    model = bmc.load(str(moe_dir))
+    common = list(range(20, 40))
+    prompts = [common + [40], common + [50, 51, 52]]
+    off = bmc.generate(model, prompts, max_new_tokens=10, ignore_eos=True, share_prefix="off")
+    on = bmc.generate(model, prompts, max_new_tokens=10, ignore_eos=True)
+    assert on.stats.cached_prompt_tokens == 20 and on.stats.prefix_groups == 1
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    full = bmc.generate(model, prompts, max_new_tokens=10, ignore_eos=True, attention="sparq",
+                        sparq_r=model.config.head_dim, sparq_k=128)
+    assert [c.token_ids for c in full] == [c.token_ids for c in off]

@@ -63,6 +63,15 @@ class Constants:
     capture_layer_s: float = 0.0  # CUDA: seconds to capture one layer of a decode step as a graph (0 elsewhere)
 
 
+def expected_experts(experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts a mixture-of-experts layer reads in a step of `rows` rows, each routed to top_k of
+    `experts` (uniformly, independently): an expert no row chose is not read. T does not depend on it (Eq. 5 weighs
+    cache growth against padding attention, neither of which reads weights); a step's bytes do."""
+    if experts <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - top_k / experts) ** max(rows, 0))
+
+
 def round_pow2(x: float) -> int:
     """Nearest power of two in log space (halves round up, not to even), at least 1."""
     return 1 if x <= 1 else 2 ** math.floor(math.log2(x) + 0.5)

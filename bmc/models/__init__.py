@@ -64,6 +64,25 @@ class Model:
                     add(x)
         return sum(seen.values())
 
+    def step_weight_bytes(self, rows: int) -> float:
+        """Bytes of weights a decode step of `rows` rows reads: weight_bytes, less the experts no row is expected
+        to choose (analytic.expected_experts) in a mixture-of-experts model."""
+        cfg = self.config
+        if not cfg.num_experts:
+            return float(self.weight_bytes)
+        from ..analytic.model import expected_experts
+
+        unread = 1.0 - expected_experts(cfg.num_experts, cfg.experts_per_token, rows) / cfg.num_experts
+        experts = sum(self._bytes_of(lin) for L in self.net.layers for lin in (L.experts_gate_up, L.experts_down)
+                      if lin is not None)
+        return self.weight_bytes - unread * experts
+
+    @staticmethod
+    def _bytes_of(lin: Linear) -> int:
+        return sum(t.numel() * t.element_size() for t in ((lin.wt if lin.wt is not None else lin.panels, lin.b)
+                                                         if lin.device_q is None else (*lin.device_q.tensors(), lin.b))
+                   if isinstance(t, torch.Tensor))
+
     @property
     def can_pack(self) -> bool:
         """MKL packing for the eager decode path; the native step (bmc.kernels) packs its own panels instead."""

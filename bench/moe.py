@@ -1,0 +1,218 @@
+"""Mixture-of-experts decode (issue 47): bmc against llama.cpp on the same GGUF file, an OLMoE-1B-7B-shaped model
+(16 layers, hidden 2048, 16 heads of 128, 64 experts of width 1024, top 8, q/k norms over all heads) with random
+blocks in Q4_0 or Q8_0 (the router in float32, as llama.cpp keeps it). The vocabulary is the default model's
+(SmolLM2's 49152 tokens, copied into the file so that llama.cpp loads it) in place of OLMoE's 50304.
+
+Decode tokens/s at batch 1 (llama.cpp: `llama-bench -p 0 -n N`) and batch B (`llama-batched-bench -npl B`), each
+engine on `--threads` threads, repeats interleaved (bmc, llama.cpp, bmc, ...), medians and ranges. For bmc also the
+bytes a decode step reads: the dense matrices, plus the experts its rows chose (counted by the native step's
+profile on a step of B rows of random tokens), and that as a share of the machine's read bandwidth (stream_read).
+
+    python bench/moe.py --llama-bench PATH --batched-bench PATH [--kinds q4_0,q8_0] [--batches 1,8]
+Writes bench/results/cpu/moe-olmoe.json and .png. Files go to --dir (default /tmp/bmc-moe, ~11 GB for both kinds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parent / "results" / "cpu"
+OLMOE = dict(layers=16, hidden=2048, heads=16, head_dim=128, experts=64, top_k=8, expert_ff=1024)
+SMOKE = dict(layers=2, hidden=256, heads=2, head_dim=128, experts=8, top_k=2, expert_ff=128)  # --smoke: a quick check
+
+CHILD = r"""
+import json, sys, time, torch
+import bmc
+from bmc.bench.engines import stream_read_gbps
+from bmc.kv import KV_STRATEGIES
+from bmc.attention import dense_attention
+path, B, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+model = bmc.load(path, share_weights=True)
+cfg = model.config
+g = torch.Generator().manual_seed(B)
+prompts = [torch.randint(3, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(B)]
+bmc.generate(model, prompts, max_new_tokens=8, ignore_eos=True)  # warm-up
+out = bmc.generate(model, prompts, max_new_tokens=n, ignore_eos=True)
+# experts a decode step of B rows reads: one step of random tokens with the step's profile on
+dec = model.net.native_decoder()
+cache = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=B, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, max_length=4)
+cache.reserve(1)
+dec.set_profiling(True)
+with torch.inference_mode():
+    model.net(torch.randint(3, cfg.vocab_size, (B, 1), generator=g), torch.zeros(B, 1, dtype=torch.long), cache,
+              dense_attention, cache.attention_bias(1))
+runs = dec.profile()["expert_runs"]
+dec.set_profiling(False)
+L0 = model.net.layers[0]
+per_expert = sum(model._bytes_of(lin) for lin in (L0.experts_gate_up, L0.experts_down)) / cfg.num_experts
+experts = sum(model._bytes_of(lin) for L in model.net.layers for lin in (L.experts_gate_up, L.experts_down))
+step_bytes = model.weight_bytes - experts + runs * per_expert
+print(json.dumps({"tok_s": out.stats.decode_tokens_per_s, "experts_per_layer": runs / cfg.num_layers,
+                  "step_bytes": step_bytes, "read_gb_s": stream_read_gbps()}))
+"""
+
+
+def write_olmoe_shaped(path: str, kind: str, vocab_from: str, shape: dict[str, int] = OLMOE) -> None:
+    """An `olmoe` GGUF of random `kind` blocks in `shape`, with `vocab_from`'s tokenizer (every tokenizer.* key)."""
+    import gguf
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from load_memory import random_blocks
+
+    s, rng = shape, np.random.default_rng(0)
+    D, E, I, hd = s["hidden"], s["experts"], s["expert_ff"], s["head_dim"]
+    reader = gguf.GGUFReader(vocab_from)
+    V = len(reader.fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(path + ".part", "olmoe")
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for add, v in ((w.add_block_count, s["layers"]), (w.add_context_length, 4096), (w.add_embedding_length, D),
+                   (w.add_feed_forward_length, I), (w.add_head_count, s["heads"]), (w.add_head_count_kv, s["heads"]),
+                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-5),
+                   (w.add_rope_freq_base, 1e4), (w.add_vocab_size, V), (w.add_expert_count, E),
+                   (w.add_expert_used_count, s["top_k"]), (w.add_expert_feed_forward_length, I)):
+        add(v)
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
+
+    def add_blocks(name: str, *dims: int) -> None:
+        rows = int(np.prod(dims[:-1]))
+        w.add_tensor(name, random_blocks(kind, rows, dims[-1], rng).reshape(*dims[:-1], -1), raw_dtype=qtype)
+
+    add_blocks("token_embd.weight", V, D)
+    add_blocks("output.weight", V, D)
+    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    for i in range(s["layers"]):
+        for name, rows in (("attn_q", D), ("attn_k", D), ("attn_v", D)):
+            add_blocks(f"blk.{i}.{name}.weight", rows, D)
+        add_blocks(f"blk.{i}.attn_output.weight", D, D)
+        for name in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(D, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0, 0.05, (E, D)).astype(np.float32))
+        add_blocks(f"blk.{i}.ffn_gate_exps.weight", E, I, D)
+        add_blocks(f"blk.{i}.ffn_up_exps.weight", E, I, D)
+        add_blocks(f"blk.{i}.ffn_down_exps.weight", E, D, I)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(path + ".part", path)
+
+
+def run_bmc(path: str, B: int, n: int, threads: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(B), str(n), str(threads)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_llama(args: argparse.Namespace, path: str, B: int, n: int) -> float:
+    if B == 1:
+        out = subprocess.run([args.llama_bench, "-m", path, "-t", str(args.threads), "-p", "0", "-n", str(n), "-r", "1",
+                              "-o", "json"], capture_output=True, text=True, check=True)
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+    out = subprocess.run([args.batched_bench, "-m", path, "-t", str(args.threads), "-c", str(B * (16 + n) + 64),
+                          "-npp", "16", "-ntg", str(n), "-npl", str(B)], capture_output=True, text=True, check=True)
+    rows = [line for line in out.stdout.splitlines() if re.match(r"\|\s+16\s+\|", line)]
+    return float(rows[-1].strip("|").split("|")[6])  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...: S_TG
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bench", required=True)
+    ap.add_argument("--batched-bench", required=True)
+    ap.add_argument("--kinds", default="q4_0,q8_0")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dir", default="/tmp/bmc-moe")
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--smoke", action="store_true", help="a tiny model of the same layout, to check the script")
+    args = ap.parse_args()
+    shape = SMOKE if args.smoke else OLMOE
+    import bmc.models
+
+    os.makedirs(args.dir, exist_ok=True)
+    files = {}
+    for kind in args.kinds.split(","):
+        files[kind] = os.path.join(args.dir, f"{'smoke' if args.smoke else 'olmoe'}-shaped-{kind}.gguf")
+        if not os.path.exists(files[kind]):
+            t = time.perf_counter()
+            write_olmoe_shaped(files[kind], kind, bmc.models.default_model_path(), shape)
+            print(f"wrote {files[kind]} ({os.path.getsize(files[kind]) / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
+    batches = [int(b) for b in args.batches.split(",")]
+    samples: dict[tuple[str, int], dict[str, list]] = {(k, b): {"bmc": [], "llama.cpp": [], "detail": []}
+                                                       for k in files for b in batches}
+    for r in range(args.repeats):
+        for kind, path in files.items():
+            for B in batches:
+                got = run_bmc(path, B, args.tokens, args.threads)
+                ref = run_llama(args, path, B, args.tokens)
+                s = samples[kind, B]
+                s["bmc"].append(got["tok_s"])
+                s["llama.cpp"].append(ref)
+                s["detail"].append(got)
+                print(f"round {r} {kind} B={B}: bmc {got['tok_s']:.1f} tok/s, llama.cpp {ref:.1f} "
+                      f"({got['experts_per_layer']:.1f} experts a layer)", flush=True)
+    results = []
+    for (kind, B), s in samples.items():
+        bmc_med, ref_med = statistics.median(s["bmc"]), statistics.median(s["llama.cpp"])
+        d = s["detail"][-1]
+        gb_s = bmc_med / B * d["step_bytes"] / 1e9
+        results.append({"kind": kind, "batch": B, "bmc_tok_s": s["bmc"], "llamacpp_tok_s": s["llama.cpp"],
+                        "bmc_median": bmc_med, "llamacpp_median": ref_med, "ratio": bmc_med / ref_med,
+                        "ratio_range": [min(a / b for a, b in zip(s["bmc"], s["llama.cpp"])),
+                                        max(a / b for a, b in zip(s["bmc"], s["llama.cpp"]))],
+                        "experts_per_layer": d["experts_per_layer"], "step_gb": d["step_bytes"] / 1e9,
+                        "achieved_gb_s": gb_s, "read_gb_s": d["read_gb_s"], "roofline_share": gb_s / d["read_gb_s"]})
+        print(f"{kind} B={B}: bmc {bmc_med:.1f} / llama.cpp {ref_med:.1f} tok/s = {bmc_med / ref_med:.2f}x; "
+              f"{d['step_bytes'] / 1e9:.2f} GB a step, {gb_s:.1f} GB/s = {gb_s / d['read_gb_s']:.0%} of "
+              f"{d['read_gb_s']:.1f}")
+    meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+            "tokens": args.tokens, "prompt_tokens": 16, "repeats": args.repeats, "shape": shape,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.makedirs(args.out, exist_ok=True)
+    out = Path(args.out) / ("moe-smoke.json" if args.smoke else "moe-olmoe.json")
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, meta, out.with_suffix(".png"))
+    print(f"wrote {out} and .png")
+
+
+def plot(results: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = [f"{r['kind'].upper()}\nbatch {r['batch']}" for r in results]
+    x = np.arange(len(results))
+    ax.bar(x - 0.2, [r["bmc_median"] for r in results], 0.4, label="bmc")
+    ax.bar(x + 0.2, [r["llamacpp_median"] for r in results], 0.4, label="llama.cpp")
+    for i, r in enumerate(results):
+        ax.text(i - 0.2, r["bmc_median"], f"{r['ratio']:.2f}x\n{r['roofline_share']:.0%} BW", ha="center",
+                va="bottom", fontsize=8)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_title(f"OLMoE-1B-7B shape (64 experts, top 8), random weights, {meta['threads']} threads, "
+                 f"{meta['tokens']} tokens", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
