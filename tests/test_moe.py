@@ -102,7 +102,7 @@ def _step_logits(model, ids: torch.Tensor) -> torch.Tensor:
     B, t = ids.shape
     cache = KV_STRATEGIES["upfront"](num_layers=model.config.num_layers, batch_size=B,
                                      num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-                                     max_length=t + 4)
+                                     max_length=t + 4, dtype=model.dtype)
     cache.reserve(t)
     with torch.inference_mode():
         return model.net(ids, torch.arange(t)[None].expand(B, t), cache, dense_attention, cache.attention_bias(t),
@@ -292,3 +292,13 @@ def test_shared_prefix_and_sparq_keep_greedy_tokens(moe_dir):
     full = bmc.generate(model, prompts, max_new_tokens=10, ignore_eos=True, attention="sparq",
                         sparq_r=model.config.head_dim, sparq_k=128)
     assert [c.token_ids for c in full] == [c.token_ids for c in off]
+
+
+def test_quantized_experts_off_the_native_step_are_refused(moe_dir):
+    """Quantized experts run on the native step only: bfloat16 with quant='q8_0' is refused by name; bfloat16 with
+    float weights runs (the PyTorch path)."""
+    with pytest.raises(UnsupportedModelError, match="quantized experts"):
+        bmc.load(str(moe_dir), dtype="bfloat16", quant="q8_0")
+    ids = torch.tensor([PROMPTS[0][:7]])
+    half = _step_logits(bmc.load(str(moe_dir), dtype="bfloat16"), ids).float()
+    torch.testing.assert_close(half, _step_logits(bmc.load(str(moe_dir)), ids), atol=0.05, rtol=0.05)

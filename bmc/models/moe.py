@@ -56,8 +56,9 @@ def load_moe(layer: Any, cfg: ModelConfig, w: WeightSource, i: int) -> None:
         layer.shared_down = Linear(w.get_t(p + ".down_proj.weight", (D, S)))
         layer.shared_gate = Linear(w.get(p + "_gate.weight", (1, D)).t().contiguous())
     if layer.experts_gate_up.device_q is not None:
-        raise UnsupportedModelError(f"{cfg.model_type}: quantized experts run on the native CPU step; on "
-                                    f"{w.device.type} load this model with quant='none'")
+        raise UnsupportedModelError(f"{cfg.model_type}: quantized experts run on the native CPU step (float32 on "
+                                    f"a CPU); here ({w.device.type}, {str(w.dtype).split('.')[-1]}) load this model "
+                                    "with quant='none'")
 
 
 def route(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
