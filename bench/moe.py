@@ -33,12 +33,11 @@ SMOKE = dict(layers=2, hidden=256, heads=2, head_dim=128, experts=8, top_k=2, ex
 CHILD = r"""
 import json, sys, time, torch
 import bmc
-from bmc.bench.engines import stream_read_gbps
 from bmc.kv import KV_STRATEGIES
 from bmc.attention import dense_attention
-path, B, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, B, n, threads, activations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.set_num_threads(threads)
-model = bmc.load(path, share_weights=True)
+model = bmc.load(path, share_weights=True, activations=activations)
 cfg = model.config
 g = torch.Generator().manual_seed(B)
 prompts = [torch.randint(3, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(B)]
@@ -58,9 +57,10 @@ dec.set_profiling(False)
 L0 = model.net.layers[0]
 per_expert = sum(model._bytes_of(lin) for lin in (L0.experts_gate_up, L0.experts_down)) / cfg.num_experts
 experts = sum(model._bytes_of(lin) for L in model.net.layers for lin in (L.experts_gate_up, L.experts_down))
-step_bytes = model.weight_bytes - experts + runs * per_expert
+table = model._bytes_of(model.net.embed_q) if model.net.embed_q is not None else 0  # only looked up: rows, not read
+step_bytes = model.weight_bytes - table - experts + runs * per_expert
 print(json.dumps({"tok_s": out.stats.decode_tokens_per_s, "experts_per_layer": runs / cfg.num_layers,
-                  "step_bytes": step_bytes, "read_gb_s": stream_read_gbps()}))
+                  "step_bytes": step_bytes}))
 """
 
 
@@ -112,9 +112,9 @@ def write_olmoe_shaped(path: str, kind: str, vocab_from: str, shape: dict[str, i
     os.replace(path + ".part", path)
 
 
-def run_bmc(path: str, B: int, n: int, threads: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, path, str(B), str(n), str(threads)], capture_output=True,
-                         text=True, check=True)
+def run_bmc(path: str, B: int, n: int, threads: int, activations: str = "float") -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(B), str(n), str(threads), activations],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -140,6 +140,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dir", default="/tmp/bmc-moe")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--activations", default="float,int8", help="bmc's modes: float (exact) and int8 (VNNI, "
+                    "a stated bound; llama.cpp's own arithmetic for these types)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model of the same layout, to check the script")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else OLMOE
@@ -154,33 +156,45 @@ def main() -> None:
             write_olmoe_shaped(files[kind], kind, bmc.models.default_model_path(), shape)
             print(f"wrote {files[kind]} ({os.path.getsize(files[kind]) / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
     batches = [int(b) for b in args.batches.split(",")]
-    samples: dict[tuple[str, int], dict[str, list]] = {(k, b): {"bmc": [], "llama.cpp": [], "detail": []}
-                                                       for k in files for b in batches}
-    for r in range(args.repeats):
-        for kind, path in files.items():
+    from bmc.bench.engines import stream_read_gbps
+
+    read_gb_s = stream_read_gbps()  # the roofline: one pass over a large buffer on all threads
+    modes = args.activations.split(",")
+    samples: dict[tuple[str, int], dict[str, list]] = {(k, b): {"llama.cpp": [], **{m: [] for m in modes},
+                                                                "detail": []} for k in files for b in batches}
+    # one kind at a time: its GGUF and bmc's weight file for it must both stay in the page cache (the Q8_0 pair is
+    # 15 GB; both kinds' files at once, 23 GB, were read from disk again each run on a 24 GB machine)
+    for kind, path in files.items():
+        run_bmc(path, batches[0], 8, args.threads, modes[0])  # warm-ups: the files paged in
+        run_llama(args, path, 1, 8)
+        for r in range(args.repeats):
             for B in batches:
-                got = run_bmc(path, B, args.tokens, args.threads)
-                ref = run_llama(args, path, B, args.tokens)
                 s = samples[kind, B]
-                s["bmc"].append(got["tok_s"])
-                s["llama.cpp"].append(ref)
-                s["detail"].append(got)
-                print(f"round {r} {kind} B={B}: bmc {got['tok_s']:.1f} tok/s, llama.cpp {ref:.1f} "
-                      f"({got['experts_per_layer']:.1f} experts a layer)", flush=True)
+                for mode in modes:
+                    got = run_bmc(path, B, args.tokens, args.threads, mode)
+                    s[mode].append(got["tok_s"])
+                    s["detail"].append(got)
+                s["llama.cpp"].append(run_llama(args, path, B, args.tokens))
+                print(f"round {r} {kind} B={B}: " + ", ".join(f"bmc {m} {s[m][-1]:.1f}" for m in modes) +
+                      f", llama.cpp {s['llama.cpp'][-1]:.1f} tok/s ({got['experts_per_layer']:.1f} experts a layer)",
+                      flush=True)
     results = []
     for (kind, B), s in samples.items():
-        bmc_med, ref_med = statistics.median(s["bmc"]), statistics.median(s["llama.cpp"])
+        ref = s["llama.cpp"]
         d = s["detail"][-1]
-        gb_s = bmc_med / B * d["step_bytes"] / 1e9
-        results.append({"kind": kind, "batch": B, "bmc_tok_s": s["bmc"], "llamacpp_tok_s": s["llama.cpp"],
-                        "bmc_median": bmc_med, "llamacpp_median": ref_med, "ratio": bmc_med / ref_med,
-                        "ratio_range": [min(a / b for a, b in zip(s["bmc"], s["llama.cpp"])),
-                                        max(a / b for a, b in zip(s["bmc"], s["llama.cpp"]))],
-                        "experts_per_layer": d["experts_per_layer"], "step_gb": d["step_bytes"] / 1e9,
-                        "achieved_gb_s": gb_s, "read_gb_s": d["read_gb_s"], "roofline_share": gb_s / d["read_gb_s"]})
-        print(f"{kind} B={B}: bmc {bmc_med:.1f} / llama.cpp {ref_med:.1f} tok/s = {bmc_med / ref_med:.2f}x; "
-              f"{d['step_bytes'] / 1e9:.2f} GB a step, {gb_s:.1f} GB/s = {gb_s / d['read_gb_s']:.0%} of "
-              f"{d['read_gb_s']:.1f}")
+        for mode in modes:
+            med = statistics.median(s[mode])
+            gb_s = med / B * d["step_bytes"] / 1e9
+            results.append({"kind": kind, "batch": B, "activations": mode, "bmc_tok_s": s[mode],
+                            "llamacpp_tok_s": ref, "bmc_median": med, "llamacpp_median": statistics.median(ref),
+                            "ratio": med / statistics.median(ref),
+                            "ratio_range": [min(a / b for a, b in zip(s[mode], ref)),
+                                            max(a / b for a, b in zip(s[mode], ref))],
+                            "experts_per_layer": d["experts_per_layer"], "step_gb": d["step_bytes"] / 1e9,
+                            "achieved_gb_s": gb_s, "read_gb_s": read_gb_s, "roofline_share": gb_s / read_gb_s})
+            print(f"{kind} B={B} activations={mode}: bmc {med:.1f} / llama.cpp {statistics.median(ref):.1f} tok/s "
+                  f"= {results[-1]['ratio']:.2f}x; {d['step_bytes'] / 1e9:.2f} GB a step, {gb_s:.1f} GB/s = "
+                  f"{gb_s / read_gb_s:.0%} of {read_gb_s:.1f}")
     meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
             "tokens": args.tokens, "prompt_tokens": 16, "repeats": args.repeats, "shape": shape,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -197,16 +211,22 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    labels = [f"{r['kind'].upper()}\nbatch {r['batch']}" for r in results]
-    x = np.arange(len(results))
-    ax.bar(x - 0.2, [r["bmc_median"] for r in results], 0.4, label="bmc")
-    ax.bar(x + 0.2, [r["llamacpp_median"] for r in results], 0.4, label="llama.cpp")
-    for i, r in enumerate(results):
-        ax.text(i - 0.2, r["bmc_median"], f"{r['ratio']:.2f}x\n{r['roofline_share']:.0%} BW", ha="center",
-                va="bottom", fontsize=8)
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("decode tokens/s (median)")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    groups = sorted({(r["kind"], r["batch"]) for r in results})
+    modes = sorted({r["activations"] for r in results})
+    width = 0.8 / (len(modes) + 1)
+    for j, mode in enumerate(modes):
+        rs = [next(r for r in results if (r["kind"], r["batch"]) == g and r["activations"] == mode) for g in groups]
+        xs = [i + j * width for i in range(len(groups))]
+        ax.bar(xs, [r["bmc_median"] for r in rs], width, label=f"bmc, {mode} activations")
+        for x, r in zip(xs, rs):
+            ax.text(x, r["bmc_median"], f"{r['ratio']:.2f}x\n{r['roofline_share']:.0%}", ha="center", va="bottom",
+                    fontsize=7)
+    ref = [next(r["llamacpp_median"] for r in results if (r["kind"], r["batch"]) == g) for g in groups]
+    ax.bar([i + len(modes) * width for i in range(len(groups))], ref, width, label="llama.cpp", color="gray")
+    ax.set_xticks([i + len(modes) * width / 2 for i in range(len(groups))],
+                  [f"{k.upper()}\nbatch {b}" for k, b in groups])
+    ax.set_ylabel("decode tokens/s (median); labels: x llama.cpp, share of read BW")
     ax.set_title(f"OLMoE-1B-7B shape (64 experts, top 8), random weights, {meta['threads']} threads, "
                  f"{meta['tokens']} tokens", fontsize=9)
     ax.legend()

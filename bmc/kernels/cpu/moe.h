@@ -50,28 +50,48 @@ void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* 
     for (int64_t j = 0; j < k; ++j) total += (top[j] = l[order[j]]);
     for (int64_t j = 0; j < k; ++j) chosen[order[j]].emplace_back(m, X.norm_topk ? top[j] / total : top[j]);
   }
-  std::vector<float> acc(M * D, 0.0f), in, mid, out;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& rows = chosen[e];
-    const int64_t n = static_cast<int64_t>(rows.size());
-    if (n == 0) continue;  // no row chose it: its panels are not read
-    in.resize(n * D);
-    mid.resize(n * 2 * I);
-    out.resize(n * D);
-    for (int64_t r = 0; r < n; ++r) std::memcpy(in.data() + r * D, h + rows[r].first * D, D * sizeof(float));
-    gemm(in.data(), D, n, D, X.up[e], 2 * I, nullptr, mid.data(), false, arith);
-    activate(mid.data(), n, I);
-    gemm(mid.data(), 2 * I, n, I, X.down[e], D, nullptr, out.data(), false, arith);
-    for (int64_t r = 0; r < n; ++r) {
+  // the chosen experts, each with its rows' slice of the gather buffers (offsets by cumulative rows)
+  std::vector<int64_t> hit, first;
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (!chosen[e].empty()) {  // no row chose it: its panels are not read
+      hit.push_back(e);
+      first.push_back(total);
+      total += static_cast<int64_t>(chosen[e].size());
+    }
+  std::vector<float> in(total * D), mid(total * 2 * I), out(total * D);
+  auto run_one = [&](int64_t j) {  // gather expert hit[j]'s rows, gate|up, activation, down
+    const int64_t e = hit[j], n = static_cast<int64_t>(chosen[e].size());
+    float *xin = in.data() + first[j] * D, *xmid = mid.data() + first[j] * 2 * I, *y = out.data() + first[j] * D;
+    for (int64_t r = 0; r < n; ++r) std::memcpy(xin + r * D, h + chosen[e][r].first * D, D * sizeof(float));
+    gemm(xin, D, n, D, X.up[e], 2 * I, nullptr, xmid, false, arith);
+    activate(xmid, n, I);
+    gemm(xmid, 2 * I, n, I, X.down[e], D, nullptr, y, false, arith);
+  };
+  const int64_t n_hit = static_cast<int64_t>(hit.size());
+  if (n_hit >= at::get_num_threads()) {
+    // whole experts per thread in one parallel region (each expert's GEMMs run inline on its thread): one
+    // hand-off for the layer's experts instead of two per expert. An expert's arithmetic is the same on either
+    // path: its GEMMs compute each panel alone, whoever runs it.
+    at::parallel_for(0, n_hit, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) run_one(j);
+    });
+  } else {  // fewer experts than threads: each expert's GEMMs spread over all of them
+    for (int64_t j = 0; j < n_hit; ++j) run_one(j);
+  }
+  std::vector<float> acc(M * D, 0.0f);
+  for (size_t j = 0; j < hit.size(); ++j) {  // ascending expert order, as transformers sums them
+    const auto& rows = chosen[hit[j]];
+    for (size_t r = 0; r < rows.size(); ++r) {
       float* a = acc.data() + rows[r].first * D;
-      const float* y = out.data() + r * D;
+      const float* y = out.data() + (first[j] + static_cast<int64_t>(r)) * D;
       const float w = rows[r].second;
-      for (int64_t j = 0; j < D; ++j) a[j] += y[j] * w;
+      for (int64_t k2 = 0; k2 < D; ++k2) a[k2] += y[k2] * w;
     }
-    if (counts != nullptr) {
-      counts->runs += 1;
-      counts->rows += n;
-    }
+  }
+  if (counts != nullptr) {
+    counts->runs += static_cast<int64_t>(hit.size());
+    counts->rows += total;
   }
   if (X.S > 0) {
     mid.resize(M * 2 * X.S);
