@@ -49,6 +49,9 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     values, nbytes = gguf.GGML_QUANT_SIZES[qt]
     n = rows * cols // values
     blocks = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    if kind == "q4_0":  # nibbles in 1..15, centred on 8: values of mean zero (0..15 would bias every weight)
+        nibbles = rng.integers(1, 16, (n, 2 * (nbytes - 2)), dtype=np.uint8)
+        blocks[:, 2:] = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
     if kind in ("q8_0", "q5_0", "q4_0"):  # d first
         blocks[:, 0:2] = _fp16_scales(rng, n, 1e-3, 4e-3)
     elif kind == "q4_k":  # d, dmin first

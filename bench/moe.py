@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -125,8 +124,10 @@ def run_llama(args: argparse.Namespace, path: str, B: int, n: int) -> float:
         return float(json.loads(out.stdout)[0]["avg_ts"])
     out = subprocess.run([args.batched_bench, "-m", path, "-t", str(args.threads), "-c", str(B * (16 + n) + 64),
                           "-npp", "16", "-ntg", str(n), "-npl", str(B)], capture_output=True, text=True, check=True)
-    rows = [line for line in out.stdout.splitlines() if re.match(r"\|\s+16\s+\|", line)]
-    return float(rows[-1].strip("|").split("|")[6])  # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...: S_TG
+    lines = [line.strip().strip("|").split("|") for line in out.stdout.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0]]
+    rows = [r for r in lines[1:] if r[0].strip().isdigit()]
+    return float(rows[-1][header.index("S_TG t/s")])  # generated tokens/s of all B sequences
 
 
 def main() -> None:
@@ -158,13 +159,14 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     from bmc.bench.engines import stream_read_gbps
 
-    read_gb_s = stream_read_gbps()  # the roofline: one pass over a large buffer on all threads
+    read: dict[str, list[float]] = {}  # the roofline: one pass over a large buffer on all threads, per kind
     modes = args.activations.split(",")
     samples: dict[tuple[str, int], dict[str, list]] = {(k, b): {"llama.cpp": [], **{m: [] for m in modes},
                                                                 "detail": []} for k in files for b in batches}
     # one kind at a time: its GGUF and bmc's weight file for it must both stay in the page cache (the Q8_0 pair is
     # 15 GB; both kinds' files at once, 23 GB, were read from disk again each run on a 24 GB machine)
     for kind, path in files.items():
+        read[kind] = [stream_read_gbps()]
         run_bmc(path, batches[0], 8, args.threads, modes[0])  # warm-ups: the files paged in
         run_llama(args, path, 1, 8)
         for r in range(args.repeats):
@@ -178,8 +180,10 @@ def main() -> None:
                 print(f"round {r} {kind} B={B}: " + ", ".join(f"bmc {m} {s[m][-1]:.1f}" for m in modes) +
                       f", llama.cpp {s['llama.cpp'][-1]:.1f} tok/s ({got['experts_per_layer']:.1f} experts a layer)",
                       flush=True)
+        read[kind].append(stream_read_gbps())
     results = []
     for (kind, B), s in samples.items():
+        read_gb_s = max(read[kind])  # this VM's bandwidth drifts: the kind's best, before or after its runs
         ref = s["llama.cpp"]
         d = s["detail"][-1]
         for mode in modes:
