@@ -99,6 +99,26 @@ def profile_steps(model, prompts: list[list[int]], gen: int, trace: Path) -> dic
             "wall_us_per_step": wall, "groups": dict(groups), "kernels": rows}
 
 
+def replay_ms(model, reps: int = 50) -> float:
+    """Median ms of the most recently used decode graph replayed back to back (no host work between): the GPU's
+    time for a step of the run's last bucket, against which the step's wall time shows the host's share."""
+    from bmc.graphs import graph_store
+
+    store = graph_store(model)
+    if not store.graphs:
+        return float("nan")
+    g = next(reversed(store.graphs.values())).graph
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def run_mode(model, prompts: list[list[int]], args, mode: str, out: Path) -> dict:
     """The engine with decode_cuda.MODE = mode: --repeats warm runs after a cold one, then a profiled run; the
     model's arena and graphs let go at the end (the next mode captures its own)."""
@@ -115,15 +135,18 @@ def run_mode(model, prompts: list[list[int]], args, mode: str, out: Path) -> dic
     med = warm[len(warm) // 2]
     wb = model.weight_bytes
     name = f"gpu-step-L{args.layers}-B{B}-N{args.prompt + args.gen}-{mode}"
+    replay = replay_ms(model)
     prof = profile_steps(model, prompts, args.profile_gen, out / f"{name}-trace.json.gz") if args.profile else {}
     graph_store(model).arena.free()
     gc.collect()
     torch.cuda.empty_cache()
     rep = {"mode": mode, "tokens_per_s_cold": tps[0], "tokens_per_s_warm": tps[1:], "tokens_per_s": med,
-           "ms_per_step": 1000 * B / med, "weight_bytes": wb, "GBps": wb * med / B / 1e9,
+           "ms_per_step": 1000 * B / med, "replay_ms": replay, "weight_bytes": wb, "GBps": wb * med / B / 1e9,
            "tokens": runs[-1].tokens, "profile": prof}
     print(f"{name}: {med:.1f} tok/s ({rep['ms_per_step']:.2f} ms/step, cold {tps[0]:.1f}, warm {[round(t, 1) for t in tps[1:]]}), "
-          f"weights {wb / 1e9:.2f} GB, {rep['GBps']:.0f} GB/s", flush=True)
+          f"weights {wb / 1e9:.2f} GB, {rep['GBps']:.0f} GB/s; the last bucket's graph replayed alone "
+          f"{replay:.3f} ms ({wb / replay / 1e6:.0f} GB/s), the step's host work {rep['ms_per_step'] - replay:.3f} ms",
+          flush=True)
     if prof and "error" not in prof:
         print(f"  profile: {prof['kernels_per_step']:.0f} kernels/step, GPU busy {prof['gpu_busy_us_per_step']:.0f} us "
               f"of {prof['wall_us_per_step']:.0f} us/step (under the profiler)")

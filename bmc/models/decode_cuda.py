@@ -8,7 +8,8 @@ backend, on the cache's views), the o GEMM, add_rms_norm, the gate|up GEMM, silu
 layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
 replay the eager step's tokens.
 
-MODE picks the glue: "triton" (default), "compile" (the same torch ops as the plain path, each piece through
+MODE picks the glue: "triton" (default: the glue and, for dense attention, fused_triton.decode_attention),
+"triton-glue" (the glue only, the attention the step's own: SDPA), "compile" (the same torch ops as the plain path, each piece through
 torch.compile without its own CUDA graphs: bmc captures its graphs itself; for measurement), "off" (the plain
 path in llama.py). Env BMC_CUDA_FUSED sets it at import."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .llama import LlamaModel
 
 MODE = os.environ.get("BMC_CUDA_FUSED", "triton")
-COMPILE_MODE = os.environ.get("BMC_CUDA_FUSED_COMPILE", "max-autotune-no-cudagraphs")
+COMPILE_MODE = os.environ.get("BMC_CUDA_FUSED_COMPILE", "default")  # measured ahead of max-autotune-no-cudagraphs
 _triton_ok: bool | None = None
 
 
@@ -51,6 +52,16 @@ def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: in
             and not getattr(attention, "reads_stored", False) and cfg.attn_softcap is None and not cfg.qk_norm
             and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.head_dim % 2 == 0
             and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
+
+
+def _attention(attention: "AttentionFn") -> "AttentionFn":
+    from ..attention import dense_attention
+
+    if MODE == "triton" and attention is dense_attention:
+        from .fused_triton import decode_attention
+
+        return decode_attention
+    return attention
 
 
 # the plain path's ops, for MODE "compile" (and as the tests' references)
@@ -81,7 +92,7 @@ def _glue() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
     if MODE == "compile":
         if not _compiled:
             for name, fn in (("norm", add_rms_norm_ref), ("rope", rope_write_ref), ("silu", silu_mul_ref)):
-                _compiled[name] = torch.compile(fn, mode=COMPILE_MODE, dynamic=False)
+                _compiled[name] = torch.compile(fn, mode=COMPILE_MODE)
         return _compiled["norm"], _compiled["rope"], _compiled["silu"]
     from .fused_triton import add_rms_norm, rope_write, silu_mul
 
@@ -97,6 +108,7 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     B = x.shape[0]
     hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
     norm, rope_write, silu_mul = _glue()
+    attention = _attention(attention)
     col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)
