@@ -596,28 +596,3 @@ def test_cuda_fused_decode_gives_the_plain_paths_tokens(tiny_dirs, variant, monk
                                              r=8)]
     assert fused == fused_eager == plain == cpu
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_decode_attention_within_its_bound(dtype):
-    """fused_triton.decode_attention (split columns, float32 online softmax) against dense_attention (SDPA) on
-    arena-like strided K/V and a bias with masked columns: within its stated bound, eps(dtype) max|v| in 16-bit
-    dtypes and 2^-17 max|v| in float32."""
-    pytest.importorskip("triton")
-    from bmc.models.fused_triton import decode_attention
-
-    torch.manual_seed(0)
-    dev = "cuda"
-    for B, H, KVH, S, D in ((1, 32, 32, 384, 128), (3, 4, 2, 37, 24), (2, 8, 1, 1000, 64), (5, 6, 3, 16, 128)):
-        slab = S + 9
-        buf = torch.randn(2 * B * KVH * slab * D, device=dev).to(dtype)
-        st = (KVH * slab * D, slab * D, D, 1)
-        k = buf[: B * KVH * slab * D].as_strided((B, KVH, S, D), st)
-        v = buf[B * KVH * slab * D:].as_strided((B, KVH, S, D), st)
-        q = torch.randn(B, H, 1, D, device=dev).to(dtype)
-        bias = torch.zeros(B, 1, 1, S, device=dev, dtype=dtype)
-        bias.masked_fill_(torch.rand(B, 1, 1, S, device=dev) < 0.3, torch.finfo(dtype).min)
-        bias[..., 0] = 0  # every row sees a column
-        want = dense_attention(q, k, v, bias, D ** -0.5)
-        got = decode_attention(q, k, v, bias, D ** -0.5)
-        tol = (torch.finfo(dtype).eps if dtype != torch.float32 else 2.0**-17) * v.float().abs().max()
-        assert (got.float() - want.float()).abs().max() <= tol, (B, H, KVH, S, D, dtype)

@@ -8,8 +8,7 @@ backend, on the cache's views), the o GEMM, add_rms_norm, the gate|up GEMM, silu
 layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
 replay the eager step's tokens.
 
-MODE picks the glue: "triton" (default: the glue and, for dense attention, fused_triton.decode_attention),
-"triton-glue" (the glue only, the attention the step's own: SDPA), "compile" (the same torch ops as the plain path, each piece through
+MODE picks the glue: "triton" (default), "compile" (the same torch ops as the plain path, each piece through
 torch.compile without its own CUDA graphs: bmc captures its graphs itself; for measurement), "off" (the plain
 path in llama.py). Env BMC_CUDA_FUSED sets it at import."""
 from __future__ import annotations
@@ -53,15 +52,6 @@ def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: in
             and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.head_dim % 2 == 0
             and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
 
-
-def _attention(attention: "AttentionFn") -> "AttentionFn":
-    from ..attention import dense_attention
-
-    if MODE == "triton" and attention is dense_attention:
-        from .fused_triton import decode_attention
-
-        return decode_attention
-    return attention
 
 
 # the plain path's ops, for MODE "compile" (and as the tests' references)
@@ -108,7 +98,6 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     B = x.shape[0]
     hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
     norm, rope_write, silu_mul = _glue()
-    attention = _attention(attention)
     col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)

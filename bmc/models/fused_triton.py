@@ -6,15 +6,12 @@ copies of 1-2 µs each (docs/performance.md, "Batch-1 decode step on CUDA"). The
 - `rope_write`: the QKV GEMM's output rotated (queries and keys), queries out, keys and values into the cache at
   the step's column (a device index under a CUDA graph).
 - `silu_mul`: silu(gate) * up of the gate|up GEMM's output.
-- `decode_attention`: dense attention of one query a row over the cache's columns, split across the SMs.
 
 Every elementwise step rounds where the torch ops round (bf16 / fp16 results of each op), with no FMA contraction
 (`enable_fp_fusion=False`), silu's exp and division IEEE as torch's: RoPE, the KV write, the residual add and
 silu_mul are bit for bit the torch path's. The norm's sum of squares is a tree sum in another order than torch's
 mean: its bound is in `add_rms_norm` (tests/test_gpu.py holds both)."""
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -140,90 +137,3 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
                                                     enable_fp_fusion=False)
     return y.view(*gu.shape[:-1], I)
 
-
-@triton.jit
-def _decode_attn_split(q_ptr, k_ptr, v_ptr, b_ptr, acc_ptr, ml_ptr, S, CHUNK, scale, H, G, NS,
-                       sk_b, sk_h, sk_s, sb_b, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
-    """Program (row b, query head h, split): softmax(q.k * scale + bias) v over columns [split * CHUNK, +CHUNK) of
-    KV head h // G, unnormalised, with its max and sum (float32), for _decode_attn_merge."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    kvh = ((bh % H) // G).to(tl.int64)
-    d = tl.arange(0, BD)
-    dmask = d < D
-    q = tl.load(q_ptr + bh.to(tl.int64) * D + d, mask=dmask, other=0).to(tl.float32)
-    m = tl.full([1], float("-inf"), tl.float32)
-    l = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BD], tl.float32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, S)
-    base = b * sk_b + kvh * sk_h
-    for s0 in range(start, end, BS):
-        s = s0 + tl.arange(0, BS)
-        smask = s < end
-        kv_off = base + s[:, None].to(tl.int64) * sk_s + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=smask[:, None] & dmask[None, :], other=0).to(tl.float32)
-        v = tl.load(v_ptr + kv_off, mask=smask[:, None] & dmask[None, :], other=0).to(tl.float32)  # both in flight
-        sc = tl.sum(q[None, :] * k, axis=1) * scale
-        sc += tl.load(b_ptr + b * sb_b + s, mask=smask, other=0).to(tl.float32)
-        sc = tl.where(smask, sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        p = tl.exp(sc - m_new)
-        alpha = tl.exp(m - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
-    w = bh.to(tl.int64) * NS + split
-    tl.store(acc_ptr + w * BD + d, acc)
-    one = tl.arange(0, 1)
-    tl.store(ml_ptr + w * 2 + one, m)
-    tl.store(ml_ptr + w * 2 + 1 + one, l)
-
-
-@triton.jit
-def _decode_attn_merge(acc_ptr, ml_ptr, o_ptr, NS, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    n = tl.arange(0, BN)
-    nmask = n < NS
-    d = tl.arange(0, BD)
-    m = tl.load(ml_ptr + (bh * NS + n) * 2, mask=nmask, other=float("-inf"))
-    l = tl.load(ml_ptr + (bh * NS + n) * 2 + 1, mask=nmask, other=0)
-    acc = tl.load(acc_ptr + (bh * NS + n)[:, None] * BD + d[None, :], mask=nmask[:, None], other=0)
-    mx = tl.max(m, axis=0)
-    f = tl.where(nmask, tl.exp(m - mx), 0)
-    out = tl.sum(acc * f[:, None], axis=0) / tl.sum(l * f, axis=0)
-    tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
-                     layer: int = 0) -> torch.Tensor:
-    """dense_attention for one query a row (decode): q [B, H, 1, d]; k, v [B, H_kv, S, d] (the cache's views, any
-    strides but the last, the same for k and v); bias [B, 1, 1, S]. Returns [B, H, 1, d], contiguous.
-
-    The columns are split so that about four programs run per SM (flash-decoding), each a float32 online softmax
-    over its columns, merged by a second kernel. Bound (against SDPA, which rounds the scores, sums and output in
-    its own order; tests/test_gpu.py): |o' - o| <= eps(dtype) max|v| in 16-bit dtypes, 2^-17 max|v| in float32."""
-    B, H, t, D = q.shape
-    KVH, S = k.shape[1], k.shape[2]
-    assert t == 1 and k.stride() == v.stride() and k.stride(-1) == 1 and bias.stride(-1) == 1
-    qc = q.contiguous()
-    BD = triton.next_power_of_2(D)
-    BS = max(16, min(64, 4096 // BD))
-    sms = _sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    splits = max(1, min(triton.cdiv(S, BS), triton.cdiv(4 * sms, B * H)))
-    chunk = triton.cdiv(triton.cdiv(S, splits), BS) * BS
-    splits = triton.cdiv(S, chunk)
-    acc = torch.empty(B * H * splits, BD, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * H * splits, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
-    _decode_attn_split[(B * H, splits)](qc, k, v, bias, acc, ml, S, chunk, scale, H, H // KVH, splits,
-                                        k.stride(0), k.stride(1), k.stride(2), bias.stride(0),
-                                        D=D, BD=BD, BS=BS, num_warps=4)
-    _decode_attn_merge[(B * H,)](acc, ml, out, splits, D=D, BD=BD, BN=triton.next_power_of_2(splits), num_warps=4)
-    return out
