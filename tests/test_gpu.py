@@ -531,3 +531,68 @@ def test_cuda_T_keeps_every_bucket_a_kept_graph(tiny_dirs, monkeypatch):
     assert st.T <= GRAPH_LIMIT // 2 and st.r >= 2 * MIN_BUCKET_STEPS and "kept CUDA graph" in st.T_source
     assert st.cuda_graph_captures >= 1
     assert [c.token_ids for c in out] == [c.token_ids for c in bmc.generate(gpu, PROMPTS, cuda_graphs=False, **kw)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_fused_glue_kernels_against_torch(dtype):
+    """decode_cuda's Triton glue against the plain path's torch ops: RoPE with the KV write (an int column and a
+    device one, an arena-like strided cache) and silu * up bit for bit; add_rms_norm's sum bit for bit, its norm
+    within the bound fused_triton.add_rms_norm states (one rounding of a 16-bit dtype, 2^-20 relative in float32)."""
+    pytest.importorskip("triton")
+    from bmc.models import fused_triton as ft
+    from bmc.models.decode_cuda import add_rms_norm_ref, rope_write_ref, silu_mul_ref
+    from bmc.models.ops import rope_tables
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    for D in (48, 96, 4096, 5120):
+        x, r = torch.randn(3, 1, D, device=dev).to(dtype), torch.randn(3, 1, D, device=dev).to(dtype)
+        w = (1 + 0.2 * torch.randn(D, device=dev)).to(dtype)
+        for res in (r, None):
+            s, y = ft.add_rms_norm(x, res, w, 1e-5)
+            s0, y0 = add_rms_norm_ref(x, res, w, 1e-5)
+            assert torch.equal(s, s0)
+            rel = torch.finfo(dtype).eps if dtype != torch.float32 else 2.0**-20
+            assert ((y.float() - y0.float()).abs() <= rel * y0.float().abs() + 1e-30).all(), (D, dtype)
+    for H, KVH, hd in ((4, 2, 24), (4, 1, 12), (32, 32, 128), (32, 8, 64)):
+        B, cap, slab = 3, 16, 20
+        a = torch.randn(B, 1, (H + 2 * KVH) * hd, device=dev).to(dtype)
+        inv = 1.0 / 10000 ** (torch.arange(0, hd, 2, device=dev).float() / hd)
+        cos, sin = rope_tables(torch.randint(0, 4000, (B, 1), device=dev), inv, dtype)
+        buf = torch.randn(2 * B * KVH * slab * hd + 7, device=dev).to(dtype)
+        for col in (5, torch.tensor([11], device=dev)):
+            kv = buf[7:].as_strided((2, B, KVH, cap, hd), (B * KVH * slab * hd, KVH * slab * hd, slab * hd, hd, 1))
+            kv0 = kv.clone()
+            q0 = rope_write_ref(a, cos, sin, kv0, H, KVH, col if isinstance(col, torch.Tensor)
+                                else torch.tensor([col], device=dev))
+            q = ft.rope_write(a, cos, sin, kv, H, KVH, col)
+            assert torch.equal(q, q0) and torch.equal(kv, kv0), (H, KVH, hd, dtype)
+    for I in (40, 11008):
+        gu = (3 * torch.randn(2, 1, 2 * I, device=dev)).to(dtype)
+        assert torch.equal(ft.silu_mul(gu), silu_mul_ref(gu)), (I, dtype)
+
+
+@pytest.mark.parametrize("variant", ["llama-mha", "llama-gqa", "llama-mqa", "llama-bias_headdim_tied"])
+def test_cuda_fused_decode_gives_the_plain_paths_tokens(tiny_dirs, variant, monkeypatch):
+    """The fused CUDA decode (decode_cuda, MODE "triton") against llama.py's plain loop (MODE "off"), float32:
+    the same greedy tokens, graphs on and off, and the CPU's; and the fused path is the one decode steps take."""
+    pytest.importorskip("triton")
+    from bmc.graphs import graph_store
+    from bmc.models import decode_cuda
+
+    path = str(tiny_dirs[variant])
+    gpu = bmc.load(path, device="cuda")
+    calls = []
+    real = decode_cuda.decode_layers
+    monkeypatch.setattr(decode_cuda, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = [c.token_ids for c in bmc.generate(gpu, PROMPTS, max_new_tokens=40, ignore_eos=True, kv="bmc", r=8)]
+    fused_eager = [c.token_ids for c in bmc.generate(gpu, PROMPTS, max_new_tokens=40, ignore_eos=True, kv="bmc", r=8,
+                                                     cuda_graphs=False)]
+    assert calls
+    monkeypatch.setattr(decode_cuda, "MODE", "off")
+    graph_store(gpu).arena.free()  # the graphs kept across calls were captured fused
+    plain = [c.token_ids for c in bmc.generate(gpu, PROMPTS, max_new_tokens=40, ignore_eos=True, kv="bmc", r=8)]
+    cpu = [c.token_ids for c in bmc.generate(bmc.load(path), PROMPTS, max_new_tokens=40, ignore_eos=True, kv="bmc",
+                                             r=8)]
+    assert fused == fused_eager == plain == cpu
+

@@ -17,6 +17,7 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..kernels.native import NATIVE_MAX_T, NativeDecoders, native_module, native_supported, or_empty
 from .step import StepPart, native_segments
 from ..kv import KVCache
+from . import decode_cuda
 from .config import ModelConfig
 from .moe import MOE_ATTRS, load_moe, moe_mlp, set_native_moe
 from .ops import Linear, apply_rope, rms_norm, rope_tables, set_native_arithmetic
@@ -310,6 +311,9 @@ class LlamaModel:
             local_bias = group_bias(local_bias, cfg.group_size) if local_bias is not None else None
         decoded = not getattr(attention, "reads_stored", False)  # SparQ reads a narrow KV format as stored
         act = F.silu if cfg.activation == "silu" else lambda g: F.gelu(g, approximate="tanh")
+        if decode_cuda.applies(self, cache, attention, t):  # CUDA decode: the glue between GEMMs fused
+            x = decode_cuda.decode_layers(self, x, (cos, sin), local_rope, cache, attention, bias, local_bias)
+            return self.final_logits(self.lm_head(x).float())
         for i, L in enumerate(self.layers):
             a = L.qkv(rms_norm(x, L.ln1, cfg.norm_eps))
             if cfg.qk_norm_full:  # OLMoE: q and k normed across all their heads, then q, k, v clamped

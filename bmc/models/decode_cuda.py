@@ -1,0 +1,115 @@
+"""The Llama family's decode step on CUDA with its glue fused: per layer the four GEMMs, the attention and three
+small kernels (fused_triton.py) instead of ~30 (issue 48, item 3; measured in docs/performance.md, "Batch-1 decode
+step on CUDA").
+
+A layer runs: add_rms_norm (the residual add of the previous sublayer and this one's norm, one kernel), the QKV
+GEMM, rope_write (RoPE of q and k, k and v into the cache at the step's column), the attention (the step's own
+backend, on the cache's views), the o GEMM, add_rms_norm, the gate|up GEMM, silu_mul, the down GEMM; the last
+layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
+replay the eager step's tokens.
+
+MODE picks the glue: "triton" (default), "compile" (the same torch ops as the plain path, each piece through
+torch.compile without its own CUDA graphs: bmc captures its graphs itself; for measurement), "off" (the plain
+path in llama.py). Env BMC_CUDA_FUSED sets it at import."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .ops import apply_rope, rms_norm
+
+if TYPE_CHECKING:
+    from ..attention import AttentionFn
+    from ..kv import KVCache
+    from .llama import LlamaModel
+
+MODE = os.environ.get("BMC_CUDA_FUSED", "triton")
+COMPILE_MODE = os.environ.get("BMC_CUDA_FUSED_COMPILE", "default")  # measured ahead of max-autotune-no-cudagraphs
+_triton_ok: bool | None = None
+
+
+def triton_ok() -> bool:
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+
+            _triton_ok = True
+        except ImportError:
+            _triton_ok = False
+    return _triton_ok
+
+
+def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: int) -> bool:
+    """Decode rows (one token each) of a plain Llama-family layer stack on CUDA, the cache in the model's dtype,
+    an attention that takes decoded K and V: what the fused glue covers. Everything else runs llama.py's loop."""
+    cfg = net.cfg
+    return (MODE != "off" and t == 1 and cache.device.type == "cuda" and cache.same_dtype
+            and not getattr(attention, "reads_stored", False) and cfg.attn_softcap is None and not cfg.qk_norm
+            and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.head_dim % 2 == 0
+            and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
+
+
+
+# the plain path's ops, for MODE "compile" (and as the tests' references)
+def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x if r is None else x + r
+    return s, rms_norm(s, w, eps)
+
+
+def rope_write_ref(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, heads: int,
+                   kv_heads: int, col: torch.Tensor) -> torch.Tensor:
+    B, hd = a.shape[0], kv.shape[-1]
+    qk = apply_rope(a[..., : (heads + kv_heads) * hd].view(B, 1, heads + kv_heads, hd), cos, sin)
+    kv[0].index_copy_(2, col, qk[:, :, heads:].transpose(1, 2))
+    kv[1].index_copy_(2, col, a[..., (heads + kv_heads) * hd:].view(B, 1, kv_heads, hd).transpose(1, 2))
+    return qk[:, :, :heads].transpose(1, 2)
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_compiled: dict[str, Callable[..., Any]] = {}
+
+
+def _glue() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    if MODE == "compile":
+        if not _compiled:
+            for name, fn in (("norm", add_rms_norm_ref), ("rope", rope_write_ref), ("silu", silu_mul_ref)):
+                _compiled[name] = torch.compile(fn, mode=COMPILE_MODE)
+        return _compiled["norm"], _compiled["rope"], _compiled["silu"]
+    from .fused_triton import add_rms_norm, rope_write, silu_mul
+
+    return add_rms_norm, rope_write, silu_mul
+
+
+def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  local_rope: tuple[torch.Tensor, torch.Tensor], cache: "KVCache", attention: "AttentionFn",
+                  bias: torch.Tensor, local_bias: torch.Tensor | None) -> torch.Tensor:
+    """x [B, 1, D] (the embeddings) through every layer; returns the final norm's output [B, 1, D]. bias and
+    local_bias as llama.py's loop reads them (grouped for the attention)."""
+    cfg = net.cfg
+    B = x.shape[0]
+    hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
+    norm, rope_write, silu_mul = _glue()
+    col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
+    if MODE == "compile" and not isinstance(col, torch.Tensor):
+        col = torch.tensor([col], device=x.device)
+    layers = net.layers
+    x, hn = norm(x, None, layers[0].ln1, eps)
+    for i, L in enumerate(layers):
+        kv = cache.kv[i]
+        cos, sin = local_rope if L.local else rope
+        q = rope_write(L.qkv(hn), cos, sin, kv, h, kvh, col)
+        o = attention(q, kv[0], kv[1], local_bias if L.local and local_bias is not None else bias, net.scale,
+                      layer=i)
+        x, hn = norm(x, L.o(o.transpose(1, 2).reshape(B, 1, h * hd)), L.ln2, eps)
+        m = L.down(silu_mul(L.gate_up(hn)))
+        x, hn = norm(x, m, layers[i + 1].ln1 if i + 1 < len(layers) else net.norm, eps)
+    return hn
