@@ -49,6 +49,7 @@ def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: in
     cfg = net.cfg
     return (MODE != "off" and t == 1 and cache.device.type == "cuda" and cache.same_dtype
             and not getattr(attention, "reads_stored", False) and cfg.attn_softcap is None and not cfg.qk_norm
+            and not cfg.num_experts
             and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.head_dim % 2 == 0
             and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
 
