@@ -230,9 +230,11 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
     ax.bar([i + len(modes) * width for i in range(len(groups))], ref, width, label="llama.cpp", color="gray")
     ax.set_xticks([i + len(modes) * width / 2 for i in range(len(groups))],
                   [f"{k.upper()}\nbatch {b}" for k, b in groups])
-    ax.set_ylabel("decode tokens/s (median); labels: x llama.cpp, share of read BW")
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_ylim(0, max(r["bmc_median"] for r in results) * 1.2)
     ax.set_title(f"OLMoE-1B-7B shape (64 experts, top 8), random weights, {meta['threads']} threads, "
-                 f"{meta['tokens']} tokens", fontsize=9)
+                 f"{meta['tokens']} tokens\nlabels: bmc / llama.cpp, and the share of the read bandwidth bmc reaches",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
