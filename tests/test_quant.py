@@ -114,16 +114,22 @@ def test_an_untied_quantized_table_stays_quantized_in_the_weights_cache(tmp_path
     assert torch.equal(int8.net.embed, mf.net.embed) and int8.net.embed_q is None
 
 
-def test_q4h_panels_hold_fp16_scales_exactly_or_refuse():
-    """Q4_0 / Q4_1 panels keep d and m in fp16 (320 bytes a block-panel): exact, since GGUF stores them so; a Q4_0
-    block whose -8 d passes fp16's range is refused by name rather than rounded."""
-    w = random_blocks("q4_0", (40, 64))
-    assert tuple(w.panels().shape) == (3, 2, 320) and w.panels().dtype == torch.uint8
-    assert torch.equal(bmc.models.ops.Linear(w).dense_weight(), w.dequantize().t())
+def test_q4_panels_hold_fp16_scales_exactly():
+    """Q4_1 panels keep d and m in fp16 (q4h: 320 bytes a block-panel), Q4_0 panels d alone with the offset -8 d
+    implied (q4z: 288 bytes, the file's 18 a block): exact, since GGUF stores them so, at every row count's kernel
+    and with int8 activations' offsets; a Q4_0 scale whose -8 d passes fp16's range is held too (nothing stores it)."""
+    for kind, width in (("q4_1", 320), ("q4_0", 288)):
+        w = random_blocks(kind, (40, 64))
+        assert tuple(w.panels().shape) == (3, 2, width) and w.panels().dtype == torch.uint8
+        lin = bmc.models.ops.Linear(w)
+        assert torch.equal(lin.dense_weight(), w.dequantize().t())
+        for m in (1, 3, 6, 9, 40):  # the 1-4 row, 5-8 row and blocked kernels: d q + m as the float weights
+            x = torch.randn(m, 64)
+            torch.testing.assert_close(lin(x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
     big = w.blocks.copy()
     big[0, 0:2] = np.frombuffer(np.float16(9000.0).tobytes(), np.uint8)  # d = 9000: -8 d = -72000
-    with pytest.raises(BmcError, match="too large for bmc's fp16 panel scales"):
-        QuantWeight("q4_0", (40, 64), big).panels()
+    big_w = QuantWeight("q4_0", (40, 64), big)
+    assert torch.equal(bmc.models.ops.Linear(big_w).dense_weight(), big_w.dequantize().t())
 
 
 @pytest.mark.parametrize("kind", HALF_TYPES)
@@ -621,3 +627,18 @@ def block_kind_code(name: str) -> int:
     from bmc.kernels.block_kinds import BLOCK_KIND
 
     return BLOCK_KIND[name].code
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+def test_int8_activation_gemms_give_a_row_the_same_bits_at_any_row_count(kind):
+    """With int8 activations a row's output does not depend on the rows beside it (1, 3 or 9 at once): each row
+    count's kernel sums the same terms in the same order (an implied offset included: Q4_0's -8 d)."""
+    if not native_module().has_int8_dot():
+        pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
+    w = random_blocks(kind, (64, 256))
+    lin = bmc.models.ops.Linear(w)
+    lin.int8_activations = True
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    one = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 9, 3)]), one)
+    assert torch.equal(lin(x), one)

@@ -31,6 +31,7 @@ class BlockKind:
     scale_bytes: int  # 4: float32, 2: fp16
     nibbles: bool  # 4-bit quants (uint8 storage, values 0-15); else int8
     doc: str
+    offset_of_d: int = 0  # without an m vector: m = offset_of_d * d, implied (Q4_0's -8 d), not stored
 
     @property
     def storage(self) -> torch.dtype:
@@ -54,7 +55,9 @@ BLOCK_KINDS: tuple[BlockKind, ...] = (
     BlockKind("q4", 1, ("d", "m"), 4, True, "Q4_K (d = d sc_j, m = -dmin m_j per 32 values)"),
     BlockKind("q8x", 2, ("d", "d_hi", "m"), 4, False,
               "any other: Q5_K (q in 0-31), Q6_K (q - 32, a scale per 16 values), fused parts of different types"),
-    BlockKind("q4h", 3, ("d", "m"), 2, True, "Q4_0 (m = -8 d) and Q4_1, whose scales GGUF stores in fp16 already"),
+    BlockKind("q4h", 3, ("d", "m"), 2, True, "Q4_1, whose scales GGUF stores in fp16 already"),
+    BlockKind("q4z", 4, ("d",), 2, True, "Q4_0: w = d (q - 8), the offset -8 d implied (18 bytes a block as stored, "
+              "not q4h's 20)", offset_of_d=-8),
 )
 BLOCK_KIND = {k.name: k for k in BLOCK_KINDS}
 assert [k.code for k in BLOCK_KINDS] == list(range(len(BLOCK_KINDS))), "codes index the C++ arrays"
@@ -88,6 +91,7 @@ def cpp_header() -> str:
     text += arr("int64_t", "KIND_SCALE_HI", [str(k.vector_at("d_hi")) for k in BLOCK_KINDS],
                 "rows 16-31's scales (-1: rows 0-15's)")
     text += arr("int64_t", "KIND_OFFSET", [str(k.vector_at("m")) for k in BLOCK_KINDS], "its offsets m (-1: none)")
+    text += arr("int", "KIND_M_OF_D", [str(k.offset_of_d) for k in BLOCK_KINDS], "no m vector: m = this * d (0: none)")
     text += arr("int", "KIND_VECTORS", [str(len(k.vectors)) for k in BLOCK_KINDS], "vectors of 16 before the quants")
     text += arr("bool", "KIND_HALF_SCALES", [str(k.scale_bytes == 2).lower() for k in BLOCK_KINDS], "fp16 vectors")
     text += arr("bool", "KIND_NIBBLES", [str(k.nibbles).lower() for k in BLOCK_KINDS], "4-bit quants")

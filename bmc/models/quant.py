@@ -47,7 +47,7 @@ class GgufType:
 
 GGUF_TYPES: dict[str, GgufType] = {
     "q8_0": GgufType(34, 32, panel="q8"),
-    "q4_0": GgufType(18, 32, panel="q4h"),
+    "q4_0": GgufType(18, 32, panel="q4z"),
     "q4_1": GgufType(20, 32, panel="q4h"),
     "q4_k": GgufType(144, 256, panel="q4"),
     "q5_k": GgufType(176, 256, panel="q8x"),
@@ -179,9 +179,9 @@ def panels_of(v: Values32, kind: BlockKind) -> torch.Tensor:
     for i, x in enumerate(vectors):
         with np.errstate(over="ignore"):  # an overflow is caught just below
             narrow = x.astype(vtype)
-        if size == 2 and not np.array_equal(narrow.astype(np.float32), x):  # Q4_0's -8 d past fp16's range
-            raise InvalidRequestError("a Q4_0 block's scale is too large for bmc's fp16 panel scales (|d| > 8188): "
-                                      "load this file with quant='none'")
+        if size == 2 and not np.array_equal(narrow.astype(np.float32), x):  # never from GGUF's own fp16 scales
+            raise InvalidRequestError("a block's scale does not fit bmc's fp16 panel scales: load this file with "
+                                      "quant='none'")
         out[..., size * PANEL * i : size * PANEL * (i + 1)] = np.ascontiguousarray(_by_panel(narrow)).view(
             np.uint8).reshape(npanels, nblk, -1)
     out[..., kind.quants_at :] = _by_panel(q).swapaxes(2, 3).reshape(npanels, nblk, -1)  # [rows, 16 c]

@@ -30,8 +30,9 @@ import torch
 from .ops import Linear
 from .weights import ShapeSource, WeightSource
 
-FORMAT_VERSION = 5  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits;
-# 4: Q4_0 / Q4_1 in q4h panels (fp16 scales); 5: an untied quantized embedding kept quantized (net.embed_q)
+FORMAT_VERSION = 6  # 2: Q5_K / Q6_K / mixed fused matrices kept as q8x panels; 3: F16 / BF16 kept in 16 bits;
+# 4: Q4_0 / Q4_1 in q4h panels (fp16 scales); 5: an untied quantized embedding kept quantized (net.embed_q);
+# 6: Q4_0 in q4z panels (its offset implied)
 MAGIC = b"BMCWEIGHTS\n"
 ALIGN = 4096  # page-aligned tensors: the mapping hands out whole pages
 

@@ -67,7 +67,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     return;
   }
   if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (the others) panels a pass
-    const int64_t per = KIND_VECTORS[kind] == 1 ? 3 : 2, groups = (np + per - 1) / per;
+    const int64_t per = KIND_VECTORS[kind] == 1 && !has_offset(kind) ? 3 : 2, groups = (np + per - 1) / per;
     at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = per * g, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;

@@ -18,7 +18,7 @@ namespace {
 // Why not torch's int8/int4 ops: slower at every batch here (docs/performance.md, "Figures behind the code's
 // choices").
 constexpr int64_t QK = 32;
-constexpr bool has_offset(int kind) { return KIND_OFFSET[kind] >= 0; }
+constexpr bool has_offset(int kind) { return KIND_OFFSET[kind] >= 0 || KIND_M_OF_D[kind] != 0; }
 constexpr bool has_scale_hi(int kind) { return KIND_SCALE_HI[kind] >= 0; }
 
 // A block's 16 scales (or offsets) at byte `at`: float32, or fp16 widened (exact)
@@ -40,7 +40,10 @@ inline void dequant_block(const uint8_t* blk, float* out) {  // out [32][16]
   float d[P], d1[P], m[P];
   scales_of<KIND>(blk, 0, d);
   if (has_scale_hi(KIND)) scales_of<KIND>(blk, KIND_SCALE_HI[KIND], d1);
-  if (has_offset(KIND)) scales_of<KIND>(blk, KIND_OFFSET[KIND], m);
+  if (KIND_OFFSET[KIND] >= 0)
+    scales_of<KIND>(blk, KIND_OFFSET[KIND], m);
+  else
+    for (int c = 0; c < P; ++c) m[c] = d[c] * static_cast<float>(KIND_M_OF_D[KIND]);  // 0, or Q4_0's exact -8 d
   if (KIND_NIBBLES[KIND]) {
     const uint8_t* q = blk + KIND_QUANTS[KIND];
     for (int64_t j = 0; j < QK / 2; ++j)
@@ -108,6 +111,17 @@ inline v16 scale_vec(const uint8_t* blk, int64_t at) {
   return load16(reinterpret_cast<const float*>(blk + at));
 }
 
+// A block's 16 offsets m: its stored vector, or m = KIND_M_OF_D * d (Q4_0's -8 d: exact, a power of two). The
+// empty asm hides that m is a multiple of d: under -ffast-math each row count's kernel could otherwise fold
+// d * s + m * xsum into its own d * (s - 8 xsum), rounding apart, and a row's result would depend on its batch.
+template <int KIND>
+inline v16 offset_vec(const uint8_t* blk, const v16& d) {
+  if constexpr (KIND_OFFSET[KIND] >= 0) return scale_vec<KIND>(blk, KIND_OFFSET[KIND]);
+  v16 m = d * static_cast<float>(KIND_M_OF_D[KIND]);
+  asm("" : "+v"(m));
+  return m;
+}
+
 // Software prefetch 8 blocks ahead only where a block has enough arithmetic to hide it (3 or more rows): at 1-2
 // rows it competed with the hardware prefetcher (batch-1 decode ran faster without it), while at batch 8 dropping
 // it cost speed, so it stays there (docs/performance.md, "Figures behind the code's choices").
@@ -141,7 +155,7 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
         }
       }
       const v16 d1 = scale_vec<KIND>(blk, KIND_SCALE_HI[KIND]);
-      const v16 m = has_offset(KIND) ? scale_vec<KIND>(blk, KIND_OFFSET[KIND]) : v16{};
+      const v16 m = has_offset(KIND) ? offset_vec<KIND>(blk, d) : v16{};
       for (int i = 0; i < MB; ++i) acc[i] += d * s0[i] + d1 * s1[i] + m * xsum[i * nblk + b];
       continue;
     }
@@ -153,7 +167,7 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
       }
     }
     if (has_offset(KIND)) {
-      const v16 m = scale_vec<KIND>(blk, KIND_OFFSET[KIND]);
+      const v16 m = offset_vec<KIND>(blk, d);
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]) + m * xsum[i * nblk + b];
     } else {
       for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]);
@@ -180,7 +194,7 @@ void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
       blk[j] = wq + j * panel_bytes + b * bb;
       for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk[j] + 4 * bb + line);
       d[j] = scale_vec<KIND>(blk[j], 0);
-      m[j] = has_offset(KIND) ? scale_vec<KIND>(blk[j], KIND_OFFSET[KIND]) : v16{};
+      m[j] = has_offset(KIND) ? offset_vec<KIND>(blk[j], d[j]) : v16{};
     }
     const float* xb = x + b * QK;
     for (int k = 0; k < QK; ++k) {

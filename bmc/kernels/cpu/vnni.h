@@ -70,7 +70,7 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
     }
     const v16 d0 = scale_vec<KIND>(blk, 0);
     const v16 d1 = has_scale_hi(KIND) ? scale_vec<KIND>(blk, KIND_SCALE_HI[KIND]) : d0;
-    const v16 m = has_offset(KIND) ? scale_vec<KIND>(blk, KIND_OFFSET[KIND]) : v16{};
+    const v16 m = has_offset(KIND) ? offset_vec<KIND>(blk, d0) : v16{};
     for (int i = 0; i < MB; ++i) {
       int32_t four[8];  // the row's activations 4 at a time: four[g] matches w[g]
       std::memcpy(four, xq + i * ldq + b * QK, 32);
