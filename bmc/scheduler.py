@@ -47,7 +47,7 @@ from .prefix_cache import Node, PrefixCache, common_prefix
 from .grammar import RowMatcher, apply_masks, check_grammar
 from .sampling import Sampler, SamplingError, SamplingParams, adjust_logits
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
-from .spec.auto import AutoTree, row_costs, shared_counts
+from .spec.auto import AutoTree, row_costs
 from .spec.verify import sample_paths
 from .spec.decode import SpeculativeStep
 from .textstream import TextStream
@@ -1227,10 +1227,7 @@ def served_speculation(model: Model, speculative: str, tree: str, trim: bool = T
     auto = None
     if spec.auto:
         try:
-            # a cheap drafter's counts carry over from one engine of the model to the next (its proposals are chains,
-            # node i after node i - 1, as AutoTree.rates assumes); a draft model's are its own engine's
-            auto = (AutoTree(row_costs(model), *shared_counts(model, speculative)) if drafter.cheap
-                    else AutoTree(row_costs(model)))
+            auto = AutoTree(row_costs(model))
         except Exception:  # timing the model failed (memory, an unusual model): speculate, with the fixed tree
             log.exception("tree='auto' could not time this model's steps; running chain:4")
             spec = TreeSpec.parse("chain:4")

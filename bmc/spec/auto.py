@@ -51,19 +51,6 @@ class RowCosts:
 
 
 HOT, COLD = 1, 0  # a row whose last verify step accepted at least two drafts (or all, when fewer), or not
-WINDOW = 512  # a node's counts are halved past this many rows: the rates follow what the model is asked now
-
-
-def fresh_counts() -> list[list[int]]:
-    return [[0] * AUTO_PROPOSAL.size for _ in range(2)]
-
-
-def shared_counts(model: Any, drafter: str) -> tuple[list[list[int]], list[list[int]]]:
-    """(seen, accepted) kept on the model for `drafter`: every engine of the model (each generate() call has its
-    own) starts from what the earlier ones counted, not from the prior, whose first verify steps a short call
-    would otherwise pay again and again."""
-    store = model.__dict__.setdefault("_auto_counts", {})
-    return store.setdefault(drafter, (fresh_counts(), fresh_counts()))
 
 
 @dataclass
@@ -75,8 +62,8 @@ class AutoTree:
     lowers it)."""
 
     costs: RowCosts
-    seen: list[list[int]] = field(default_factory=fresh_counts)
-    accepted: list[list[int]] = field(default_factory=fresh_counts)
+    seen: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
+    accepted: list[list[int]] = field(default_factory=lambda: [[0] * AUTO_PROPOSAL.size for _ in range(2)])
     state: dict[int, int] = field(default_factory=dict)  # row key -> HOT or COLD
     guess: dict[int, int] = field(default_factory=dict)  # row key -> its drafter's next token, in a step not verified
     streak: dict[int, int] = field(default_factory=dict)  # row key -> its guesses right in a row
@@ -121,7 +108,8 @@ class AutoTree:
             state = self.state.get(key, COLD)
             on_path = set(path[1:])
             for i in range(min(nodes, AUTO_PROPOSAL.size)):
-                self._count(state, i, (i + 1) in on_path)
+                self.seen[state][i] += 1
+                self.accepted[state][i] += (i + 1) in on_path
             self.state[key] = HOT if len(on_path) >= min(2, nodes) else COLD
             self.guess.pop(key, None)
 
@@ -137,17 +125,11 @@ class AutoTree:
         if guess is None:
             return
         right = guess == token
-        self._count(COLD, 0, right)
+        self.seen[COLD][0] += 1
+        self.accepted[COLD][0] += right
         self.streak[key] = self.streak.get(key, 0) + 1 if right else 0
         if self.streak[key] >= 2:
             self.state[key], self.streak[key] = HOT, 0
-
-    def _count(self, state: int, i: int, accepted: bool) -> None:
-        self.seen[state][i] += 1
-        self.accepted[state][i] += accepted
-        if self.seen[state][i] > WINDOW:
-            self.seen[state][i] //= 2
-            self.accepted[state][i] //= 2
 
     def forget(self, key: int) -> None:
         self.state.pop(key, None)
