@@ -365,6 +365,7 @@ class Scheduler:
             1 + draft[0].num_nodes if draft is not None else 1))
         if draft is not None:  # the trees' own forward: verify logits of every node, not the last token's
             self._verify(*draft)
+        verify_rows = len(self.rows) * (1 + draft[0].num_nodes) if draft is not None else 0
         parts = ([decode] if decode is not None else []) + [part for _, part in chunks]
         governed = self.threads is not None and decode is not None and not chunks and self._thread_free(decode)
         if governed:
@@ -381,6 +382,9 @@ class Scheduler:
                 self._finish_chunk(group[0], int(part.tokens.shape[1]), result, part.cache)
             else:
                 self._finish_group(group, part, result)
+        auto = self.spec.auto if self.spec is not None else None
+        if auto is not None and not chunks and (draft is not None or decode is not None):  # a step of decode rows
+            auto.timed(verify_rows or len(self.rows), time.perf_counter() - t1, draft is not None)
         pc = self.prefix_cache
         held = self.kv_bytes
         self.peak_kv_bytes = max(self.peak_kv_bytes, held + (pc.nbytes if pc is not None else 0))

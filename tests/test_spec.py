@@ -234,6 +234,22 @@ def test_auto_rows_turn_hot_and_cold_from_what_their_drafts_got():
     assert 7 not in auto.state
 
 
+def test_auto_counts_a_verify_steps_own_overhead():
+    """Steps timed beyond the forward's curve: what a verify step takes more than a plain one is added to every
+    tree's cost, so a draft right 10 % of the time stops being verified where its extra row is nearly free but the
+    verify step's own work is not."""
+    from bmc.spec.auto import COLD, AutoTree, RowCosts
+
+    auto = AutoTree(RowCosts((1, 2, 3, 4, 8), (1.0, 1.05, 1.3, 1.5, 2.5)))
+    auto.seen[COLD][0], auto.accepted[COLD][0] = 98, 10  # node 0 right about 11 % of the time
+    assert auto.verify_overhead() == 0.0 and auto.nodes(1, [0], 8) >= 1  # untimed: the curve alone says verify
+    for _ in range(5):
+        auto.timed(1, 1.02, verified=False)  # plain steps: 0.02 beyond cost(1)
+        auto.timed(2, 1.30, verified=True)  # verify steps of 2 rows: 0.25 beyond cost(2)
+    assert auto.verify_overhead() == pytest.approx(0.23)
+    assert auto.nodes(1, [0], 8) == 0
+
+
 def test_auto_costs_are_measured_once_and_stored(gqa_dir):
     from bmc.spec.auto import MEASURED_ROWS, row_costs
 

@@ -68,6 +68,10 @@ class AutoTree:
     guess: dict[int, int] = field(default_factory=dict)  # row key -> its drafter's next token, in a step not verified
     streak: dict[int, int] = field(default_factory=dict)  # row key -> its guesses right in a row
     chosen: list[int] = field(default_factory=list)  # n of each step (stats)
+    # seconds a step took beyond cost(its rows), averaged apart for plain [0] and verify [1] steps (timed): a verify
+    # step's drafting, tree and acceptance work, which the forward's curve does not hold
+    residual: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    timed_steps: list[int] = field(default_factory=lambda: [0, 0])
 
     def rates(self, state: int, n: int) -> list[float]:
         """The acceptance estimates of nodes 0..n-1: node 0 Laplace's (accepted + 1) / (rows + 2); node i with its
@@ -93,9 +97,10 @@ class AutoTree:
         gain = float(len(keys))
         top = min(most, AUTO_PROPOSAL.size)
         hot_rates, cold_rates = self.rates(HOT, top), self.rates(COLD, top)
+        extra = self.verify_overhead()
         for n in range(1, top + 1):
             gain += hot * hot_rates[n - 1] + (len(keys) - hot) * cold_rates[n - 1]
-            value = gain / self.costs.at(batch_rows * (1 + n))
+            value = gain / (self.costs.at(batch_rows * (1 + n)) + extra)
             if value > best:
                 best_n, best = n, value
         self.chosen.append(best_n)
@@ -112,6 +117,19 @@ class AutoTree:
                 self.accepted[state][i] += (i + 1) in on_path
             self.state[key] = HOT if len(on_path) >= min(2, nodes) else COLD
             self.guess.pop(key, None)
+
+    def timed(self, rows: int, seconds: float, verified: bool) -> None:
+        """A decode step of `rows` forward rows took `seconds` in all (drafting, the forward, acceptance): its time
+        beyond cost(rows) joins the plain or the verify steps' mean (the first 16 steps', then a moving one)."""
+        k = int(verified)
+        self.timed_steps[k] += 1
+        self.residual[k] += (seconds - self.costs.at(rows) - self.residual[k]) / min(self.timed_steps[k], 16)
+
+    def verify_overhead(self) -> float:
+        """Seconds a verify step costs beyond its forward, more than a plain step does (0 until both were timed)."""
+        if not all(self.timed_steps):
+            return 0.0
+        return max(0.0, self.residual[1] - self.residual[0])
 
     def guessed(self, key: int, token: int) -> None:
         """A cheap drafter's first token for a row whose step decodes plainly (tested by `observe`)."""
