@@ -31,11 +31,14 @@ template <typename Activate>
 void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* x, Arith arith,
                  const Activate& activate, ExpertCounts* counts) {
   const int64_t E = X.E, k = X.top_k, I = X.I;
-  std::vector<float> logits(M * E);
+  // the step's buffers, kept by the calling thread across layers and steps: no allocation on the decode path
+  static thread_local std::vector<float> logits, weight_of, in, mid, out, acc;
+  static thread_local std::vector<int64_t> expert_of, first, order, row_of, hit;
+  logits.resize(M * E);
   gemm(h, D, M, D, X.router, E, nullptr, logits.data(), false);
-  std::vector<std::vector<std::pair<int64_t, float>>> chosen(E);  // expert -> (row, weight)
-  std::vector<int64_t> order(E);
-  std::vector<float> top(k);
+  expert_of.resize(M * k);
+  weight_of.resize(M * k);
+  order.resize(E);
   for (int64_t m = 0; m < M; ++m) {
     float* l = logits.data() + m * E;
     float mx = l[0];
@@ -47,23 +50,34 @@ void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* 
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [l](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     float total = 0.0f;
-    for (int64_t j = 0; j < k; ++j) total += (top[j] = l[order[j]]);
-    for (int64_t j = 0; j < k; ++j) chosen[order[j]].emplace_back(m, X.norm_topk ? top[j] / total : top[j]);
-  }
-  // the chosen experts, each with its rows' slice of the gather buffers (offsets by cumulative rows)
-  std::vector<int64_t> hit, first;
-  int64_t total = 0;
-  for (int64_t e = 0; e < E; ++e)
-    if (!chosen[e].empty()) {  // no row chose it: its panels are not read
-      hit.push_back(e);
-      first.push_back(total);
-      total += static_cast<int64_t>(chosen[e].size());
+    for (int64_t j = 0; j < k; ++j) total += l[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      expert_of[m * k + j] = order[j];
+      weight_of[m * k + j] = X.norm_topk ? l[order[j]] / total : l[order[j]];
     }
-  std::vector<float> in(total * D), mid(total * 2 * I), out(total * D);
-  auto run_one = [&](int64_t j) {  // gather expert hit[j]'s rows, gate|up, activation, down
-    const int64_t e = hit[j], n = static_cast<int64_t>(chosen[e].size());
-    float *xin = in.data() + first[j] * D, *xmid = mid.data() + first[j] * 2 * I, *y = out.data() + first[j] * D;
-    for (int64_t r = 0; r < n; ++r) std::memcpy(xin + r * D, h + chosen[e][r].first * D, D * sizeof(float));
+  }
+  // the (row, slot) pairs grouped by expert, rows ascending within one (a counting sort): expert e's are
+  // row_of[first[e] .. first[e + 1]), each an index m * k + j into expert_of / weight_of
+  first.assign(E + 1, 0);
+  for (int64_t i = 0; i < M * k; ++i) ++first[expert_of[i] + 1];
+  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+  row_of.resize(M * k);
+  order.assign(first.begin(), first.end() - 1);  // the next free place of each expert
+  for (int64_t i = 0; i < M * k; ++i) row_of[order[expert_of[i]]++] = i;
+  const int64_t total = M * k;
+  in.resize(total * D);
+  mid.resize(std::max(total * 2 * I, M * 2 * X.S));
+  out.resize(std::max(total, M) * D);
+  hit.clear();  // the chosen experts (the unchosen ones' panels are not read)
+  for (int64_t e = 0; e < E; ++e)
+    if (first[e + 1] > first[e]) hit.push_back(e);
+  // this thread's buffers by pointer: inside the parallel region a thread_local's name is the worker's own
+  float *in_p = in.data(), *mid_p = mid.data(), *out_p = out.data();
+  const int64_t *first_p = first.data(), *row_p = row_of.data(), *hit_p = hit.data();
+  auto run_one = [&](int64_t e) {  // gather expert e's rows, gate|up, activation, down
+    const int64_t f = first_p[e], n = first_p[e + 1] - f;
+    float *xin = in_p + f * D, *xmid = mid_p + f * 2 * I, *y = out_p + f * D;
+    for (int64_t r = 0; r < n; ++r) std::memcpy(xin + r * D, h + row_p[f + r] / k * D, D * sizeof(float));
     gemm(xin, D, n, D, X.up[e], 2 * I, nullptr, xmid, false, arith);
     activate(xmid, n, I);
     gemm(xmid, 2 * I, n, I, X.down[e], D, nullptr, y, false, arith);
@@ -74,28 +88,24 @@ void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* 
     // hand-off for the layer's experts instead of two per expert. An expert's arithmetic is the same on either
     // path: its GEMMs compute each panel alone, whoever runs it.
     at::parallel_for(0, n_hit, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) run_one(j);
+      for (int64_t j = begin; j < end; ++j) run_one(hit_p[j]);
     });
   } else {  // fewer experts than threads: each expert's GEMMs spread over all of them
-    for (int64_t j = 0; j < n_hit; ++j) run_one(j);
+    for (int64_t e : hit) run_one(e);
   }
-  std::vector<float> acc(M * D, 0.0f);
-  for (size_t j = 0; j < hit.size(); ++j) {  // ascending expert order, as transformers sums them
-    const auto& rows = chosen[hit[j]];
-    for (size_t r = 0; r < rows.size(); ++r) {
-      float* a = acc.data() + rows[r].first * D;
-      const float* y = out.data() + (first[j] + static_cast<int64_t>(r)) * D;
-      const float w = rows[r].second;
-      for (int64_t k2 = 0; k2 < D; ++k2) a[k2] += y[k2] * w;
+  acc.assign(M * D, 0.0f);
+  for (int64_t e : hit)  // ascending expert order, as transformers sums them
+    for (int64_t r = first[e]; r < first[e + 1]; ++r) {
+      float* a = acc.data() + row_of[r] / k * D;
+      const float* y = out.data() + r * D;
+      const float w = weight_of[row_of[r]];
+      for (int64_t j = 0; j < D; ++j) a[j] += y[j] * w;
     }
-  }
   if (counts != nullptr) {
-    counts->runs += static_cast<int64_t>(hit.size());
+    counts->runs += n_hit;
     counts->rows += total;
   }
   if (X.S > 0) {
-    mid.resize(M * 2 * X.S);
-    out.resize(M * D);
     gemm(h, D, M, D, X.shared_up, 2 * X.S, nullptr, mid.data(), false, arith);
     activate(mid.data(), M, X.S);
     gemm(mid.data(), 2 * X.S, M, X.S, X.shared_down, D, nullptr, out.data(), false, arith);
