@@ -56,8 +56,7 @@ dec.set_profiling(False)
 L0 = model.net.layers[0]
 per_expert = sum(model._bytes_of(lin) for lin in (L0.experts_gate_up, L0.experts_down)) / cfg.num_experts
 experts = sum(model._bytes_of(lin) for L in model.net.layers for lin in (L.experts_gate_up, L.experts_down))
-table = model._bytes_of(model.net.embed_q) if model.net.embed_q is not None else 0  # only looked up: rows, not read
-step_bytes = model.weight_bytes - table - experts + runs * per_expert
+step_bytes = model.weight_bytes - experts + runs * per_expert
 print(json.dumps({"tok_s": out.stats.decode_tokens_per_s, "experts_per_layer": runs / cfg.num_layers,
                   "step_bytes": step_bytes}))
 """

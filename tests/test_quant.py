@@ -642,3 +642,19 @@ def test_int8_activation_gemms_give_a_row_the_same_bits_at_any_row_count(kind):
     one = torch.cat([lin(x[i : i + 1]) for i in range(9)])
     assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 9, 3)]), one)
     assert torch.equal(lin(x), one)
+
+
+def test_weight_bytes_are_what_a_step_reads(tiny_dirs):
+    """An untied embedding table is looked up a row at a time: not in weight_bytes; a tied one is the LM head,
+    read whole, and counted once."""
+    untied, tied = bmc.load(str(tiny_dirs["llama-gqa"])), bmc.load(str(tiny_dirs["llama-bias_headdim_tied"]))
+    for model in (untied, tied):
+        net = model.net
+        head = net.lm_head.panels if net.lm_head.wt is None else net.lm_head.wt
+        layers = sum(t.numel() * t.element_size() for L in net.layers for v in vars(L).values()
+                     for t in ((v.wt if v.wt is not None else v.panels, v.b) if isinstance(v, bmc.models.ops.Linear)
+                               else (v,)) if isinstance(t, torch.Tensor))
+        rest = sum(t.numel() * t.element_size() for name, t in vars(net).items()
+                   if isinstance(t, torch.Tensor) and name not in ("embed", "embed_q", "pos_embed"))
+        assert model.weight_bytes == layers + head.numel() * head.element_size() + rest
+    assert untied.net.embed is not None  # a float table of its own, which the sum above leaves out

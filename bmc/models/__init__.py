@@ -27,6 +27,7 @@ MODEL_FAMILIES: dict[str, type] = {**{name: LlamaModel for name in LLAMA_LIKE}, 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOOKED_UP = ("embed", "embed_q", "pos_embed")  # tables a step takes rows of (a tied one is read whole as the head)
 
 
 @dataclass
@@ -51,13 +52,16 @@ class Model:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights a decode step reads (each distinct tensor once; tied embeddings count once)."""
+        """Bytes of weights a decode step reads (each distinct tensor once; tied embeddings count once, as the LM
+        head; an untied table, of which a step looks up rows only, not at all)."""
         seen: dict[int, int] = {}
         def add(t: Any) -> None:
             if isinstance(t, torch.Tensor):
                 seen[t.data_ptr()] = t.numel() * t.element_size()
         for obj in [self.net, *self.net.layers]:
-            for v in vars(obj).values():
+            for name, v in vars(obj).items():
+                if obj is self.net and name in LOOKED_UP:
+                    continue
                 for x in (((v.wt if v.wt is not None else v.panels, v.b) if v.device_q is None
                            else (*v.device_q.tensors(), v.b)) if isinstance(v, Linear)
                           else v if isinstance(v, tuple) else (v,)):
