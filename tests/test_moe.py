@@ -102,11 +102,12 @@ def _step_logits(model, ids: torch.Tensor) -> torch.Tensor:
     B, t = ids.shape
     cache = KV_STRATEGIES["upfront"](num_layers=model.config.num_layers, batch_size=B,
                                      num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-                                     max_length=t + 4, dtype=model.dtype)
+                                     max_length=t + 4, dtype=model.dtype, device=model.device)
     cache.reserve(t)
+    ids = ids.to(model.device)
     with torch.inference_mode():
-        return model.net(ids, torch.arange(t)[None].expand(B, t), cache, dense_attention, cache.attention_bias(t),
-                         all_logits=True)
+        return model.net(ids, torch.arange(t, device=model.device)[None].expand(B, t), cache, dense_attention,
+                         cache.attention_bias(t), all_logits=True).cpu()
 
 
 @pytest.mark.parametrize("quant", ["auto", "q8_0", "q4_0"])
@@ -118,6 +119,41 @@ def test_native_step_equals_the_pytorch_path(moe_dir, monkeypatch, quant):
     native = _step_logits(model, ids)
     monkeypatch.setenv("BMC_NATIVE", "0")
     torch.testing.assert_close(native, _step_logits(model, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant,activations", [("auto", "float"), ("q8_0", "float"), ("q4_0", "float"),
+                                               ("q8_0", "int8"), ("q4_0", "int8")])
+def test_experts_spread_over_threads_give_the_same_bits(moe_dir, quant, activations):
+    """With fewer chosen experts than threads, the experts' panels are spread over the threads in one region (the
+    profile counts such layers); each output is what one thread running each expert whole computes, bit for bit."""
+    from .test_quant import _has_int8_dot
+
+    if activations == "int8" and not _has_int8_dot():
+        pytest.skip("int8 activations need AVX512-VNNI and VBMI")
+    model = bmc.load(str(moe_dir), quant=quant, activations=activations)
+    dec = model.net.native_decoder()
+    routed = sum(model.config.is_moe(i) for i in range(model.config.num_layers))
+    threads = torch.get_num_threads()
+    try:
+        for ids in (torch.tensor([[17]]), torch.tensor([[17], [250]])):
+            torch.set_num_threads(1)  # one thread: every expert whole (the chosen experts are never fewer)
+            whole = _step_logits(model, ids)
+            torch.set_num_threads(8)  # 2 or 4 experts chosen: fewer than the threads
+            dec.set_profiling(True)
+            spread = _step_logits(model, ids)
+            layers = dec.profile()["expert_layers_spread"]
+            dec.set_profiling(False)
+            assert torch.equal(spread, whole), ids.shape
+            assert layers == (routed if native_spread_applies() else 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def native_spread_applies() -> bool:
+    """Spreading experts' panels over threads is built where the native step has AVX-512 kernels."""
+    from bmc.kernels.native import native_module
+
+    return bool(native_module().experts_spread())
 
 
 def test_each_chosen_expert_is_read_once_a_step(moe_dir, monkeypatch):
@@ -302,3 +338,122 @@ def test_quantized_experts_off_the_native_step_are_refused(moe_dir):
     ids = torch.tensor([PROMPTS[0][:7]])
     half = _step_logits(bmc.load(str(moe_dir), dtype="bfloat16"), ids).float()
     torch.testing.assert_close(half, _step_logits(bmc.load(str(moe_dir)), ids), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_narrow_kv_gives_every_path_its_plain_tokens(moe_dir, monkeypatch, kv_dtype):
+    """A narrow KV cache under the experts: caches, speculation in the padding rows, a shared prefix, served
+    requests and the PyTorch path each give what the plain run of the same kv_dtype gives (exact with respect to
+    it; the kv_dtype's own bound against float32 is tests/test_kv_dtype.py's)."""
+    from .test_scheduler import PROMPTS as SERVED, alone, assert_idle, drive, request
+    from bmc.scheduler import Scheduler
+
+    model = bmc.load(str(moe_dir))
+
+    def greedy(**kw) -> list[list[int]]:
+        out = bmc.generate(model, PROMPTS, max_new_tokens=10, ignore_eos=True, kv_dtype=kv_dtype, **kw)
+        return [c.token_ids for c in out]
+
+    plain = greedy(r=4)
+    narrow = bmc.generate(model, PROMPTS, max_new_tokens=4, ignore_eos=True, kv="upfront", kv_dtype=kv_dtype)
+    wide = bmc.generate(model, PROMPTS, max_new_tokens=4, ignore_eos=True, kv="upfront")
+    assert narrow.stats.peak_kv_bytes < 0.6 * wide.stats.peak_kv_bytes  # the setting is live
+    for kw in (dict(kv="upfront"), dict(kv="iterative"), dict(r=1), dict(speculative="ngram", tree="chain:3", r=4)):
+        assert greedy(**kw) == plain, kw
+    common = [list(range(20, 40)) + p for p in PROMPTS[:2]]
+    a = bmc.generate(model, common, max_new_tokens=8, ignore_eos=True, kv_dtype=kv_dtype)
+    b = bmc.generate(model, common, max_new_tokens=8, ignore_eos=True, kv_dtype=kv_dtype, share_prefix="off")
+    assert a.stats.prefix_groups == 1 and [c.token_ids for c in a] == [c.token_ids for c in b]
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=6, r=4, kv_dtype=kv_dtype)
+    lengths = [9, 6, 8]
+    reqs = [request(p, n) for p, n in zip(SERVED, lengths)]
+    drive(sched, {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]]}, collectors=[c for _, c in reqs])
+    for (_, col), p, n in zip(reqs, SERVED, lengths):
+        assert col.error is None and col.tokens == {0: alone(model, p, n, kv_dtype=kv_dtype)}
+    assert_idle(sched)
+    assert sched.cache.format.name == kv_dtype
+    monkeypatch.setenv("BMC_NATIVE", "0")
+    assert greedy(r=4) == plain
+
+
+def write_k_quant_moe_gguf(path: Path, E: int = 8, D: int = 256, I: int = 256, V: int = 320) -> Path:
+    """A qwen3moe GGUF with experts as llama.cpp's Q4_K_M stores them: gate and up in Q4_K, down in Q6_K (3-D
+    tensors [E, out, in] of super-blocks), the attention in Q4_K and Q6_K, the router and norms in float32."""
+    import gguf
+    import numpy as np
+
+    from .test_quant import K_TYPES, MODEL_D, random_matrix
+
+    H, KV, hd = 4, 2, 64
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, v in ((w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, D),
+                   (w.add_feed_forward_length, I), (w.add_head_count, H), (w.add_head_count_kv, KV),
+                   (w.add_key_length, hd), (w.add_value_length, hd), (w.add_layer_norm_rms_eps, 1e-6),
+                   (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, V), (w.add_expert_count, E),
+                   (w.add_expert_used_count, 2), (w.add_expert_feed_forward_length, I)):
+        add(v)
+    seed = iter(range(1000))
+    rng = np.random.default_rng(0)
+
+    def add_blocks(name: str, kind: str, *dims: int) -> None:
+        rows = int(np.prod(dims[:-1]))
+        blocks = random_matrix(kind, rows, dims[-1], next(seed), MODEL_D).blocks
+        w.add_tensor(name, blocks.reshape(*dims[:-1], -1), raw_dtype=K_TYPES[kind])
+
+    add_blocks("token_embd.weight", "q4_k", V, D)
+    add_blocks("output.weight", "q6_k", V, D)
+    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    for i in range(2):
+        for name, kind, rows, cols in (("attn_q", "q4_k", H * hd, D), ("attn_k", "q4_k", KV * hd, D),
+                                       ("attn_v", "q6_k", KV * hd, D), ("attn_output", "q4_k", D, H * hd)):
+            add_blocks(f"blk.{i}.{name}.weight", kind, rows, cols)
+        for name, n in (("attn_norm", D), ("ffn_norm", D), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            w.add_tensor(f"blk.{i}.{name}.weight", rng.uniform(0.5, 1.5, n).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0, 0.5, (E, D)).astype(np.float32))
+        add_blocks(f"blk.{i}.ffn_gate_exps.weight", "q4_k", E, I, D)
+        add_blocks(f"blk.{i}.ffn_up_exps.weight", "q4_k", E, I, D)
+        add_blocks(f"blk.{i}.ffn_down_exps.weight", "q6_k", E, D, I)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_k_quant_experts_run_as_stored(tmp_path, monkeypatch):
+    """Q4_K / Q6_K experts (3-D GGUF tensors of super-blocks) are kept as stored in the stacked expert matrices
+    and give the tokens of the same file dequantized to float32; the weight file's mapped panels give them too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("BMC_CACHE_DIR", str(tmp_path / "cache" / "bmc"))
+    path = str(write_k_quant_moe_gguf(tmp_path / "q4_k_m.gguf"))
+    mq, mf = bmc.load(path), bmc.load(path, quant="none")
+    L0 = mq.net.layers[0]
+    assert (L0.experts_gate_up.quant, L0.experts_down.quant, L0.router.quant) == ("q4_k", "q6_k", None)
+    assert mq.config.model_type == "qwen3_moe" and mq.config.num_experts == 8
+    ids = torch.tensor([PROMPTS[0][:7], PROMPTS[2][:7]])
+    want = _step_logits(mf, ids)
+    assert torch.isfinite(want).all() and want.std() > 0.1  # sane weights: equal tokens below say something
+    torch.testing.assert_close(_step_logits(mq, ids), want, atol=1e-4, rtol=1e-4)
+    a = bmc.generate(mq, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    b = bmc.generate(mf, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    bmc.load(path, share_weights=True)  # writes the weight file
+    again = bmc.load(path, share_weights=True)  # built from it
+    assert getattr(again, "weight_file", None) and again.net.layers[0].experts_down.quant == "q6_k"
+    c = bmc.generate(again, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert [x.token_ids for x in c] == [x.token_ids for x in b]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm GPU")
+def test_cuda_runs_the_experts_as_hf_does(moe_dir):
+    """Float experts on CUDA (the PyTorch path, graphs on): logits within 1e-4 of HF's on CPU, and the greedy
+    tokens of the CPU run, batched."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu, cpu = bmc.load(str(moe_dir), device="cuda"), bmc.load(str(moe_dir))
+    ids = torch.tensor([PROMPTS[0][:7], PROMPTS[2][:7]])
+    torch.testing.assert_close(_step_logits(gpu, ids), _step_logits(cpu, ids), atol=1e-4, rtol=1e-4)
+    for kv in ("bmc", "upfront"):
+        a = bmc.generate(gpu, PROMPTS, max_new_tokens=10, ignore_eos=True, kv=kv)
+        b = bmc.generate(cpu, PROMPTS, max_new_tokens=10, ignore_eos=True, kv=kv)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b], kv

@@ -212,7 +212,8 @@ class NativeDecoder {
     return {{"kv_write_s", phase_s_[0]}, {"attention_s", phase_s_[1]}, {"other_s", phase_s_[2]},
             {"gemm_s", phase_s_[3]}, {"lm_head_s", phase_s_[4]},
             {"expert_runs", static_cast<double>(expert_counts_.runs)},
-            {"expert_rows", static_cast<double>(expert_counts_.rows)}};
+            {"expert_rows", static_cast<double>(expert_counts_.rows)},
+            {"expert_layers_spread", static_cast<double>(expert_counts_.spread)}};
   }
 
   // x [B, t, D] (embedded inputs, overwritten), kv [L, 2, B, H_kv, cap, d] written at columns [start, start+t),
@@ -565,6 +566,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("N"), py::arg("bias"), py::arg("int8_activations") = false,
         py::arg("bf16") = false);
   m.def("has_int8_dot", []() { return HAVE_INT8_DOT; }, "whether int8 activations can run (AVX512-VNNI and VBMI)");
+  m.def("experts_spread", []() { return panel_range_applies(Weight{torch::zeros({1}), NOT_BLOCKS}, 1, Arith{}); },
+        "whether a layer's few chosen experts can have their panels spread over the threads (AVX-512 builds)");
   m.def("bf16_path", []() { return std::string(amx_ready() ? "amx" : HAVE_BF16_DOT ? "avx512-bf16" : "emulated"); },
         "how bfloat16 arithmetic runs here: AMX tiles, vdpbf16ps, or float32 FMAs on bfloat16 values (no faster)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) for float32 x, NaN included");

@@ -186,6 +186,111 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Weight& w, in
   }
 }
 
+// Several small GEMMs in one parallel region (a layer's routed experts at small batch): each thread takes a run of
+// panels of one GEMM or the next, on rows prepared once before the region. The panel kernels and the rows' preparation
+// are gemm()'s own for the same rows, so every output is gemm()'s bit for bit. For what gemm() streams a panel at a
+// time: 1-4 rows (or int8 activations against blocks) on AVX-512 builds, not bf16 arithmetic.
+struct PreparedRows {
+  const float* x = nullptr;  // the rows, ldx apart
+  int64_t ldx = 0, K = 0;
+  const int8_t* xq = nullptr;  // int8 activations: the rows as int8 blocks and their scales
+  const float* dx = nullptr;
+  const float* xsum = nullptr;  // each row's sum over each block (kinds with offsets; int8: from the int8 rows)
+  PreparedRows rows_from(int64_t r) const {  // the rows from row r on
+    const int64_t nblk = K / QK;
+    return {x + r * ldx, ldx, K, xq == nullptr ? nullptr : xq + r * K, dx == nullptr ? nullptr : dx + r * nblk,
+            xsum == nullptr ? nullptr : xsum + r * nblk};
+  }
+};
+
+struct RowBuffers {  // the caller's: prepare_rows sizes them
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xsum;
+};
+
+inline bool panel_range_applies(const Weight& w, int64_t max_rows, Arith arith) {
+#ifdef __AVX512F__
+  if (arith.bf16) return false;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  if (w.blocks() && arith.int8_x) return true;
+#endif
+  return max_rows <= 4 && (w.blocks() || w.data.scalar_type() == torch::kFloat || is_half_panels(w.data));
+#else
+  (void)w, (void)max_rows, (void)arith;
+  return false;
+#endif
+}
+
+// What gemm() makes of M rows before it reads `w`'s panels (where panel_range_applies)
+PreparedRows prepare_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const Weight& w, Arith arith,
+                          RowBuffers& buf) {
+  PreparedRows r{x, ldx, K};
+  if (!w.blocks()) return r;
+  const int64_t nblk = K / QK;
+  if (static_cast<int64_t>(buf.xsum.size()) < M * nblk) buf.xsum.resize(M * nblk), buf.dx.resize(M * nblk);
+  r.xsum = buf.xsum.data();
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  if (arith.int8_x) {
+    if (static_cast<int64_t>(buf.xq.size()) < M * K) buf.xq.resize(M * K);
+    r.xq = buf.xq.data(), r.dx = buf.dx.data();
+    quantize_rows(x, ldx, M, K, buf.xq.data(), buf.dx.data(), buf.xsum.data());
+    return r;
+  }
+#endif
+  for (int64_t i = 0; i < (has_offset(static_cast<int>(w.kind)) ? M : 0); ++i)
+    for (int64_t b = 0; b < nblk; ++b) {
+      float t = 0.0f;
+      for (int64_t k = 0; k < QK; ++k) t += x[i * ldx + b * QK + k];
+      buf.xsum[i * nblk + b] = t;
+    }
+  return r;
+}
+
+// y[M, N] = the prepared rows times panels [pb, pe) of w, on the calling thread (no bias: the experts have none)
+void gemm_panel_range(const PreparedRows& r, int64_t M, const Weight& w, int64_t N, int64_t pb, int64_t pe, float* y,
+                      Arith arith) {
+#ifdef __AVX512F__
+  const int64_t K = r.K;
+  if (w.blocks()) {
+    const int kind = static_cast<int>(w.kind);
+    const int64_t nblk = K / QK, panel_bytes = nblk * KIND_BLOCK[kind];
+    const uint8_t* base = static_cast<const uint8_t*>(w.data.data_ptr());
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    if (arith.int8_x) {
+      for (int64_t p = pb; p < pe; ++p) {
+        const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
+        for (int64_t r0 = 0; r0 < M; r0 += 8)
+          INT8X_BY_KIND[kind][std::min<int64_t>(8, M - r0) - 1](r.xq + r0 * K, r.dx + r0 * nblk, K,
+                                                                base + p * panel_bytes, K, nullptr, y + r0 * N + n0, N,
+                                                                nw, false, r.xsum + r0 * nblk);
+      }
+      return;
+    }
+#endif
+    const QuantPanelKernel kernel = ROWS_BY_KIND[kind][M - 1];
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * P;
+      kernel(r.x, r.ldx, base + p * panel_bytes, K, nullptr, y + n0, N, std::min<int64_t>(P, N - n0), false, r.xsum);
+    }
+    return;
+  }
+  auto panels = [&](const auto* w0) {
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t n0 = p * P;
+      rows_kernel(M, r.x, r.ldx, w0 + p * K * P, K, nullptr, y + n0, N, std::min<int64_t>(P, N - n0), false);
+    }
+  };
+  switch (w.data.scalar_type()) {
+    case torch::kFloat: return panels(w.data.data_ptr<float>());
+    case torch::kHalf: return panels(static_cast<const Half16*>(w.data.data_ptr()));
+    default: return panels(static_cast<const BHalf16*>(w.data.data_ptr()));
+  }
+#else
+  (void)r, (void)M, (void)w, (void)N, (void)pb, (void)pe, (void)y, (void)arith;
+  TORCH_CHECK(false, "gemm_panel_range: an AVX-512 build only (panel_range_applies says so)");
+#endif
+}
+
 // Weights are streamed once per step: 2 MiB pages spare the TLB a miss every 4 KiB of the stream. Asked for
 // before the first touch, on the aligned interior (Linux with THP in madvise mode; elsewhere a no-op).
 void advise_huge_pages(void* p, size_t bytes) {

@@ -18,10 +18,22 @@ struct Experts {
   bool defined() const { return E > 0; }
 };
 
-// What the experts of the steps since profiling was switched on did: expert GEMM pairs run, and rows through them.
+// What the experts of the steps since profiling was switched on did: expert GEMM pairs run, rows through them, and
+// layers whose experts' panels were spread over the threads in one region.
 struct ExpertCounts {
-  int64_t runs = 0, rows = 0;
+  int64_t runs = 0, rows = 0, spread = 0;
 };
+
+// When a layer's chosen experts have their panels spread over the threads in one region: where fewer were chosen
+// than there are threads (unset), never (BMC_MOE_SPREAD=0: one after another on all threads), or always where the
+// kernels allow (=1). The settings other than unset are A/B switches for benchmarks.
+inline bool experts_spread_panels(int64_t chosen) {
+  static const int mode = [] {
+    const char* env = std::getenv("BMC_MOE_SPREAD");
+    return env == nullptr ? -1 : std::string(env) == "0" ? 0 : 1;
+  }();
+  return mode < 0 ? chosen < at::get_num_threads() : mode == 1;
+}
 
 // x[m] += the routed MLP of normed rows h[m] (m < M, rows D apart), as transformers computes it: the router's
 // softmax in float32, its top k (the lower index first among equal probabilities), renormalised where the family
@@ -83,14 +95,45 @@ void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* 
     gemm(xmid, 2 * I, n, I, X.down[e], D, nullptr, y, false, arith);
   };
   const int64_t n_hit = static_cast<int64_t>(hit.size());
-  if (n_hit >= at::get_num_threads()) {
+  int64_t most_rows = 0;
+  for (int64_t e : hit) most_rows = std::max(most_rows, first[e + 1] - first[e]);
+  const bool spread = experts_spread_panels(n_hit) &&
+                      panel_range_applies(X.up[hit[0]], most_rows, arith) &&
+                      panel_range_applies(X.down[hit[0]], most_rows, arith);
+  if (spread) {
+    // (fewer chosen experts than threads) every chosen expert's gate|up panels in one parallel region, each thread
+    // a run of them, then their downs in a second (one hand-off per projection for the layer, not two per expert,
+    // and no thread idle while another streams a whole expert). The rows are prepared once for all the panels.
+    for (int64_t e : hit)
+      for (int64_t r = first[e]; r < first[e + 1]; ++r)
+        std::memcpy(in_p + r * D, h + row_p[r] / k * D, D * sizeof(float));
+    static thread_local RowBuffers up_buf, down_buf;
+    const PreparedRows up_rows = prepare_rows(in_p, D, total, D, X.up[hit[0]], arith, up_buf);
+    const int64_t up_panels = X.up[hit[0]].data.size(0), down_panels = X.down[hit[0]].data.size(0);
+    auto panels_of_each = [&](int64_t per, const auto& run) {  // run(expert, first panel, end panel)
+      at::parallel_for(0, n_hit * per, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin / per; j * per < end; ++j)
+          run(hit_p[j], std::max(begin, j * per) - j * per, std::min(end, (j + 1) * per) - j * per);
+      });
+    };
+    panels_of_each(up_panels, [&](int64_t e, int64_t pb, int64_t pe) {
+      gemm_panel_range(up_rows.rows_from(first_p[e]), first_p[e + 1] - first_p[e], X.up[e], 2 * I, pb, pe,
+                       mid_p + first_p[e] * 2 * I, arith);
+    });
+    activate(mid_p, total, I);  // every chosen expert's rows, in place
+    const PreparedRows down_rows = prepare_rows(mid_p, 2 * I, total, I, X.down[hit[0]], arith, down_buf);
+    panels_of_each(down_panels, [&](int64_t e, int64_t pb, int64_t pe) {
+      gemm_panel_range(down_rows.rows_from(first_p[e]), first_p[e + 1] - first_p[e], X.down[e], D, pb, pe,
+                       out_p + first_p[e] * D, arith);
+    });
+  } else if (n_hit >= at::get_num_threads()) {
     // whole experts per thread in one parallel region (each expert's GEMMs run inline on its thread): one
     // hand-off for the layer's experts instead of two per expert. An expert's arithmetic is the same on either
     // path: its GEMMs compute each panel alone, whoever runs it.
     at::parallel_for(0, n_hit, 1, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) run_one(hit_p[j]);
     });
-  } else {  // fewer experts than threads: each expert's GEMMs spread over all of them
+  } else {  // fewer experts than threads, rows the panel kernels cannot take: each expert's GEMMs on all threads
     for (int64_t e : hit) run_one(e);
   }
   acc.assign(M * D, 0.0f);
@@ -104,6 +147,7 @@ void run_experts(const Experts& X, const float* h, int64_t D, int64_t M, float* 
   if (counts != nullptr) {
     counts->runs += n_hit;
     counts->rows += total;
+    counts->spread += spread;
   }
   if (X.S > 0) {
     gemm(h, D, M, D, X.shared_up, 2 * X.S, nullptr, mid.data(), false, arith);
