@@ -16,7 +16,6 @@ import argparse
 import collections
 import gzip
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -100,23 +99,10 @@ def profile_steps(model, prompts: list[list[int]], gen: int, trace: Path) -> dic
 
 
 def replay_ms(model, reps: int = 50) -> float:
-    """Median ms of the most recently used decode graph replayed back to back (no host work between): the GPU's
-    time for a step of the run's last bucket, against which the step's wall time shows the host's share."""
+    """The last bucket's graph replayed alone (graphs.GraphStore.replay_ms)."""
     from bmc.graphs import graph_store
 
-    store = graph_store(model)
-    if not store.graphs:
-        return float("nan")
-    g = next(reversed(store.graphs.values())).graph
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return graph_store(model).replay_ms(reps)
 
 
 def run_mode(model, prompts: list[list[int]], args, mode: str, out: Path) -> dict:

@@ -180,6 +180,24 @@ class GraphStore:
             self.graphs.move_to_end(key)
         return entry
 
+    def replay_ms(self, reps: int = 50) -> float:
+        """Median ms of the most recently used graph replayed back to back (no host work between): the GPU's time
+        for a step of the last bucket, against which a step's wall time shows the host's share (bench/gpu_step.py,
+        bench/gpu_tp.py; under tensor parallelism every rank replays at once, its collectives meeting the others').
+        NaN without a graph."""
+        if not self.graphs:
+            return float("nan")
+        g = next(reversed(self.graphs.values())).graph
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
     def put(self, key: tuple, entry: _Captured) -> None:
         self.graphs[key] = entry
         while len(self.graphs) > GRAPH_LIMIT:

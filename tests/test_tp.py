@@ -91,22 +91,90 @@ def test_tp2_equals_one_process(pair):
         one, PROMPTS, max_new_tokens=8, temperature=0.8, seed=3)]
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa"])
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_on_two_gpus_equals_one_gpu(tiny_dirs, variant, cuda_graphs):
-    """NCCL ranks on two GPUs, decode steps captured in graphs (collectives inside) or eager: one GPU's tokens."""
+def _gpus(world: int) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < world, reason=f"needs {world} GPUs")]
+
+
+# tp=4 over 4 query heads: MHA one KV head a rank; GQA's 2 and MQA's 1 KV heads replicated over 2 and 4 ranks
+@pytest.fixture(scope="module", params=[pytest.param((world, v), marks=_gpus(world), id=f"tp{world}-{v}")
+                                        for world in (2, 4) for v in ("llama-mha", "llama-gqa", "llama-mqa")])
+def gpu_pair(request, tiny_dirs):
+    world, variant = request.param
     path = str(tiny_dirs[variant])
-    one, tp = bmc.load(path, quant="none", device="cuda"), bmc.load(path, tp=2, device="cuda")
-    try:
+    tp = bmc.load(path, tp=world, device="cuda")
+    yield bmc.load(path, quant="none", device="cuda"), tp
+    tp.close()
+
+
+def test_tp_on_gpus_equals_one_gpu(gpu_pair):
+    """NCCL ranks on 2 or 4 GPUs, float32: one GPU's greedy tokens with every decode step eager, and with each
+    bucket's step captured before the run as one CUDA graph with its all-reduces and the LM head's all-gather
+    inside (replayed on every rank: asserted), on bmc and upfront caches, under speculation and with samples."""
+    one, tp = gpu_pair
+    for cuda_graphs in (True, False):
         for kw in (dict(kv="bmc"), dict(kv="upfront"), dict(kv="bmc", speculative="ngram", tree="chain:3"),
                    dict(num_samples=2)):
             want = bmc.generate(one, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=cuda_graphs, **kw)
             got = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=cuda_graphs, **kw)
-            assert [c.token_ids for c in got] == [c.token_ids for c in want], kw
-    finally:
-        tp.close()
+            assert [c.token_ids for c in got] == [c.token_ids for c in want], (cuda_graphs, kw)
+    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 and 3; buckets of 16 columns: all but the first replay
+        kw = dict(max_new_tokens=70, ignore_eos=True, kv="bmc", r=16, graph_warmup=True)
+        want, got = bmc.generate(one, prompts, **kw), bmc.generate(tp, prompts, **kw)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert got.stats.decode_kernel == want.stats.decode_kernel == "cuda-graphs"
+        assert got.stats.cuda_graph_replays >= 50 and want.stats.cuda_graph_replays >= 50
+    eager = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=False)
+    assert eager.stats.decode_kernel == "torch" and eager.stats.cuda_graph_replays == 0
+
+
+def test_a_rank_builds_only_its_part_of_a_70b_shape(tmp_path):
+    """bench/gpu_tp.py's random ranks: a Llama-2-70B shape built from its config alone, its matrices meta tensors
+    (no memory) until shard_model cuts rank 0's part of 4; that part has Megatron's shapes under seed 004's policy
+    (2 of the 8 KV heads with their 16 query heads, a quarter of the MLP and of the vocabulary)."""
+    import json
+
+    from bmc.parallel.shard import MatrixShapes, shard_model
+    from bmc.parallel.tp import shape_model
+
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=8192,
+                  intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = shape_model(str(tmp_path), "bfloat16", torch.device("cpu"), MatrixShapes)
+    shard_model(model, 0, 4)
+    L = model.net.layers[79]
+    assert L.qkv.wt.is_meta and L.ln1.device.type == "cpu"  # matrices shapes only; norms real
+    assert tuple(L.qkv.wt.shape) == (8192, (16 + 2 + 2) * 128) and tuple(L.o.wt.shape) == (16 * 128, 8192)
+    assert tuple(L.gate_up.wt.shape) == (8192, 2 * 7168) and tuple(L.down.wt.shape) == (7168, 8192)
+    assert tuple(model.net.lm_head.wt.shape) == (8192, 8000)
+    assert (model.config.num_heads, model.config.num_kv_heads, model.config.intermediate_size) == (16, 2, 7168)
+
+
+def test_random_rank_part_is_the_loaded_part(gqa_dir, tmp_path):
+    """A rank's random part (MatrixShapes, then fill_random) has every tensor of the loaded model's part: the same
+    shapes and dtypes, all allocated (no meta tensor left), the same bytes a step reads."""
+    import shutil
+
+    from bmc.models import load_model
+    from bmc.parallel.shard import MatrixShapes, fill_random, shard_model
+    from bmc.parallel.tp import shape_model
+
+    shutil.copy(gqa_dir / "config.json", tmp_path / "config.json")
+    for rank in (0, 1):
+        whole = load_model(str(gqa_dir), quant="none")
+        shard_model(whole, rank, 2)
+        part = shape_model(str(tmp_path), "float32", torch.device("cpu"), MatrixShapes)
+        shard_model(part, rank, 2)
+        fill_random(part)
+        for a, b in zip([whole.net, *whole.net.layers], [part.net, *part.net.layers]):
+            for name, v in vars(a).items():
+                w = vars(b)[name]
+                if isinstance(v, torch.Tensor) or hasattr(v, "wt"):
+                    for x, y in ((v.wt, w.wt), (v.b, w.b)) if hasattr(v, "wt") else ((v, w),):
+                        assert (x is None) == (y is None), name
+                        if x is not None:
+                            assert (x.shape, x.dtype) == (y.shape, y.dtype) and not y.is_meta, name
+        assert part.weight_bytes == whole.weight_bytes
 
 
 def test_refused_request_leaves_the_group_up(gqa_dir):

@@ -28,6 +28,7 @@ from ..errors import BmcError, InvalidRequestError
 from ..platform.ports import free_port
 
 POLL_S = 0.2
+EVERY_RANK = ("rank_info",)  # commands whose every rank's reply comes back (the others: rank 0's)
 
 
 class TensorParallelError(BmcError):
@@ -55,13 +56,18 @@ def load_rank(path: str | None, rank: int, world: int, *, dtype: str | torch.dty
               timeout_s: float, init: str | None = None, random_weights: bool = False) -> Any:
     """This process's part of the model, in its torch.distributed group (joined here when not yet).
     random_weights: `path` is a directory with a config.json alone; the rank builds its part of such a model with
-    random weights, never holding the whole (bench/tp.py's Llama-2-7B shapes)."""
+    random weights, never allocating the whole (bench/tp.py's Llama-2-7B and bench/gpu_tp.py's 70B shapes)."""
     os.environ["BMC_NATIVE"] = "0"  # the PyTorch path: the native step has no collectives
     from ..models import load_model
     from .shard import fill_random, shard_model
 
     dev = _join_group(rank, world, device, timeout_s, init)
-    model = shape_model(path, dtype, dev) if random_weights else load_model(path, dtype=dtype, device=dev, quant="none")
+    if random_weights:
+        from .shard import MatrixShapes
+
+        model = shape_model(path, dtype, dev, MatrixShapes)  # the matrices meta until the rank's parts are cut
+    else:
+        model = load_model(path, dtype=dtype, device=dev, quant="none")
     if world > 1:
         shard_model(model, rank, world)
     if random_weights:
@@ -69,8 +75,9 @@ def load_rank(path: str | None, rank: int, world: int, *, dtype: str | torch.dty
     return model
 
 
-def shape_model(path: str, dtype: str | torch.dtype, device: torch.device) -> Any:
-    """A model of the config.json in `path` with uninitialised weights (no page touched until written)."""
+def shape_model(path: str, dtype: str | torch.dtype, device: torch.device, source_type: Any = None) -> Any:
+    """A model of the config.json in `path` with uninitialised weights (no page touched until written; with
+    source_type=shard.MatrixShapes, its matrices meta tensors: no memory at all)."""
     import json
 
     import transformers
@@ -83,7 +90,8 @@ def shape_model(path: str, dtype: str | torch.dtype, device: torch.device) -> An
     with torch.device("meta"):  # the names and shapes of the checkpoint, no memory
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
     shapes = dict(hf.state_dict())
-    return model_from_tensors(config, shapes, origin=path, dtype=dtype, device=device, source_type=ShapeSource)
+    return model_from_tensors(config, shapes, origin=path, dtype=dtype, device=device,
+                             source_type=source_type or ShapeSource)
 
 
 def _run(model: Any, cmd: str, args: Any) -> Any:
@@ -99,7 +107,37 @@ def _run(model: Any, cmd: str, args: Any) -> Any:
 
         seconds, COLLECTIVE_SECONDS[0] = COLLECTIVE_SECONDS[0], 0.0
         return seconds
+    if cmd == "profile":  # bench/gpu_tp.py: every rank profiles the same call (their collectives meet)
+        prompts, kw = args
+        return profiled_generate(model, prompts, kw)
+    if cmd == "rank_info":  # bench/gpu_tp.py: what this rank reads a step, and its last graph replayed alone
+        from ..graphs import graph_store
+
+        info = {"weight_bytes": model.weight_bytes, "device": str(model.device)}
+        if model.device.type == "cuda":
+            store = graph_store(model)
+            info.update(device_name=torch.cuda.get_device_name(model.device), graph_captures=store.captures,
+                        replay_ms=store.replay_ms(args or 50))
+        return info
     raise ValueError(f"unknown command {cmd!r}")
+
+
+def profiled_generate(model: Any, prompts: Any, kw: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """bmc.generate() under torch.profiler: (name, start µs, duration µs) of each GPU kernel, and (cudaGraphLaunch,
+    start, None) of each graph launch, on one clock (bench/gpu_tp.py reads a step's kernels between launches)."""
+    import json
+    import tempfile
+
+    import bmc
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        bmc.generate(model, prompts, **kw)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return [(e["name"], e["ts"], e.get("dur") if e.get("cat") == "kernel" else None) for e in events
+            if e.get("cat") == "kernel" or e.get("name") == "cudaGraphLaunch"]
 
 
 @torch.inference_mode()
@@ -150,7 +188,7 @@ def _worker(rank: int, world: int, init: str, path: str | None, dtype: str, devi
             except InvalidRequestError as e:  # the request's fault, raised on every rank before any collective
                 conn.send(("invalid", e))
                 continue
-            conn.send(("ok", out if rank == 0 else None))
+            conn.send(("ok", out if rank == 0 or cmd in EVERY_RANK else None))
 
 
 def stop_ranks(conns: list[Any], procs: list[Any]) -> None:
@@ -216,7 +254,16 @@ class TensorParallelModel:
         """Seconds rank 0 spent in all-reduces and all-gathers since the last call."""
         return self._call("collective_seconds", None, "reading its clock")
 
-    def _call(self, cmd: str, args: Any, doing: str) -> Any:
+    def rank_info(self, reps: int = 50) -> list[dict[str, Any]]:
+        """Each rank's weight bytes and, on CUDA, its graphs captured and its last graph's replay alone (median ms of
+        `reps`, every rank replaying at once)."""
+        return self._call("rank_info", reps, "reporting", every=True)
+
+    def profile(self, prompts: Any, kw: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+        """generate() profiled on every rank; rank 0's kernels and graph launches (profiled_generate)."""
+        return self._call("profile", (prompts, kw), "profiling")
+
+    def _call(self, cmd: str, args: Any, doing: str, every: bool = False) -> Any:
         if not self.procs:
             raise TensorParallelError("the tensor parallel group was stopped")
         for rank, conn in enumerate(self.conns):
@@ -224,7 +271,8 @@ class TensorParallelModel:
                 conn.send((cmd, args))
             except OSError as e:  # a rank that died before the call: its pipe is broken
                 raise self._stop(f"tensor parallel rank {rank} could not be sent the call ({e}) while {doing}")
-        return self._collect(None, doing)[0]
+        replies = self._collect(None, doing)
+        return replies if every else replies[0]
 
     def _collect(self, timeout_s: float | None, doing: str) -> list[Any]:
         """Every rank's reply; TensorParallelError (the group stopped) when one reports an error, exits or, with a
