@@ -3,11 +3,13 @@
 #   bash bench/device_tp.sh tests     # the TP GPU tests (tp=2, and tp=4 where 4 GPUs are there)
 #   bash bench/device_tp.sh 7b        # bench/gpu_tp.py, Llama-2-7B shape, tp=1,2[,4], batch 1 and 32, profiled
 #   bash bench/device_tp.sh 70b       # bench/gpu_tp.py, Llama-2-70B shape, tp=4 (or 2 on H200s), batch 1 and 32
-#   bash bench/device_tp.sh suite     # every GPU test (pytest -m gpu)
+#   bash bench/device_tp.sh suite     # the GPU tests: tests/test_gpu.py, test_graph_arena.py, test_tp.py -m gpu
 # Stages in the order given; each bounded by its own timeout, a failed one does not stop the next. Logs and JSON
 # under $OUT. NVLink multicast stays off (the hosts require it).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# .whl: the server's wheels; .whl2 (where carried): what the image lacks for them (pydantic, opentelemetry-api)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls .whl2/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
        NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -28,8 +30,10 @@ for stage in "$@"; do
           --out "$OUT/gpu-tp-7b.json" 2>&1 | grep -v Warning | tee "$OUT/gpu-tp-7b.log" ;;
     70b) timeout ${T_70B:-300} python3 bench/gpu_tp.py --shape 70b --tps $BIG --batches 1,32 \
            --out "$OUT/gpu-tp-70b.json" 2>&1 | grep -v Warning | tee "$OUT/gpu-tp-70b.log" ;;
-    suite) timeout ${T_SUITE:-420} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 \
-             | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    suite) timeout ${T_SUITE:-420} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+             tests/test_graph_arena.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+           timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_tp.py 2>&1 \
+             | tee "$OUT/tp-tests.log" | tail -8 ;;
   esac
   echo "== stage $stage: $(( $(date +%s) - t0 )) s"
 done
