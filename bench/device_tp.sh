@@ -30,7 +30,7 @@ for stage in "$@"; do
           --out "$OUT/gpu-tp-7b.json" 2>&1 | grep -v Warning | tee "$OUT/gpu-tp-7b.log" ;;
     70b) timeout ${T_70B:-300} python3 bench/gpu_tp.py --shape 70b --tps $BIG --batches 1,32 \
            --out "$OUT/gpu-tp-70b.json" 2>&1 | grep -v Warning | tee "$OUT/gpu-tp-70b.log" ;;
-    suite) timeout ${T_SUITE:-420} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+    suite) timeout ${T_SUITE:-480} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
              tests/test_graph_arena.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -8
            timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_tp.py 2>&1 \
              | tee "$OUT/tp-tests.log" | tail -8 ;;

@@ -46,9 +46,6 @@ def _join_group(rank: int, world: int, device: str, timeout_s: float, init: str 
     dev = torch.device(f"cuda:{rank % max(1, torch.cuda.device_count())}" if device == "cuda" else device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        # NCCL's heartbeat monitor reads rank 0's store every second: the ranks that outlive rank 0 (which holds the
-        # store) by a moment at a stop print a stack trace each second. A hang is this module's to report (timeouts)
-        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=init, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
