@@ -23,6 +23,7 @@ from .errors import InvalidRequestError, UnsupportedModelError
 from .grammar import GrammarSpec
 from .graphs import GRAPH_LIMIT, MIN_BUCKET_STEPS
 from .kv import KV_DTYPES, KV_STRATEGIES, BMCCache, KVCache, kv_format, r_from_T, whole_score_blocks
+from .kv.smoothing import key_scales_for
 from .models import Model, ModelConfig
 from .sampling import SamplingParams
 from .spec import TreeSpec, parse_speculative
@@ -195,6 +196,15 @@ def make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int,
               window=window_in_reach(cfg, max_length), window_every_layer=cfg.local_layers is None,
               kv_dtype=gen.kv_dtype)
     stats.kv_strategy = gen.kv
+    cache = _make_cache(model, gen, batch, max_length, stats, kw)
+    if cache.format.name == "int8":
+        cache.key_scales = key_scales_for(model)
+    return cache
+
+
+def _make_cache(model: Model, gen: GenerationConfig, batch: int, max_length: int, stats: GenerationStats,
+                kw: dict) -> KVCache:
+    cfg = model.config
     if gen.kv != "bmc":
         return KV_STRATEGIES[gen.kv](**kw)
     if gen.r is not None:

@@ -129,6 +129,21 @@ class NativeDecoder {
   // OLMoE: q, k and v clamped to [-clip, clip] after the q / k norms (0: off)
   void set_clip_qkv(double clip) { clip_qkv_ = static_cast<float>(clip); }
 
+  // int8 caches' key channel scales (kv/smoothing.py): [L, H_kv, d] float32 powers of two, keys written as k / s and
+  // queries taken as q * s where a part's cache is int8; empty: none. Called before every step with its cache's.
+  void set_key_scales(const torch::Tensor& s) {
+    if (s.numel() == 0) {
+      key_scales_ = key_inv_scales_ = torch::Tensor();
+      return;
+    }
+    if (key_scales_.defined() && key_src_.defined() && key_src_.is_same(s)) return;
+    TORCH_CHECK(s.scalar_type() == torch::kFloat && s.dim() == 3 && s.size(0) == num_layers() && s.size(1) == kvh_ &&
+                    s.size(2) == hd_, "key scales: float32 [layers, KV heads, head_dim]");
+    key_src_ = s;
+    key_scales_ = s.contiguous();
+    key_inv_scales_ = key_scales_.reciprocal();
+  }
+
   // lm_head: [hidden, vocab], or its panels with `vocab` given
   void set_head(const torch::Tensor& norm_w, const torch::Tensor& norm_b, const Weight& lm_head, int64_t vocab) {
     vocab_ = lm_head.data.dim() == 3 ? vocab : lm_head.data.size(1);  // panels carry no exact width
@@ -375,6 +390,7 @@ class NativeDecoder {
         const int64_t rows = part.B * part.t, layer_bytes = 2 * part.B * kvh_ * part.slab * part.lay.row_bytes;
         float* q = qp + row * nq;
         if (part.cos.numel() > 0) apply_rope(q, rows, nq, part.cos_of(L), part.sin_of(L));
+        if (key_scales_.defined() && part.lay.kind == KVKind::I8) scale_keys(q, rows, nq, l);
         uint8_t* kc = static_cast<uint8_t*>(part.kv.data_ptr()) + l * layer_bytes;
         uint8_t* vc = kc + layer_bytes / 2;
         clock.lap(2);
@@ -480,6 +496,26 @@ class NativeDecoder {
       }
   }
 
+  // queries * s and keys / s of an int8 cache's layer (set_key_scales): powers of two, so exact
+  void scale_keys(float* qkv, int64_t M, int64_t nq, int64_t l) const {
+    const int64_t group = h_ / kvh_;
+    const float* s = key_scales_.data_ptr<float>() + l * kvh_ * hd_;
+    const float* inv = key_inv_scales_.data_ptr<float>() + l * kvh_ * hd_;
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = qkv + m * nq;
+      for (int64_t head = 0; head < h_; ++head) {
+        float* v = row + head * hd_;
+        const float* sh = s + (head / group) * hd_;
+        for (int64_t j = 0; j < hd_; ++j) v[j] *= sh[j];
+      }
+      for (int64_t kh = 0; kh < kvh_; ++kh) {
+        float* v = row + (h_ + kh) * hd_;
+        const float* ih = inv + kh * hd_;
+        for (int64_t j = 0; j < hd_; ++j) v[j] *= ih[j];
+      }
+    }
+  }
+
   void write_kv(const float* qkv, int64_t nq, uint8_t* kc, uint8_t* vc, const KVLayout& lay, int64_t B, int64_t t,
                 int64_t slab, int64_t start) const {
     for (int64_t b = 0; b < B; ++b)
@@ -537,6 +573,7 @@ class NativeDecoder {
   bool int8_x_ = false;  // set_int8_activations
   bool bf16_prompts_ = false;  // set_bf16_prompts
   float clip_qkv_ = 0.0f;  // set_clip_qkv
+  torch::Tensor key_src_, key_scales_, key_inv_scales_;  // set_key_scales
   ExpertCounts expert_counts_;  // since set_profiling(true)
   Attention attn_;  // the step's attention over own rows and shared segments (cpu/attention.h)
   std::vector<Layer> layers_;
@@ -582,6 +619,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_moe", &NativeDecoder::set_moe)
       .def("set_shared_expert", &NativeDecoder::set_shared_expert)
       .def("set_clip_qkv", &NativeDecoder::set_clip_qkv)
+      .def("set_key_scales", &NativeDecoder::set_key_scales)
       .def("set_head", &NativeDecoder::set_head)
       .def("set_qk_norm", &NativeDecoder::set_qk_norm)
       .def("set_post_norms", &NativeDecoder::set_post_norms)

@@ -63,6 +63,8 @@ class KVCache(ABC):
         # encoded as they are written and decoded for the PyTorch attention paths (the native step reads them as
         # stored)
         self.format: KVFormat = kv_format(kv_dtype, dtype)
+        # an int8 cache's keys as k / s (kv/smoothing.py), set by engine.make_cache; None: as they come
+        self.key_scales: Any = None
         self.same_dtype = self.format.storage == dtype and self.format.width(head_dim) == head_dim
         self.width = self.format.width(head_dim)
         self.min_value = torch.finfo(dtype).min
@@ -413,6 +415,8 @@ class KVCache(ABC):
         """Rows move between caches as stored bytes: both must store the same format."""
         if src.format is not self.format:
             raise ValueError(f"a {src.format.name} KV cache's rows cannot join a {self.format.name} one")
+        if src.key_scales is not self.key_scales:
+            raise ValueError("a KV cache's rows cannot join one whose keys are stored with other channel scales")
 
     def _slide_window(self, start: int, end: int, positions: torch.Tensor | None) -> None:
         """Record the new columns' positions and mask, in the kept bias, the columns the forward's first query no

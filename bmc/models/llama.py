@@ -111,7 +111,18 @@ class LlamaLayer:
         self.local = cfg.is_local(i)  # attends through the sliding window (some layers only: Gemma 2/3)
 
 
+NO_SCALES = torch.empty(0)
+
+
+def set_key_scales(native: Any, cache: KVCache) -> None:
+    """The native step's key scales for this cache (kv/smoothing.py): its int8 rows' s, or none."""
+    scales = cache.key_scales
+    native.set_key_scales(scales.table if scales is not None else NO_SCALES)  # a pointer compare when unchanged
+
+
 class LlamaModel:
+    SMOOTHS_KEYS = True  # int8 caches may store keys as k / s (kv/smoothing.py): this forward applies s
+
     def __init__(self, cfg: ModelConfig, w: WeightSource) -> None:
         self.cfg = cfg
         D = cfg.hidden_size
@@ -253,6 +264,10 @@ class LlamaModel:
             coss.append(cos.view(B, t, hd))
             sins.append(sin.view(B, t, hd))
             locals_.append(self.native_local(p.cache, p.bias, p.positions, x.dtype))
+        scales = {id(p.cache.key_scales) for p in parts}
+        if len(scales) > 1:
+            raise ValueError("a step's parts must store their keys with the same channel scales")
+        set_key_scales(native, parts[0].cache)
         segments = [native_segments(p.attention) for p in parts]
         return self.final_logits(native.forward_parts(xs, [p.cache.kv for p in parts], [p.bias for p in parts], coss,
                                                       sins, [p.cache.length for p in parts], locals_,
@@ -293,6 +308,7 @@ class LlamaModel:
         segments = native_segments(attention) if t <= NATIVE_MAX_T and cache.write_at is None else None
         native = self.native_decoder() if segments is not None else None
         if native is not None:
+            set_key_scales(native, cache)
             return self.final_logits(native.forward(x, cache.kv, bias, cos.view(B, t, hd), sin.view(B, t, hd),
                                                     cache.length, all_logits, *segments,
                                                     self.native_local(cache, bias, positions, x.dtype),
@@ -328,6 +344,9 @@ class LlamaModel:
                                 rms_norm(qk[:, :, h:], L.k_norm, cfg.norm_eps)), dim=2)
             qk = apply_rope(qk, *(local_rope if L.local else (cos, sin)))
             q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
+            if cache.key_scales is not None:  # keys stored as k / s, queries taken as q * s: exact, powers of two
+                s_q, inv_s = cache.key_scales.multipliers(i, q.dtype, q.device)
+                q, k = q * s_q, k * inv_s
             K, V = cache.update(i, k, a[..., L.qk_width :].view(B, t, kvh, hd).transpose(1, 2), decoded)
             o = attention(q, K, V, local_bias if L.local and local_bias is not None else bias, self.scale, layer=i)
             o = L.o(o.transpose(1, 2).reshape(B, t, h * hd))
