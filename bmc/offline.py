@@ -110,6 +110,8 @@ def generate_on_steps(model: Model, prompt_ids: list[list[int]], gen: Generation
                              out.finish_reason)
     _synchronize(model.device)
     end = time.perf_counter()
+    if t_decode is None:  # every request ended in its prefill (max_new_tokens=1): the whole call was prefill
+        stats.prefill_seconds = end - t0
     stats.decode_seconds = end - (t_decode if t_decode is not None else end)
     finish_stats(stats, model, engine, rows)
 

@@ -57,3 +57,14 @@ def test_half_precision_samples_read_their_prompt_in_place(gqa_dir):
     on = bmc.generate(model, prompts, max_new_tokens=6, num_samples=2, ignore_eos=True)
     off = bmc.generate(model, prompts, max_new_tokens=6, num_samples=2, ignore_eos=True, share_prefix="off")
     assert on.stats.prefix_kv_bytes > 0 and [c.token_ids for c in on] == [c.token_ids for c in off]
+
+
+def test_a_call_that_ends_in_its_prefill_reports_the_prefill(gqa_dir):
+    """max_new_tokens=1: every request's one token comes from its prefill step, so the call's time is prefill time
+    (bmc-generate --benchmark --max-new-tokens 1 printed 0 tok/s), and no decode time is counted."""
+    model = bmc.load(str(gqa_dir))
+    out = bmc.generate(model, [list(range(5, 60)), list(range(7, 40))], max_new_tokens=1, ignore_eos=True)
+    s = out.stats
+    assert [len(c.token_ids) for c in out] == [1, 1]
+    assert s.prefill_seconds > 0 and s.prefill_tokens_per_s > 0 and s.decode_seconds == 0
+    assert s.decode_tokens == 0
