@@ -629,18 +629,20 @@ def block_kind_code(name: str) -> int:
     return BLOCK_KIND[name].code
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_int8_activation_gemms_give_a_row_the_same_bits_at_any_row_count(kind):
-    """With int8 activations a row's output does not depend on the rows beside it (1, 3 or 9 at once): each row
-    count's kernel sums the same terms in the same order (an implied offset included: Q4_0's -8 d)."""
+    """With int8 activations a row's output does not depend on the rows beside it (1, 3, 9 or 33 at once): each
+    row count's kernel sums the same terms in the same order and rounds them alike (an implied offset included:
+    Q4_0's -8 d; K-quants' two scales a block)."""
     if not native_module().has_int8_dot():
         pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
-    w = random_blocks(kind, (64, 256))
+    w = random_matrix(kind, 64, 256, 0, MODEL_D) if kind in K_BYTES else random_blocks(kind, (64, 256))
     lin = bmc.models.ops.Linear(w)
     lin.int8_activations = True
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
-    one = torch.cat([lin(x[i : i + 1]) for i in range(9)])
-    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 9, 3)]), one)
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(1))
+    one = torch.cat([lin(x[i : i + 1]) for i in range(33)])
+    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 33, 3)]), one)
+    assert torch.equal(torch.cat([lin(x[:9]), lin(x[9:])]), one)
     assert torch.equal(lin(x), one)
 
 

@@ -84,10 +84,29 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
           s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(four[4 + g]), flip), w[4 + g]);
         }
       }
-      const v16 lo = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
-      const v16 hi = (v16)_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));  // rows 16-31's
-      const v16 part = has_scale_hi(KIND) ? (d0 * lo + d1 * hi) * dx[i * nblk + b] : d0 * ((lo + hi) * dx[i * nblk + b]);
-      acc[i] += has_offset(KIND) ? part + m * xsum[i * nblk + b] : part;
+      // The epilogue's roundings pinned, each product apart from the sum it joins (the empty asm): written as plain
+      // vector arithmetic, -ffast-math fused products and sums differently in different row counts' kernels (Q4_K:
+      // the second of 3 rows 1 ulp from the same row alone), so a row's result depended on the rows beside it.
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));  // rows 16-31's
+      __m512 part;
+      if (has_scale_hi(KIND)) {
+        __m512 p1 = _mm512_mul_ps((__m512)d1, hi);
+        asm("" : "+v"(p1));
+        part = _mm512_fmadd_ps((__m512)d0, lo, p1);
+      } else {
+        part = _mm512_add_ps(lo, hi);
+      }
+      asm("" : "+v"(part));
+      part = _mm512_mul_ps(part, _mm512_set1_ps(dx[i * nblk + b]));
+      asm("" : "+v"(part));
+      if (!has_scale_hi(KIND)) {
+        part = _mm512_mul_ps((__m512)d0, part);
+        asm("" : "+v"(part));
+      }
+      if (has_offset(KIND)) part = _mm512_fmadd_ps((__m512)m, _mm512_set1_ps(xsum[i * nblk + b]), part);
+      acc[i] = (v16)_mm512_add_ps((__m512)acc[i], part);
+      asm("" : "+v"(acc[i]));
     }
   }
   const v16 bv = load_bias(bias, nw);
