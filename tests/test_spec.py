@@ -150,7 +150,12 @@ def test_speculative_greedy_is_identical_to_plain_greedy(tiny_dirs, variant):
             out = bmc.generate(model, PROMPTS, max_new_tokens=30, ignore_eos=True, kv=kv, speculative=exact,
                                tree=tree, **extra)
             assert [c.token_ids for c in out] == want, (kv, tree)
-            assert out.stats.speculative.mean_accepted_length > 2, (kv, tree)  # trees trimmed to free rows
+            sp = out.stats.speculative
+            if tree == "auto":  # a drafter as dear as the target stops paying once its steps are timed, but its
+                # first trees were verified, every top-ranked node accepted
+                assert sp.verify_steps >= 1 and sp.accepted > 0 and sp.rank_accepted[0] == sp.rank_visits[0], (kv, sp)
+            else:
+                assert sp.mean_accepted_length > 2, (kv, tree)  # trees trimmed to free rows
 
 
 def test_speculative_respects_eos_stop_and_length(gqa_dir):
@@ -243,10 +248,33 @@ def test_auto_counts_a_verify_steps_own_overhead():
     auto = AutoTree(RowCosts((1, 2, 3, 4, 8), (1.0, 1.05, 1.3, 1.5, 2.5)))
     auto.seen[COLD][0], auto.accepted[COLD][0] = 98, 10  # node 0 right about 11 % of the time
     assert auto.verify_overhead() == 0.0 and auto.nodes(1, [0], 8) >= 1  # untimed: the curve alone says verify
+    auto.timed(2, 1.30, verified=True)  # no plain step yet: the drafter's own time stands for the overhead
+    assert auto.verify_overhead() == 0.0
+    auto.drafted(0.01)
+    assert auto.verify_overhead() == pytest.approx(0.01)
+    auto.timed(2, 1.30, verified=True)
     for _ in range(5):
         auto.timed(1, 1.02, verified=False)  # plain steps: 0.02 beyond cost(1)
         auto.timed(2, 1.30, verified=True)  # verify steps of 2 rows: 0.25 beyond cost(2)
     assert auto.verify_overhead() == pytest.approx(0.23)
+    assert auto.nodes(1, [0], 8) == 0
+
+
+def test_auto_counts_a_dear_drafter_before_any_plain_step():
+    """A drafter whose proposals are right but dear (a draft model's forwards: 30x a step): with no plain step timed
+    yet, its own time is the verify steps' overhead, so auto stops drafting instead of drafting on at a fraction of
+    plain speed because it never took a plain step to compare with."""
+    from bmc.spec.auto import COLD, HOT, AutoTree, RowCosts
+
+    auto = AutoTree(RowCosts((1, 2, 3, 4, 8), (1.0, 1.05, 1.3, 1.5, 2.5)))
+    for state in (COLD, HOT):
+        auto.seen[state] = [100] * len(auto.seen[state])
+        auto.accepted[state] = [90] * len(auto.seen[state])  # drafts right 90 % of the time
+    assert auto.nodes(1, [0], 8) >= 2
+    for _ in range(4):
+        auto.drafted(30.0)  # the draft model's forwards
+        auto.timed(3, 1.3 + 30.0, verified=True)  # verify steps: 30 beyond cost(3)
+    assert auto.verify_overhead() == pytest.approx(30.0)
     assert auto.nodes(1, [0], 8) == 0
 
 

@@ -72,6 +72,8 @@ class AutoTree:
     # step's drafting, tree and acceptance work, which the forward's curve does not hold
     residual: list[float] = field(default_factory=lambda: [0.0, 0.0])
     timed_steps: list[int] = field(default_factory=lambda: [0, 0])
+    draft_cost: float = 0.0  # seconds a verify step's drafter takes (drafted)
+    draft_steps: int = 0
 
     def rates(self, state: int, n: int) -> list[float]:
         """The acceptance estimates of nodes 0..n-1: node 0 Laplace's (accepted + 1) / (rows + 2); node i with its
@@ -125,11 +127,18 @@ class AutoTree:
         self.timed_steps[k] += 1
         self.residual[k] += (seconds - self.costs.at(rows) - self.residual[k]) / min(self.timed_steps[k], 16)
 
+    def drafted(self, seconds: float) -> None:
+        """A verify step's drafter took `seconds` (the mean of the first 16, then a moving one)."""
+        self.draft_steps += 1
+        self.draft_cost += (seconds - self.draft_cost) / min(self.draft_steps, 16)
+
     def verify_overhead(self) -> float:
-        """Seconds a verify step costs beyond its forward, more than a plain step does (0 until both were timed)."""
-        if not all(self.timed_steps):
-            return 0.0
-        return max(0.0, self.residual[1] - self.residual[0])
+        """Seconds a verify step costs beyond its forward, more than a plain step does. Before any plain step was
+        timed, its drafter's own time: drafts that keep paying may never let a plain step be timed, and a dear
+        drafter (a draft model's forwards) must show all the same."""
+        if self.timed_steps[0] and self.timed_steps[1]:
+            return max(0.0, self.residual[1] - self.residual[0])
+        return self.draft_cost
 
     def guessed(self, key: int, token: int) -> None:
         """A cheap drafter's first token for a row whose step decodes plainly (tested by `observe`)."""

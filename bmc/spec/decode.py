@@ -61,7 +61,10 @@ class SpeculativeStep:
         unless the chunk may grow; also the proposals (sampling reads their q) and the free rows."""
         t0 = time.perf_counter()
         proposals = self.drafter.propose_batch(rows, specs)
-        self.stats.draft_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.draft_seconds += seconds
+        if self.auto is not None:
+            self.auto.drafted(seconds)
         tree = DraftTree.from_lists([(p.tokens, p.parents) for p in proposals], cache.device)
         free = cache.capacity - cache.length if cache.keeps_padding else 0
         if self.trim and 0 < free < 1 + tree.num_nodes:  # the paper's choice: the tree fits the chunk, no copy
