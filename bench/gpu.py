@@ -27,7 +27,7 @@ import torch
 
 from bmc.bench.engines import EngineRun, run_bmc, run_hf
 from bmc.bench.harness import first_divergence
-from bmc.graphs import graph_store
+from bmc.graphs import graph_store, replay_median_ms
 from bmc.models import model_from_tensors
 
 SHAPES = {
@@ -155,8 +155,6 @@ def run_config(args, B: int, N: int) -> dict:
 def gemm_ms(model, rows: int) -> float:
     """ms of one decode step's GEMMs alone (every Linear of the model once, at `rows` rows), captured in one CUDA graph:
     the step's time less this is what the rest of the step costs, in the same process."""
-    import statistics
-
     lins = model.linears()
     xs = {lin.in_features: torch.randn(rows, lin.in_features, device="cuda", dtype=model.dtype) for lin in lins}
     s = torch.cuda.Stream()
@@ -169,16 +167,9 @@ def gemm_ms(model, rows: int) -> float:
     with torch.inference_mode(), torch.cuda.graph(g):
         for lin in lins:
             lin(xs[lin.in_features])
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = replay_median_ms(g, 20)
     del g
-    return statistics.median(times)
+    return ms
 
 
 def run_quant(args) -> dict:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from bmc.graphs import replay_median_ms
 from bmc.models import decode_cuda
 from bmc.models import fused_triton as ft
 from bmc.models.ops import rope_tables
@@ -33,15 +33,7 @@ def graph_us(fn: Callable[[], Any], copies: int, reps: int = 30) -> float:
     with torch.cuda.graph(g):
         for _ in range(copies):
             fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return 1000 * statistics.median(times) / copies
+    return 1000 * replay_median_ms(g, reps) / copies
 
 
 def max_diff(a: Any, b: Any) -> float:

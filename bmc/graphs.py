@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -187,16 +188,21 @@ class GraphStore:
         NaN without a graph."""
         if not self.graphs:
             return float("nan")
-        g = next(reversed(self.graphs.values())).graph
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return replay_median_ms(next(reversed(self.graphs.values())).graph, reps)
+
+
+def replay_median_ms(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
+    """Median ms of `reps` replays of a captured graph, each timed by CUDA events and synchronised (the benchmarks'
+    one timing loop for a graph)."""
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
     def put(self, key: tuple, entry: _Captured) -> None:
         self.graphs[key] = entry
