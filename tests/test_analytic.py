@@ -232,3 +232,24 @@ def test_a_growth_that_copies_nothing_balances_its_fixed_cost_against_the_paddin
     best = min(range(1, n + 1), key=lambda T: predicted_time(T, n, shape, free))  # the discrete optimum
     assert abs(best - t_opt(n, shape, free)) <= 0.01 * best + 1
     assert t_opt(n, shape, dataclasses.replace(free, alloc_s=0.0)) == n
+
+
+def test_calibrate_times_a_models_rows_for_tree_auto(cache_dir, gqa_dir, capsys, monkeypatch):
+    """bmc-calibrate --model: the model's step cost by token rows (1 to 64), measured and stored where tree="auto"
+    reads it, so a later speculative run measures nothing."""
+    import bmc.analytic.calibrate as cal
+    import bmc.spec.auto as auto
+    from bmc.cli.calibrate import main
+
+    monkeypatch.setattr(cal, "QUICK", dataclasses.replace(cal.QUICK, configs=cal.QUICK.configs[:1], repeats=2))
+    main(["--quick", "--no-save", "--threads", "2", "--model", str(gqa_dir)])
+    printed = capsys.readouterr().out
+    assert "step by rows" in printed and " 64:" in printed
+    assert len(list(cache_dir.glob("rows-*.json"))) == 1
+
+    def measured_again(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(auto, "measure_row_costs", measured_again)
+    costs = auto.row_costs(bmc.load(str(gqa_dir)))
+    assert costs.rows == auto.MEASURED_ROWS and costs.rows[-1] == 64 and all(s > 0 for s in costs.seconds)

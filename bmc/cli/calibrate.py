@@ -27,7 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV cache's dtype to measure (default float32)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--no-save", action="store_true", help="do not write the profile to the user cache dir")
+    p.add_argument("--model", help="also time this model's step by token rows (1 to 64), the curve --tree auto "
+                   "sizes draft trees from, and store it (otherwise measured at its first speculative run); 'default': "
+                   "the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--quant", default="auto", help="the model's weights, as bmc-generate takes them (default auto)")
+    p.add_argument("--activations", default="float", choices=["float", "int8", "bfloat16"],
+                   help="the model's arithmetic, as bmc-generate takes it (default float)")
     return p
+
+
+def measure_rows(args: argparse.Namespace) -> str:
+    """The model's step cost by token rows, measured and stored (spec/auto.py), as printable lines."""
+    import bmc
+    from ..spec.auto import row_costs
+
+    model = bmc.load(None if args.model == "default" else args.model, dtype=args.dtype, device=args.device,
+                     quant=args.quant, activations=args.activations)
+    costs = row_costs(model, remeasure=True)
+    ms = "  ".join(f"{r}:{s * 1e3:.1f}" for r, s in zip(costs.rows, costs.seconds))
+    return (f"step by rows {model.path} (quant {model.quant}, {args.activations} activations), ms: {ms}\n"
+            f"             (stored for --tree auto)")
 
 
 def summary(profile: dict, dtype: "torch.dtype") -> str:
@@ -89,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(summary(profile, dtype))
     for path in targets:
         print(f"profile written to {path}")
+    if args.model:
+        try:
+            print(measure_rows(args))
+        except BmcError as e:
+            fail(str(e))
     print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
 
 

@@ -27,8 +27,8 @@ import torch
 from .tree import TreeSpec
 
 AUTO_PROPOSAL = TreeSpec(4, 8, 32)  # what a drafter proposes under tree="auto" (four continuations of 8 tokens)
-MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
-COSTS_VERSION = 1
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33, 48, 64)
+COSTS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -164,11 +164,12 @@ class AutoTree:
         self.streak.pop(key, None)
 
 
-def row_costs(model: Any) -> RowCosts:
+def row_costs(model: Any, remeasure: bool = False) -> RowCosts:
     """The model's step cost by token rows: kept on the model, else read from the cache directory, else measured
-    (about a second for a small model) and stored there."""
+    (about a second for a small model) and stored there; remeasure (bmc-calibrate --model): measured and stored
+    whatever is kept."""
     cached = getattr(model, "_row_costs", None)
-    if cached is not None:
+    if cached is not None and not remeasure:
         return cached
     from ..analytic.profile import cache_dir
 
@@ -177,7 +178,7 @@ def row_costs(model: Any) -> RowCosts:
     costs = None
     try:
         data = json.loads(path.read_text())
-        if data.get("key") == key:
+        if data.get("key") == key and not remeasure:
             costs = RowCosts(tuple(data["rows"]), tuple(data["seconds"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
