@@ -254,7 +254,7 @@ class Scheduler:
         self.threads = (ThreadGovernor(torch.get_num_threads()) if o.adaptive_threads and native is not None
                         and torch.get_num_threads() > 1 else None)
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
-        self.peak_kv_bytes = 0  # the most KV bytes held at a step's end: batch, prefills and the prefix cache
+        self.peak_kv_bytes = 0  # the most KV bytes held in a step's forward or at its end: batch, prefills, prefix cache
         self.peak_running_kv_bytes = 0  # of those, what running requests read: batch, prefills, pinned cached paths
         self._inbox: collections.deque[Request] = collections.deque()
         self._requests: dict[int, Request] = {}  # every request added and not done, wherever it is: fail_all and
@@ -375,6 +375,7 @@ class Scheduler:
         finally:
             if governed:
                 self.threads.end()
+        held_in_forward = self.kv_bytes  # before finishing: a prompt that ends in its prefill frees its cache
         if decode is not None:
             self._finish_decode(results.pop(0))
         for (group, part), result in zip(chunks, results):
@@ -387,7 +388,7 @@ class Scheduler:
             auto.timed(verify_rows or len(self.rows), time.perf_counter() - t1, draft is not None)
         pc = self.prefix_cache
         held = self.kv_bytes
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (pc.nbytes if pc is not None else 0))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, max(held, held_in_forward) + (pc.nbytes if pc is not None else 0))
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, held + (pc.pinned_bytes if pc is not None else 0))
         self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
                           "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),

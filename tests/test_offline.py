@@ -68,3 +68,4 @@ def test_a_call_that_ends_in_its_prefill_reports_the_prefill(gqa_dir):
     assert [len(c.token_ids) for c in out] == [1, 1]
     assert s.prefill_seconds > 0 and s.prefill_tokens_per_s > 0 and s.decode_seconds == 0
     assert s.decode_tokens == 0
+    assert s.peak_kv_bytes > 0  # the prompts' caches were held while their prefill ran
