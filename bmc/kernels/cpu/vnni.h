@@ -72,16 +72,19 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
     const v16 d1 = has_scale_hi(KIND) ? scale_vec<KIND>(blk, KIND_SCALE_HI[KIND]) : d0;
     const v16 m = has_offset(KIND) ? offset_vec<KIND>(blk, d0) : v16{};
     for (int i = 0; i < MB; ++i) {
-      int32_t four[8];  // the row's activations 4 at a time: four[g] matches w[g]
-      std::memcpy(four, xq + i * ldq + b * QK, 32);
+      // the row's activations 4 at a time, each group broadcast straight from memory (four(g) matches w[g]): copied
+      // out as one 32-byte array first, the compiler took every group apart in general registers (shifts and
+      // moves) before broadcasting it (docs/performance.md, "Quantized prompts with int8 activations")
+      const int8_t* xr = xq + i * ldq + b * QK;
+      auto four = [xr](int g) { return _mm512_broadcastd_epi32(_mm_loadu_si32(xr + 4 * g)); };
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int g = 0; g < 4; ++g) {
         if (KIND_NIBBLES[KIND]) {
-          s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(four[g]));
-          s1 = _mm512_dpbusd_epi32(s1, w[4 + g], _mm512_set1_epi32(four[4 + g]));
+          s0 = _mm512_dpbusd_epi32(s0, w[g], four(g));
+          s1 = _mm512_dpbusd_epi32(s1, w[4 + g], four(4 + g));
         } else {
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(four[g]), flip), w[g]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(four[4 + g]), flip), w[4 + g]);
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(four(g), flip), w[g]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(four(4 + g), flip), w[4 + g]);
         }
       }
       // The epilogue's roundings pinned, each product apart from the sum it joins (the empty asm): written as plain
