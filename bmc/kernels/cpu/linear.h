@@ -13,6 +13,19 @@ struct Weight {
   bool blocks() const { return kind != NOT_BLOCKS; }
 };
 
+// Each row's sum over each block of K (the offsets' factor of float activations), xsum [M, K / QK]. One copy of
+// the loop for every caller (not inlined): -ffast-math may order a reduction differently in each place it is
+// compiled, and gemm() and gemm_panel_range must give the same bits.
+__attribute__((noinline)) void block_sums(const float* x, int64_t ldx, int64_t M, int64_t K, float* xsum) {
+  const int64_t nblk = K / QK;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < nblk; ++b) {
+      float t = 0.0f;
+      for (int64_t k = 0; k < QK; ++k) t += x[i * ldx + b * QK + k];
+      xsum[i * nblk + b] = t;
+    }
+}
+
 // gemm() over quantized panels: the same row and panel blocking (so the same float kernels see the same panel
 // values in the same order), each group of panels dequantized into the thread's buffer first.
 void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
@@ -50,12 +63,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     static thread_local std::vector<float> xsum_buf;
     if (static_cast<int64_t>(xsum_buf.size()) < M * nblk) xsum_buf.resize(M * nblk);
     float* xsum = xsum_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
-    for (int64_t i = 0; i < (has_offset(kind) ? M : 0); ++i)
-      for (int64_t b = 0; b < nblk; ++b) {
-        float t = 0.0f;
-        for (int64_t k = 0; k < QK; ++k) t += x[i * ldx + b * QK + k];
-        xsum[i * nblk + b] = t;
-      }
+    if (has_offset(kind)) block_sums(x, ldx, M, K, xsum);
     const QuantPanelKernel kernel = ROWS_BY_KIND[kind][M - 1];
     at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
@@ -237,12 +245,7 @@ PreparedRows prepare_rows(const float* x, int64_t ldx, int64_t M, int64_t K, con
     return r;
   }
 #endif
-  for (int64_t i = 0; i < (has_offset(static_cast<int>(w.kind)) ? M : 0); ++i)
-    for (int64_t b = 0; b < nblk; ++b) {
-      float t = 0.0f;
-      for (int64_t k = 0; k < QK; ++k) t += x[i * ldx + b * QK + k];
-      buf.xsum[i * nblk + b] = t;
-    }
+  if (has_offset(static_cast<int>(w.kind))) block_sums(x, ldx, M, K, buf.xsum.data());
   return r;
 }
 
