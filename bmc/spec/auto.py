@@ -125,12 +125,12 @@ class AutoTree:
         beyond cost(rows) joins the plain or the verify steps' mean (the first 16 steps', then a moving one)."""
         k = int(verified)
         self.timed_steps[k] += 1
-        self.residual[k] += (seconds - self.costs.at(rows) - self.residual[k]) / min(self.timed_steps[k], 16)
+        self.residual[k] = _moving_mean(self.residual[k], self.timed_steps[k], seconds - self.costs.at(rows))
 
     def drafted(self, seconds: float) -> None:
         """A verify step's drafter took `seconds` (the mean of the first 16, then a moving one)."""
         self.draft_steps += 1
-        self.draft_cost += (seconds - self.draft_cost) / min(self.draft_steps, 16)
+        self.draft_cost = _moving_mean(self.draft_cost, self.draft_steps, seconds)
 
     def verify_overhead(self) -> float:
         """Seconds a verify step costs beyond its forward, more than a plain step does. Before any plain step was
@@ -162,6 +162,11 @@ class AutoTree:
         self.state.pop(key, None)
         self.guess.pop(key, None)
         self.streak.pop(key, None)
+
+
+def _moving_mean(mean: float, count: int, x: float) -> float:
+    """The mean of the first 16 values, then a moving one (count: values so far, x the newest included)."""
+    return mean + (x - mean) / min(count, 16)
 
 
 def row_costs(model: Any, remeasure: bool = False) -> RowCosts:
