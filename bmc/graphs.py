@@ -181,6 +181,11 @@ class GraphStore:
             self.graphs.move_to_end(key)
         return entry
 
+    def put(self, key: tuple, entry: _Captured) -> None:
+        self.graphs[key] = entry
+        while len(self.graphs) > GRAPH_LIMIT:
+            self.graphs.popitem(last=False)
+
     def replay_ms(self, reps: int = 50) -> float:
         """Median ms of the most recently used graph replayed back to back (no host work between): the GPU's time
         for a step of the last bucket, against which a step's wall time shows the host's share (bench/gpu_step.py,
@@ -203,11 +208,6 @@ def replay_median_ms(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
-
-    def put(self, key: tuple, entry: _Captured) -> None:
-        self.graphs[key] = entry
-        while len(self.graphs) > GRAPH_LIMIT:
-            self.graphs.popitem(last=False)
 
 
 def graph_store(model: "Model") -> GraphStore:

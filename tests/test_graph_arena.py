@@ -194,3 +194,18 @@ def test_the_arena_takes_what_the_rows_need_while_it_fits_and_more_rows_only_whi
         assert cache.on_arena == lent and arena.rows == kept_rows, (free // one_row, rows)
         assert graphs.ARENA_SHARE * free >= arena.nbytes
         cache.check_integrity()
+
+
+def test_the_graph_store_keeps_the_most_recently_used_graphs_up_to_its_limit():
+    """The store's bookkeeping is plain Python and runs here: put keeps at most GRAPH_LIMIT entries, dropping the
+    least recently used, and get refreshes an entry (a GPU-only run was the first to find `put` missing)."""
+    from bmc.graphs import GRAPH_LIMIT, GraphStore
+    store = GraphStore(torch.device("cpu"))
+    for i in range(GRAPH_LIMIT):
+        store.put((i,), f"graph {i}")  # type: ignore[arg-type]
+    assert store.get((0,)) == "graph 0"  # refreshed: (1,) is now the oldest
+    store.put((GRAPH_LIMIT,), "new")  # type: ignore[arg-type]
+    assert len(store.graphs) == GRAPH_LIMIT
+    assert store.get((1,)) is None and store.get((0,)) == "graph 0" and store.get((GRAPH_LIMIT,)) == "new"
+    store.clear()
+    assert store.get((0,)) is None and store.graph_bytes == 0
