@@ -208,6 +208,7 @@ def main() -> None:
     from bmc.bench.engines import stream_read_gbps
 
     read: dict[str, list[float]] = {}  # the roofline: one pass over a large buffer on all threads, per kind
+    rounds_read: dict[str, list[float]] = {kind: [] for kind in files}  # and again before every round
     modes = args.activations.split(",")
     samples: dict[tuple[str, int], dict[str, list]] = {(k, b): {"llama.cpp": [], **{m: [] for m in modes},
                                                                 "detail": []} for k in files for b in batches}
@@ -221,6 +222,7 @@ def main() -> None:
         if with_llama:
             run_llama(args, path, 1, 8)
         for r in range(args.repeats):
+            rounds_read[kind].append(stream_read_gbps())  # each round's own roofline: the VM's bandwidth drifts
             for B in batches:
                 s = samples[kind, B]
                 for mode in modes:
@@ -241,9 +243,13 @@ def main() -> None:
         for mode in modes:
             med = statistics.median(s[mode])
             gb_s = med / B * d["step_bytes"] / 1e9
+            # each round's share of the bandwidth measured just before it (its runs beside their own roofline)
+            shares = [t / B * d["step_bytes"] / 1e9 / rr for t, rr in zip(s[mode], rounds_read[kind])]
             row = {"kind": kind, "batch": B, "activations": mode, "bmc_tok_s": s[mode], "bmc_median": med,
                    "experts_per_layer": d["experts_per_layer"], "step_gb": d["step_bytes"] / 1e9,
-                   "achieved_gb_s": gb_s, "read_gb_s": read_gb_s, "roofline_share": gb_s / read_gb_s}
+                   "achieved_gb_s": gb_s, "read_gb_s": read_gb_s, "roofline_share": gb_s / read_gb_s,
+                   "rounds_read_gb_s": rounds_read[kind], "round_shares": shares,
+                   "round_share_median": statistics.median(shares)}
             if ref:
                 row.update({"llamacpp_tok_s": ref, "llamacpp_median": statistics.median(ref),
                             "ratio": med / statistics.median(ref),
@@ -252,7 +258,9 @@ def main() -> None:
             results.append(row)
             vs = f" / llama.cpp {row['llamacpp_median']:.1f} tok/s = {row['ratio']:.2f}x" if ref else " tok/s"
             print(f"{kind} B={B} activations={mode}: bmc {med:.1f}{vs}; {d['step_bytes'] / 1e9:.2f} GB a step, "
-                  f"{gb_s:.1f} GB/s = {gb_s / read_gb_s:.0%} of {read_gb_s:.1f}")
+                  f"{gb_s:.1f} GB/s = {gb_s / read_gb_s:.0%} of {read_gb_s:.1f}; each round against its own "
+                  f"stream_read: median {row['round_share_median']:.0%} "
+                  f"({min(shares):.0%}-{max(shares):.0%})")
     meta = {"host": platform.node(), "cpu": _cpu_name(), "threads": args.threads, "tokens": args.tokens,
             "prompt_tokens": 16, "repeats": args.repeats, "shape": name, "dims": shape,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
