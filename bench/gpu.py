@@ -8,7 +8,8 @@ tool on an H100. HF runs first, then its weights are handed to bmc (bmc keeps it
 
 Engines: HF generate with DynamicCache and with StaticCache (which transformers compiles with torch.compile on its
 own when the cache is static), bmc (auto T; decode step captured as a CUDA graph per capacity bucket), bmc-eager
-(the same without graphs), bmc-iterative, bmc-upfront (one graph for the whole run). Each bmc engine runs warm: a
+(the same without graphs), bmc-no-ahead (graphs, each step's tokens read before the next step is launched:
+the scheduler's run_ahead off), bmc-iterative, bmc-upfront (one graph for the whole run). Each bmc engine runs warm: a
 cold run first (it captures the graphs its buckets need; reported as first_run_tokens_per_s with its captures), then
 --repeats runs, of which the median is reported; the model's arena and graphs are let go between engines.
 
@@ -96,8 +97,8 @@ def run_config(args, B: int, N: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     graphed = {"graph_warmup": True} if args.graph_warmup else {}
-    engines = [("bmc", "bmc", graphed), ("bmc-eager", "bmc", {"cuda_graphs": False}),
-               ("bmc-upfront", "upfront", graphed)]
+    engines = [("bmc", "bmc", graphed), ("bmc-no-ahead", "bmc", {**graphed, "run_ahead": False}),
+               ("bmc-eager", "bmc", {"cuda_graphs": False}), ("bmc-upfront", "upfront", graphed)]
     if not args.no_iterative:
         engines.append(("bmc-iterative", "iterative", {}))
     if args.engines:

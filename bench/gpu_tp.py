@@ -91,9 +91,9 @@ def measure(model: Any, tp: int, args: argparse.Namespace, vocab: int) -> dict[s
     import bmc
 
     rows: dict[str, Any] = {}
-    for B in args.batches:
+    for B, ahead in [(B, ahead) for B in args.batches for ahead in ([True, False] if args.no_ahead_too else [True])]:
         prompts = [[(13 * b + 7 * i) % (vocab - 10) + 5 for i in range(args.prompt)] for b in range(B)]
-        kw = dict(max_new_tokens=args.gen, ignore_eos=True, graph_warmup=args.device == "cuda")
+        kw = dict(max_new_tokens=args.gen, ignore_eos=True, graph_warmup=args.device == "cuda", run_ahead=ahead)
         t0 = time.perf_counter()
         cold = bmc.generate(model, prompts, **kw)
         cold_s = time.perf_counter() - t0
@@ -115,8 +115,8 @@ def measure(model: Any, tp: int, args: argparse.Namespace, vocab: int) -> dict[s
             row["pct_of_hbm"] = 100 * row["GBps"] * 1e9 / (tp * peak)
         if replay[0] is not None:
             row["host_ms"] = row["ms_per_step"] - max(replay)
-        rows[f"b{B}"] = row
-        print(f"tp={tp} B={B}: {med:.1f} tok/s ({row['ms_per_step']:.2f} ms/step, warm {[round(t, 1) for t in tps]}, "
+        rows[f"b{B}" + ("" if ahead else "-no-ahead")] = row
+        print(f"tp={tp} B={B}{'' if ahead else ' (run_ahead off)'}: {med:.1f} tok/s ({row['ms_per_step']:.2f} ms/step, warm {[round(t, 1) for t in tps]}, "
               f"cold {row['cold_tokens_per_s']:.1f}), weights {wb / 1e9:.2f} GB over {tp} rank(s), "
               f"{row['GBps']:.0f} GB/s" + (f" = {row['pct_of_hbm']:.1f} % of {tp} x {peak / 1e12:.2f} TB/s" if peak
                                             else "")
@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-ahead-too", action="store_true",
+                   help="each batch also with run_ahead=False (each step's tokens read before the next is launched)")
     p.add_argument("--profile-gen", type=int, default=48)
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -160,6 +160,7 @@ class GenerateOptions(TypedDict, total=False):
     window_k: int
     cuda_graphs: bool
     graph_warmup: bool
+    run_ahead: bool | None
     adaptive_threads: bool
     kv_dtype: str
 
@@ -244,6 +245,8 @@ def generate(model: Model, prompts: Prompts, *, chat: bool = False, **options: U
     On CUDA the decode step is captured as a CUDA graph once per BMC capacity bucket (cuda_graphs=False: eager),
     and the graphs are kept for the model's later calls; graph_warmup=True captures every bucket the call's batch
     will pass through before its prompts run (no capture inside the timed decode).
+    There a greedy batch's next step is launched before the last step's tokens are read, so the host's work
+    between steps overlaps the GPU's (run_ahead=False: each step's tokens read before the next; the same tokens).
     On a CPU, decode steps run on fewer threads while other processes keep the cores busy (adaptive_threads=False:
     always torch's thread count); the tokens and logits are the same at any count.
     A tensor-parallel model (bmc.load(..., tp=N)) runs the same request on every rank."""

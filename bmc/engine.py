@@ -50,6 +50,8 @@ class GenerationConfig:
     spec_grow: bool = False  # grow the chunk for a tree that does not fit its free rows (default: trim the tree)
     cuda_graphs: bool = True  # on CUDA with bmc/upfront caches: capture the decode step once per capacity bucket
     graph_warmup: bool = False  # CUDA: capture every bucket's graph for the call's batch before its prompts run
+    run_ahead: bool | None = None  # greedy decode steps launched before the last one's tokens are read (None: on
+    # CUDA graphs; bmc/run_ahead.py)
     adaptive_threads: bool = True  # CPU: decode steps on fewer threads while other processes hold the cores
     share_prefix: str = "auto"  # "auto": one copy of each prompt's KV for its samples, and of a leading part common
     # to all prompts for the whole batch (shared-prefix attention); "off": every row keeps its own copy
@@ -113,6 +115,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    ahead_steps: int = 0  # of those, launched before the last step's tokens were read (run_ahead.py)
     decode_tokens: int = 0  # tokens produced by decode steps (the first token of each row comes from prefill)
     decode_bytes: int = 0  # weights + KV capacity read by the decode steps
     kv_strategy: str = ""

@@ -34,6 +34,8 @@ class EngineOptions:
     min_shared: int | None = None  # the fewest cached tokens a prompt reads in place or waits for (None: a block)
     keep_turns: bool = True  # keep finished turns (a prompt and its reply) for a next turn to read
     cuda_graphs: bool = True  # CUDA: the plain decode step captured once per capacity bucket and batch
+    run_ahead: bool | None = None  # greedy decode steps launched before the last step's tokens are read
+    # (run_ahead.py; None: where decode steps are CUDA graphs)
     adaptive_threads: bool = True  # CPU: decode steps take fewer threads while other processes keep the cores busy
 
     def __post_init__(self) -> None:
@@ -57,7 +59,7 @@ class EngineOptions:
         """The cache and attention settings a request of this engine runs with (its prompt cache is made by them)."""
         return GenerationConfig(kv=self.kv, r=self.r, T=self.T, kv_dtype=self.kv_dtype, attention=self.attention,
                                 attention_options=self.attention_options, speculative=self.speculative,
-                                tree=self.tree, cuda_graphs=self.cuda_graphs)
+                                tree=self.tree, cuda_graphs=self.cuda_graphs, run_ahead=self.run_ahead)
 
     def replace(self, **changes: object) -> "EngineOptions":
         """These options with some changed (an unknown name is refused by name)."""

@@ -57,6 +57,7 @@ def make_engine(model: Model, prompt_ids: list[list[int]], gen: GenerationConfig
         kv=gen.kv, r=gen.r, T=gen.T, kv_dtype=gen.kv_dtype, attention=gen.attention,
         attention_options=gen.attention_options, speculative=gen.speculative, tree=gen.tree, spec_max_tokens=None,
         spec_trim=not gen.spec_grow, prefix_cache_bytes=budget, cuda_graphs=gen.cuda_graphs, max_length=max_length,
+        run_ahead=gen.run_ahead,
         adaptive_threads=gen.adaptive_threads, prefix_block=1, min_shared=MIN_SHARED_PREFIX, keep_turns=False))
 
 
@@ -119,6 +120,7 @@ def generate_on_steps(model: Model, prompt_ids: list[list[int]], gen: Generation
 def finish_stats(stats: GenerationStats, model: Model, engine: Scheduler, rows: int) -> None:
     c = engine.counters
     stats.decode_steps = c.decode_steps
+    stats.ahead_steps = c.ahead_steps
     stats.decode_tokens = max(0, stats.generated_tokens - rows)  # each row's first token comes from its prefill
     stats.r, stats.T, stats.T_source = engine.cache_stats.r, engine.cache_stats.T, engine.cache_stats.T_source
     stats.kv_allocations = engine.cache.allocations

@@ -44,6 +44,7 @@ from .platform.threads import ThreadGovernor
 from .kv import KVCache
 from .models import Model
 from .prefix_cache import Node, PrefixCache, common_prefix
+from .run_ahead import Ahead, launch
 from .grammar import RowMatcher, apply_masks, check_grammar
 from .sampling import Sampler, SamplingError, SamplingParams, adjust_logits
 from .spec import DraftTree, Proposal, TreeSpec, greedy_accept, make_drafter
@@ -180,6 +181,7 @@ class SchedulerCounters:
     joins_in_place: int = 0  # requests that took a retired slot (one row copied)
     regroups: int = 0  # full copies of the batch cache (joins that did not fit, dropping slots, compaction)
     fused_steps: int = 0  # steps that ran the decode rows and prompt chunks in one native forward
+    ahead_steps: int = 0  # decode steps launched before the last step's tokens were read (run_ahead.py)
     relongs: int = 0  # rows whose KV was recomputed at longrope's switch
     draft_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
@@ -239,6 +241,11 @@ class Scheduler:
         self.segment_graphs = DecodeGraphs(model, self.decode_attention, persistent=False) if (
             self.graphs is not None and self.read_in_place) else None
         self.spec = served_speculation(model, o.speculative, o.tree, o.spec_trim)
+        # greedy decode steps launched before the last one's tokens are read (run_ahead.py): by default where the
+        # steps are CUDA graphs; never where a row's next step depends on the host beyond its token
+        self.run_ahead = (self.graphs is not None if o.run_ahead is None else o.run_ahead) and (
+            self.spec is None and self.cache.window is None and longrope_switch(model.config) is None)
+        self._ahead: Ahead | None = None  # the last step's tokens, not read yet
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         self.spec_max_tokens = o.spec_max_tokens
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
@@ -317,6 +324,7 @@ class Scheduler:
         """An unexpected error outside any one request: every request not done fails with it (each answered before
         any state is touched), the batch cache is emptied, and the scheduler takes new requests again."""
         self.fail_requests(error)
+        self._ahead = None
         self.waiting.clear()
         self.prefilling, self.joining, self.rows = [], [], []
         with torch.inference_mode():
@@ -348,6 +356,8 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> None:
         self._intake()
+        if self._ahead is not None and not self._runs_on(self._ahead.rows):
+            self._land_ahead()  # the step may change the batch: the last step's tokens are read first
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
@@ -363,6 +373,7 @@ class Scheduler:
         decode = self._decode_part() if self.live_rows and draft is None else None
         chunks = self._chunk_parts(self.max_num_batched_tokens - len(self.rows) * (
             1 + draft[0].num_nodes if draft is not None else 1))
+        ahead = decode is not None and not chunks and self._runs_on(self.rows)
         if draft is not None:  # the trees' own forward: verify logits of every node, not the last token's
             self._verify(*draft)
         verify_rows = len(self.rows) * (1 + draft[0].num_nodes) if draft is not None else 0
@@ -377,7 +388,7 @@ class Scheduler:
                 self.threads.end()
         held_in_forward = self.kv_bytes  # before finishing: a prompt that ends in its prefill frees its cache
         if decode is not None:
-            self._finish_decode(results.pop(0))
+            self._finish_decode(results.pop(0), decode, ahead)
         for (group, part), result in zip(chunks, results):
             if len(group) == 1:
                 self._finish_chunk(group[0], int(part.tokens.shape[1]), result, part.cache)
@@ -520,10 +531,14 @@ class Scheduler:
 
     def _decode_part(self) -> StepPart | None:
         """One token for every batch row: its column reserved in the batch cache (a retired slot computes a token
-        no one reads, at position 0, until a join fills it or a regroup drops it)."""
+        no one reads, at position 0, until a join fills it or a regroup drops it). After a step run ahead, the
+        tokens are its own, still on the device."""
         rows, dev = self.rows, self.model.device
-        tokens = torch.tensor([[r.token if r else 0] for r in rows], dtype=torch.long, device=dev)
-        pos = torch.tensor([[r.pos if r else 0] for r in rows], dtype=torch.long, device=dev)
+        if self._ahead is not None:
+            tokens, pos = self._ahead.tokens[:, None], self._ahead.positions[:, None]
+        else:
+            tokens = torch.tensor([[r.token if r else 0] for r in rows], dtype=torch.long, device=dev)
+            pos = torch.tensor([[r.pos if r else 0] for r in rows], dtype=torch.long, device=dev)
         try:
             self.cache.reserve(1, pos)
         except Exception as e:
@@ -708,14 +723,60 @@ class Scheduler:
                 self.spec.auto.forget(key)
         self._drafting &= keep
 
-    def _finish_decode(self, result: torch.Tensor | BaseException) -> None:
+    def _runs_on(self, rows: list[_Row | None]) -> bool:
+        """Whether this step may run ahead (or keep running ahead) over `rows`: a step of decode rows alone over the
+        same batch (nothing waiting, joining or leaving, no regroup due), every row greedy with nothing read from
+        its logits on the host."""
+        if not self.run_ahead or self.waiting or self._inbox or self.prefilling or self.joining:
+            return False
+        if len(rows) != len(self.rows) or any(a is not b for a, b in zip(rows, self.rows)):
+            return False
+        live = [r for r in rows if r is not None]
+        if not live or len(live) <= len(rows) // 2:  # no rows, or the idle slots' regroup is due (_leave_and_join)
+            return False
+        for r in live:
+            req, params = r.request, r.request.sampler.params
+            if (r.finish is not None or req.done or req.cancelled or not params.greedy or params.adjusts_logits
+                    or req.gen.grammar is not None or req.logprobs is not None):
+                return False
+        return True
+
+    def _land_ahead(self) -> None:
+        """The last step's tokens read and emitted, as that step would have emitted them (rows that have finished
+        since drop theirs: their step was computed for nothing)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        picked, vocab = ahead.read(), ahead.vocab
+        for row, tid in zip(ahead.rows, picked):
+            if row is None or row.finish is not None or row.request.done:
+                continue
+            if not 0 <= tid < vocab:
+                self._fail(row.request, SamplingError(f"the step produced token id {tid}, outside [0, {vocab})"))
+                continue
+            self._emit(row, tid, False, None)
+
+    def _finish_decode(self, result: torch.Tensor | BaseException, part: StepPart | None = None,
+                       ahead: bool = False) -> None:
         if isinstance(result, BaseException):  # a failed batch step fails the requests in it, not the server
+            self._land_ahead()  # the step before it did produce its tokens
             self._fail_batch(result)
             return
+        if ahead:  # this step's tokens stay on the device for the next step; the last step's are read meanwhile
+            assert part is not None
+            launched = launch(result, self.rows, part.positions[:, 0], int(result.shape[-1]),
+                              self._ahead.live if self._ahead is not None else None)
+            self._land_ahead()  # before the commit: a finished turn is kept from the columns before this step's
+            self.cache.commit(1)
+            self.counters.decode_steps += 1
+            self.counters.ahead_steps += 1
+            self._ahead = launched
+            return
+        self._land_ahead()  # (a step run ahead whose next could not: a request cancelled meanwhile)
         self.cache.commit(1)
         self.counters.decode_steps += 1
         rows = self.rows
-        live = [i for i, r in enumerate(rows) if r is not None]
+        live = [i for i, r in enumerate(rows) if r is not None and r.finish is None]
         logits = result if len(live) == len(rows) else result.index_select(0, torch.tensor(live, device=result.device))
         self._sample_and_emit(logits, [rows[i] for i in live])
 

@@ -221,6 +221,41 @@ def test_cuda_served_graphs_and_cached_prefixes_equal_generate_alone(tiny_dirs, 
         assert sched.counters.cached_prompt_tokens > 0
 
 
+def test_cuda_steps_run_ahead_by_default_and_give_the_tokens_of_steps_read_one_by_one(tiny_dirs):
+    """Over CUDA graphs a greedy batch's next step is launched before the last step's tokens are read
+    (bmc/run_ahead.py): staggered requests, a greedy pair of samples, EOS honoured and a stop string give what
+    generate() gives each alone with run_ahead off, and the steps did run ahead through graph replays."""
+    from bmc.engine import GenerationConfig
+    from bmc.scheduler import Request, Scheduler
+
+    gpu = bmc.load(str(tiny_dirs["llama-gqa"]), device="cuda")
+    sched = Scheduler(gpu, max_num_seqs=4, max_num_batched_tokens=64, T=2)
+    assert sched.run_ahead
+    ref = bmc.generate(gpu, [PROMPTS[0]], max_new_tokens=24, ignore_eos=True, run_ahead=False)[0]
+    stop = ref.text[3:6] if ref.text and len(ref.text) > 8 else None
+    gens = [GenerationConfig(max_new_tokens=24, ignore_eos=True), GenerationConfig(max_new_tokens=17, num_samples=2,
+            ignore_eos=True), GenerationConfig(max_new_tokens=30), GenerationConfig(max_new_tokens=20,
+            stop=(stop,) if stop else ())]
+    got: dict[tuple[int, int], list[int]] = {}
+    reqs = [Request(p, g, lambda o, i=i: got.setdefault((i, o.sample_index), []).append(o.token_id), device="cuda")
+            for i, (p, g) in enumerate(zip([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]], gens))]
+    arrivals = {0: reqs[:2], 9: reqs[2:3], 15: reqs[3:]}
+    for step in range(400):
+        for req in arrivals.get(step, []):
+            sched.add(req)
+        sched.step()
+        sched.cache.check_integrity()
+        if step >= max(arrivals) and not sched.has_work():
+            break
+    for i, (p, g) in enumerate(zip([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]], gens)):
+        want = bmc.generate(gpu, [p], max_new_tokens=g.max_new_tokens, ignore_eos=g.ignore_eos, stop=list(g.stop),
+                            num_samples=g.num_samples, run_ahead=False)
+        for w in want:
+            assert got[i, w.sample_index] == w.token_ids, (i, w.sample_index)
+    assert sched.counters.ahead_steps > 10 and sched.graphs is not None and sched.graphs.replays > 10
+    assert sched.cache.batch_size == 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_cuda_segment_steps_are_graphed_and_equal_generate_alone(tiny_dirs, kv_dtype):
     """Rows that read a cached system prompt in place (shared segments) decode on a graph of their own once the same
