@@ -139,6 +139,52 @@ def test_integer_int8_attention_is_within_its_stated_bound(hd, h, kvh, B, t, cap
     assert (widened - exact).abs().max() < 0.25 * err.max()  # float32 arithmetic over the widened rows
 
 
+@pytest.mark.parametrize("hd", [64, 128])
+def test_integer_int8_attention_bound_holds_for_channel_scaled_keys(hd):
+    """With key channel scales (bmc/kv/smoothing.py) the integer attention runs on q * s and the rows of k / s: its
+    stated bound holds in those operands (the same formula, over the scaled query and the scaled rows), and the
+    scores are those of q against s times the rows (powers of two). The scaling trades: outlier channels move from
+    the keys into the queries, so the integer part's error grows (max|q s| sum|k / s| is larger: measured 3-4.5x)
+    while what int8 storage moves falls more (1.6-6x), and the whole error falls."""
+    from .test_native import reference_attention
+
+    h, kvh, B, t, cap = 9, 3, 2, 1, 150
+    dec = int8_dots_decoder(h, kvh, hd)
+    fmt, c = KV_FORMATS["int8"], hd**-0.5
+    g = torch.Generator().manual_seed(hd)
+    q = torch.randn(B, t, h * hd, generator=g) * 3
+    k = torch.randn(1, 1, B, kvh, cap, hd, generator=g)
+    for j in (3, 17):  # two outlier channels, and their RoPE partners
+        k[..., j] *= 40
+        k[..., j + hd // 2] *= 40
+    v = torch.randn(1, 1, B, kvh, cap, hd, generator=g)
+    top = k.abs().amax((0, 1, 2, 4))  # [kvh, hd], as measure_key_scales takes it
+    pair = torch.maximum(top[:, : hd // 2], top[:, hd // 2:])
+    top = torch.cat([pair, pair], -1)
+    s = torch.exp2(torch.ceil(torch.log2(torch.maximum(top, top.amax(-1, keepdim=True) * 2.0**-8))))
+    bias = torch.zeros(B, 1, t, cap)
+    unrounded = reference_attention(q, torch.cat([k, v], 1), bias, [], c)
+    errors = {}
+    for scaled in (False, True):
+        kq = (q.view(B, t, kvh, h // kvh, hd) * s[:, None]).reshape(B, t, h * hd) if scaled else q
+        stored = fmt.encode(torch.cat([k / s[:, None] if scaled else k, v], 1))
+        rows = fmt.decode(stored, torch.float32)
+        got = dec.attention_step(kq, stored, 0, bias, [], [], [])
+        exact = reference_attention(kq, rows, bias, [], c)
+        if scaled:  # the kernel's exact answer is q against s times its rows, bit for bit
+            rescaled = torch.cat([rows[:, :1] * s[:, None], rows[:, 1:]], 1)
+            assert torch.equal(exact, reference_attention(q, rescaled, bias, [], c))
+        eps = c * kq.view(B, t, h, hd).abs().amax() / 32639 / 2 * rows[0, 0].abs().sum(-1).amax()
+        v_max = rows[0, 1].abs().max()
+        bound = (torch.exp(2 * eps) - 1) * v_max + cap * v_max / 131070
+        err = (got - exact).abs().max()
+        assert 0 < err <= bound, (scaled, float(err), float(bound))
+        errors[scaled] = (float(err), float((exact - unrounded).abs().max()), float((got - unrounded).abs().max()))
+    (int_plain, store_plain, whole_plain), (int_scaled, store_scaled, whole_scaled) = errors[False], errors[True]
+    assert int_scaled > int_plain and store_scaled < store_plain and whole_scaled < 0.7 * whole_plain
+    assert int_scaled <= 0.05 * store_scaled  # still a small part of what int8 storage moves (measured <= 1.8 %)
+
+
 def test_int8_kv_dots_follow_the_environment(gqa_dir, monkeypatch):
     """BMC_INT8_KV_DOTS=0 (the A/B switch) builds decoders that widen int8 rows instead; by default they attend in
     integers where the CPU can."""
