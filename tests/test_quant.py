@@ -660,3 +660,68 @@ def test_weight_bytes_are_what_a_step_reads(tiny_dirs):
                    if isinstance(t, torch.Tensor) and name not in ("embed", "embed_q", "pos_embed"))
         assert model.weight_bytes == layers + head.numel() * head.element_size() + rest
     assert untied.net.embed is not None  # a float table of its own, which the sum above leaves out
+
+
+@pytest.fixture(scope="module")
+def q4_heads(tmp_path_factory) -> dict[int, str]:
+    """Tiny GQA Llamas (3 query heads over one KV head) of head_dim 64 and 128 whose every matrix is whole blocks
+    of 32 (so quant="q4_0" takes them all)."""
+    from .conftest import save_tiny
+
+    out = {}
+    for hd in (64, 128):
+        torch.manual_seed(hd)
+        cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=3, num_key_value_heads=1, head_dim=hd,
+                                       max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                       tie_word_embeddings=True)
+        out[hd] = str(save_tiny(tmp_path_factory.mktemp(f"q4-hd{hd}"), transformers.LlamaForCausalLM(cfg).eval(), 320))
+    return out
+
+
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("model_of", ["gguf-hd16", "hf-hd64", "hf-hd128"])
+def test_int8_activation_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads, model_of, kv_dtype):
+    """With int8 activations a verify step's rows are the bits of the same tokens decoded one at a time (float or
+    int8 KV), so speculation gives plain decoding's tokens. A step's attention scores a verify tree's rows by the
+    decode rows' dot products, whatever their count (a prompt's 8 or more rows a KV head: one matrix product,
+    which sums in another order and once moved an int8 activation across a rounding step: 0.65 in a logit). The
+    cache grows in whole 16-key score blocks, as the scheduler's do (see the cache-growth test above)."""
+    import copy
+
+    from bmc.attention import dense_attention
+    from bmc.engine import GenerationConfig, GenerationStats, make_cache
+
+    if model_of == "gguf-hd16":
+        path = str(tmp_path / "q4.gguf")
+        _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0, tied=True)
+        model = bmc.load(path, activations="int8")
+    else:
+        model = bmc.load(q4_heads[int(model_of[5:])], quant="q4_0", activations="int8")
+    g, vocab = torch.Generator().manual_seed(3), model.config.vocab_size
+    prompt = torch.randint(3, vocab, (21,), generator=g).tolist()
+    chain = torch.randint(3, vocab, (6,), generator=g).tolist()  # 6 rows a query head: 12-18 a KV head
+    with torch.inference_mode():
+        cache = make_cache(model, GenerationConfig(kv="bmc", r=16, kv_dtype=kv_dtype), 1, 48, [0], GenerationStats())
+        cache.reserve(len(prompt))
+        model.net(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, dense_attention,
+                  cache.attention_bias(len(prompt)), prompt_len=torch.tensor([len(prompt)]))
+        cache.commit(len(prompt))
+        tree = copy.deepcopy(cache)
+        decoded = []
+        for i, tok in enumerate(chain):
+            cache.reserve(1)
+            decoded.append(model.net(torch.tensor([[tok]]), torch.tensor([[len(prompt) + i]]), cache,
+                                     dense_attention, cache.attention_bias(1))[0, -1])
+            cache.commit(1)
+        tree.reserve(len(chain))
+        verified = model.net(torch.tensor([chain]), torch.arange(len(prompt), len(prompt) + len(chain))[None], tree,
+                             dense_attention, tree.attention_bias(len(chain)), all_logits=True)[0]
+    assert model.net.lm_head.quant in ("q4_0", "q8_0")  # the LM head's GEMM in int8 activations too
+    assert torch.equal(verified, torch.stack(decoded))
+    text = [5, 6, 7, 8, 9, 10] * 4
+    plain = bmc.generate(model, [text], max_new_tokens=24, ignore_eos=True, kv_dtype=kv_dtype)
+    spec = bmc.generate(model, [text], max_new_tokens=24, ignore_eos=True, kv_dtype=kv_dtype, speculative="ngram",
+                        tree="chain:4")
+    assert spec[0].token_ids == plain[0].token_ids

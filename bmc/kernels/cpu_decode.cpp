@@ -398,7 +398,7 @@ class NativeDecoder {
         clock.lap(0);
         const torch::Tensor& bias = part.bias_of(L);
         attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B, part.t,
-                  part.segs, ap + row * h_ * hd_);
+                  part.segs, ap + row * h_ * hd_, part.prompt);
         clock.lap(1);
         row += rows;
       }
@@ -641,5 +641,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_int8_kv_dots", &Attention::set_int8_kv_dots)
       .def("set_split_threads", &Attention::set_split_threads)
       .def("int8_kv_dots", &Attention::int8_kv_dots)
-      .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           py::arg("q"), py::arg("kv"), py::arg("layer"), py::arg("bias"), py::arg("seg_kv"), py::arg("seg_bias"),
+           py::arg("seg_group"), py::arg("prompt") = true);
 }

@@ -39,10 +39,11 @@ class Attention {
 
   // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate, the benchmarks and
   // the tests call it): q [B, t, H*d] with RoPE applied, kv [L, 2, B, H_kv, cap, d] already holding the step's keys, bias
-  // [B, 1, 1 or t, cap], segments as in forward(). Returns [B, t, H*d].
+  // [B, 1, 1 or t, cap], segments as in forward(); prompt: the rows are a prompt's (see attention()). Returns
+  // [B, t, H*d].
   torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
                                std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
-                               std::vector<torch::Tensor> seg_group) const {
+                               std::vector<torch::Tensor> seg_group, bool prompt) const {
     TORCH_CHECK(q.scalar_type() == torch::kFloat, "q: float32");
     TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
     const int64_t slab = slab_rows(kv, "kv");
@@ -58,7 +59,7 @@ class Attention {
     const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
     const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
     attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
-              bias.size(2), B, t, segs, out.data_ptr<float>());
+              bias.size(2), B, t, segs, out.data_ptr<float>(), prompt);
     return out;
   }
 
@@ -98,9 +99,13 @@ class Attention {
   //  2. the row's own cache over its whole capacity with the additive bias (padding rows cost compute, as in the
   //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
   // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
+  // prompt: the rows are a prompt's, whose scores of 8 or more rows a KV head are one matrix product. Other rows
+  // (decode, a verify tree) score each row by dot products, whatever their count, so that a verify step's row is
+  // the bits of the same token decoded alone (the two sum in other orders), and speculation gives plain decoding's
+  // tokens in every arithmetic.
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
                  int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
-                 const std::vector<Segment>& segs, float* out) const {
+                 const std::vector<Segment>& segs, float* out, bool prompt) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -217,16 +222,16 @@ class Attention {
               widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                          ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
-              attend_keys(rows, Rb, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
+              attend_keys(rows, Rb, prompt, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
                           v_at, lay.row_bytes);
               continue;
             }
             widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                        next >= 0 ? kc + next * lay.row_bytes : nullptr);
             widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
-            attend_keys(rows, Rb, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+            attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
           } else {
-            attend_keys(rows, Rb, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
+            attend_keys(rows, Rb, prompt, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
                         next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
           }
         }
@@ -356,7 +361,7 @@ class Attention {
                            more ? std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS) : 0);
           } else {
             for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
-            attend_keys(rows, R, K, V, nc, scale, p.data(), SEG_KEYS, true);
+            attend_keys(rows, R, true, K, V, nc, scale, p.data(), SEG_KEYS, true);
           }
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -470,10 +475,11 @@ class Attention {
   // Merges keys [0, n) (K/V rows of hd floats; rows.bias[r][j] added to query r's score of key j) into the running
   // state of R query rows. Without `prior` the state is empty and the output rows are not read.
   // With `vq` (int8 rows row_bytes apart, weighs_int8), the values are read from there instead of V.
-  void attend_keys(Rows& rows, int64_t R, const float* K, const float* V, int64_t n, float scale, float* p,
-                   int64_t ldp, bool prior, const float* K_next = nullptr, const float* V_next = nullptr,
+  // matrix: 8 or more rows may score as one matrix product (else each row by dot products: see attention()).
+  void attend_keys(Rows& rows, int64_t R, bool matrix, const float* K, const float* V, int64_t n, float scale,
+                   float* p, int64_t ldp, bool prior, const float* K_next = nullptr, const float* V_next = nullptr,
                    const uint8_t* vq = nullptr, int64_t row_bytes = 0) const {
-    const bool wide = R >= WIDE_ROWS && hd_ % P == 0;
+    const bool wide = matrix && R >= WIDE_ROWS && hd_ % P == 0;
     if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
