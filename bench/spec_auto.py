@@ -7,7 +7,7 @@ drafts per verify step. Times are whole generate() calls (prefill included, as a
 format's first auto call measures the model's step cost by rows (stored, so not in the timed runs: a warm-up call
 runs first).
 
-    python bench/spec_auto.py [--formats stored,q8_0,q4_0,none] [--batches 1,8] [--repeats 3]
+    python bench/spec_auto.py [--formats stored,q8_0,q4_0,none] [--batches 1,8] [--repeats 3] [--activations float,int8]
 Writes bench/results/cpu/spec-auto.json and .png.
 """
 from __future__ import annotations
@@ -55,13 +55,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--activations", default="float", help="float (exact) and/or int8 (VNNI, Q4/Q8 matrices): the "
+                    "arithmetic of plain and speculative alike, e.g. float,int8")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     trees = args.trees.split(",")
     results = []
-    for fmt in args.formats.split(","):
-        model = bmc.load(quant="auto" if fmt == "stored" else fmt, share_weights=True)
+    for fmt, act in [(f, a) for f in args.formats.split(",") for a in args.activations.split(",")]:
+        model = bmc.load(quant="auto" if fmt == "stored" else fmt, share_weights=True, activations=act)
         for batch in (int(b) for b in args.batches.split(",")):
             for task, base_prompts in TASKS.items():
                 prompts = (base_prompts * batch)[:batch]
@@ -72,14 +74,15 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for t in times:
                         s, got, per_step = run(model, prompts, None if t == "plain" else t, args.tokens)
-                        assert got == want, (fmt, batch, task, t)  # exactness first
+                        assert got == want, (fmt, act, batch, task, t)  # exactness first
                         times[t].append(s)
                         if t != "plain":
                             accepted[t].append(per_step)
                 plain = statistics.median(times["plain"])
                 for t, v in times.items():
                     ratios = [p / x for p, x in zip(times["plain"], v)]  # same-round pairs
-                    row = {"format": FORMAT_NAMES.get(fmt, fmt), "quant": fmt, "batch": batch, "task": task,
+                    row = {"format": FORMAT_NAMES.get(fmt, fmt) + ("" if act == "float" else f" {act}"),
+                           "quant": fmt, "activations": act, "batch": batch, "task": task,
                            "tree": t, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
                            "vs_plain": plain / statistics.median(v), "vs_plain_pairs": ratios,
                            "tokens_per_s": batch * args.tokens / statistics.median(v),
@@ -93,7 +96,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
-            "tokens": args.tokens, "repeats": args.repeats, "dtype": "float32 activations", "drafter": "ngram",
+            "tokens": args.tokens, "repeats": args.repeats, "activations": args.activations, "drafter": "ngram",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     (out / "spec-auto.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, trees, out / "spec-auto.png")
