@@ -318,3 +318,19 @@ def test_real_model_speculative_identical_and_accepting(real_model):
     for tree in ("chain:6", "dynamic:4x6"):
         spec_b = bmc.generate(real_model, batch, max_new_tokens=32, chat=True, speculative="ngram", tree=tree)
         assert [c.token_ids for c in spec_b] == [c.token_ids for c in plain_b], tree
+
+
+def test_auto_rates_follow_every_count_they_are_kept_across():
+    """rates() is kept between the counts' changes (AutoTree.nodes asks for it every step): a record() and an
+    observe() are seen at once, the same numbers as computed afresh."""
+    from bmc.spec.auto import COLD, HOT, AutoTree, RowCosts
+
+    auto = AutoTree(RowCosts((1, 2, 4), (1.0, 1.2, 1.6)))
+    fresh = lambda state, n: AutoTree.rates(AutoTree(auto.costs, auto.seen, auto.accepted), state, n)  # noqa: E731
+    before = list(auto.rates(COLD, 4)), list(auto.rates(HOT, 4))
+    auto.guessed(7, 11)
+    auto.observe(7, 11)  # a right guess: cold node 0 up
+    assert auto.rates(COLD, 4) == fresh(COLD, 4) and auto.rates(COLD, 4)[0] > before[0][0]
+    auto.record([(7, [0, 1, 2])], 4)  # row 7 accepted nodes 0 and 1
+    assert auto.rates(HOT, 4) == fresh(HOT, 4) and auto.rates(COLD, 4) == fresh(COLD, 4)
+    assert auto.rates(COLD, 4) != before[0]
