@@ -1,7 +1,7 @@
 """Decode steps run one ahead of their tokens (bmc/run_ahead.py; on by default over CUDA graphs, forced on here on
 the CPU, where the same scheduler code runs): every request gives the tokens, text and finish reasons of
-generate() alone, through joins, leaves, stop strings, EOS, cancels at every step, sampled and penalised rows
-beside greedy ones (which stop the running ahead), and kept conversation turns."""
+generate() alone, through stop strings, EOS, cancels at every step, sampled and penalised rows beside greedy ones
+(which stop the running ahead), and kept conversation turns (staggered joins and leaves: test_scheduler.py)."""
 from __future__ import annotations
 
 import random
@@ -16,24 +16,6 @@ from bmc.engine import GenerationConfig
 
 from .conftest import transformers  # noqa: F401
 from .test_scheduler import PROMPTS, Collector, alone, assert_idle, drive, request
-
-
-@pytest.mark.parametrize("kv", ["bmc", "upfront"])
-def test_staggered_requests_run_ahead_equal_generate_alone(gqa_dir, kv):
-    model = bmc.load(str(gqa_dir))
-    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=64, kv=kv, r=4 if kv == "bmc" else None,
-                      run_ahead=True)
-    assert sched.run_ahead
-    lengths = [14, 6, 9, 11, 3]
-    reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
-    arrivals = {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]}
-    drive(sched, arrivals, collectors=[c for _, c in reqs])
-    for (req, col), p, n in zip(reqs, PROMPTS, lengths):
-        assert col.error is None
-        assert col.tokens == {0: alone(model, p, n)}, (kv, p)
-        assert col.finish == {0: "length"}
-    assert sched.counters.ahead_steps >= 5  # the steps between the arrivals ran ahead
-    assert_idle(sched)
 
 
 def test_greedy_samples_stop_strings_and_eos_run_ahead_as_generate_gives_them(gqa_dir):

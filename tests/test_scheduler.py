@@ -82,9 +82,13 @@ def assert_idle(sched: Scheduler) -> None:
 
 @pytest.mark.parametrize("budget", [64, 6], ids=["whole-prompts", "chunked-prefill"])
 @pytest.mark.parametrize("kv", ["bmc", "upfront", "iterative"])
-def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["", "run-ahead"])
+def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget, run_ahead):
+    """run_ahead: the decode steps launched before the last one's tokens are read (bmc/run_ahead.py, on by
+    default over CUDA graphs), forced on here."""
     model = bmc.load(str(gqa_dir))
-    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=budget, kv=kv, r=4 if kv == "bmc" else None)
+    sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=budget, kv=kv, r=4 if kv == "bmc" else None,
+                      run_ahead=run_ahead)
     lengths = [14, 6, 9, 11, 3]
     reqs = [request(p, n) for p, n in zip(PROMPTS, lengths)]
     arrivals = {0: [reqs[0][0]], 2: [reqs[1][0], reqs[2][0]], 5: [reqs[3][0]], 9: [reqs[4][0]]}
@@ -98,6 +102,7 @@ def test_staggered_requests_equal_generate_alone(gqa_dir, kv, budget):
     assert sched.counters.joins_in_place >= 1  # a request took a finished one's slot without moving the batch
     if model.net.native_decoder() is not None:  # decode rows and prompt chunks ran in one native forward
         assert sched.counters.fused_steps >= 1
+    assert (sched.counters.ahead_steps > 0) == run_ahead  # steps between the arrivals and chunks ran ahead
 
 
 @pytest.mark.parametrize("kv", ["bmc", "upfront"])
