@@ -53,6 +53,6 @@ def launch(logits: torch.Tensor, rows: list[Any], positions: torch.Tensor, vocab
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
         host.copy_(picked, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(logits.device))
         picked = host
     return Ahead(list(rows), vocab, tokens, positions + live, live, picked, ready)

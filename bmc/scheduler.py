@@ -291,7 +291,8 @@ class Scheduler:
         self.wakeup.set()
 
     def abort(self, request: Request) -> None:
-        """Cancel a request: its rows and KV are freed at the next step boundary; it emits nothing more."""
+        """Cancel a request: its rows and KV are freed at the next step boundary, after which it emits nothing (a
+        token of the step in flight, or of a step run ahead and not read yet, may still come before)."""
         request.cancelled = True
         self.wakeup.set()
 
@@ -356,9 +357,9 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> None:
         self._intake()
+        t0 = time.perf_counter()
         if self._ahead is not None and not self._runs_on(self._ahead.rows):
             self._land_ahead()  # the step may change the batch: the last step's tokens are read first
-        t0 = time.perf_counter()
         self._drop_cancelled()
         self._leave_and_join()
         if self._segments_key is not None and not any(r.request.prefix_node for r in self.live_rows):
@@ -422,6 +423,8 @@ class Scheduler:
         for p, rows in [j for j in self.joining if j[0].request.cancelled]:
             self.joining.remove((p, rows))
             self._finish_request(p.request, "abort")
+        if any(row.request.cancelled and not row.request.done for row in self.live_rows):
+            self._land_ahead()  # a cancel that came after the step's start: the last step's tokens first
         for row in self.live_rows:
             if row.request.cancelled and not row.request.done:
                 self._release(row.request)
@@ -534,6 +537,8 @@ class Scheduler:
         no one reads, at position 0, until a join fills it or a regroup drops it). After a step run ahead, the
         tokens are its own, still on the device."""
         rows, dev = self.rows, self.model.device
+        if self._ahead is not None and not self._runs_on(self._ahead.rows):
+            self._land_ahead()  # (the batch changed since the step's start: its rows' tokens come from the host)
         if self._ahead is not None:
             tokens, pos = self._ahead.tokens[:, None], self._ahead.positions[:, None]
         else:
@@ -542,6 +547,7 @@ class Scheduler:
         try:
             self.cache.reserve(1, pos)
         except Exception as e:
+            self._land_ahead()  # the step before did produce its tokens
             self._fail_batch(e)
             return None
         return StepPart(tokens, pos, self.cache, self.cache.bias, self._batch_attention())
@@ -727,7 +733,10 @@ class Scheduler:
         """Whether this step may run ahead (or keep running ahead) over `rows`: a step of decode rows alone over the
         same batch (nothing waiting, joining or leaving, no regroup due), every row greedy with nothing read from
         its logits on the host."""
-        if not self.run_ahead or self.waiting or self._inbox or self.prefilling or self.joining:
+        # (the inbox is not this step's: a request added meanwhile is taken in at the next step's intake, which lands
+        # first, and a tensor-parallel follower's inbox is empty whatever rank 0's holds; waiting requests count only
+        # where a seat is free for them)
+        if not self.run_ahead or (self.waiting and self.free_seats > 0) or self.prefilling or self.joining:
             return False
         if len(rows) != len(self.rows) or any(a is not b for a, b in zip(rows, self.rows)):
             return False

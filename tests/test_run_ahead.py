@@ -97,3 +97,37 @@ def test_a_conversation_kept_turn_by_turn_while_running_ahead(gqa_dir):
             assert req.cached_tokens == (len(history) - 9 - 1) // BLOCK * BLOCK, turn
         history += col.tokens[0]
     assert sched.counters.ahead_steps > 0
+
+
+def test_a_request_added_mid_step_changes_nothing_until_the_next_intake(gqa_dir):
+    """Whether a step runs ahead depends on the step's own state, not on requests other threads add while it runs
+    (they join at the next intake): a request added in the middle of a step leaves every step's emissions as when
+    it is added just after that step. Tensor-parallel followers take requests only at intake, so rank 0 deciding
+    otherwise would make the ranks emit in other steps and stop the engine (parallel/serve.py's digests)."""
+    model = bmc.load(str(gqa_dir))
+    runs = []
+    for mid_step in (False, True):
+        sched = Scheduler(model, max_num_seqs=3, max_num_batched_tokens=32, run_ahead=True)
+        (a, ca), (b, cb) = request(PROMPTS[0], 16), request(PROMPTS[1], 6)
+        sched.add(a)
+        steps: list[list[int]] = []
+        chunk_parts = sched._chunk_parts
+
+        def arriving(budget, step=[0]):  # noqa: B006 (the step counter)
+            if mid_step and step[0] == 5:
+                sched.add(b)  # after this step's intake, before its decision to run ahead
+            step[0] += 1
+            return chunk_parts(budget)
+
+        sched._chunk_parts = arriving
+        for i in range(60):
+            if not mid_step and i == 6:
+                sched.add(b)
+            before = (len(ca.tokens.get(0, [])), len(cb.tokens.get(0, [])))
+            sched.step()
+            steps.append([len(ca.tokens.get(0, [])) - before[0], len(cb.tokens.get(0, [])) - before[1]])
+            if i > 6 and not sched.has_work():
+                break
+        assert ca.tokens == {0: alone(model, PROMPTS[0], 16)} and cb.tokens == {0: alone(model, PROMPTS[1], 6)}
+        runs.append(steps)
+    assert runs[0] == runs[1]

@@ -23,7 +23,7 @@ def layer_attention(cache: KVCache, heads: int, max_t: int = 1) -> Attend:
         qn = torch.randn(batch, max_t, heads * d, dtype=cache.dtype)
 
         def native(t: int) -> None:  # reads cache.kv / bias at call time: the cache reallocates as it grows
-            dec.attention_step(qn[:, :t], cache.kv, 0, cache.attention_bias(t), [], [], [], prompt=False)
+            dec.attention_step(qn[:, :t], cache.kv, 0, cache.attention_bias(t), [], [], [])
         return native
     q = torch.randn(batch, heads, max_t, d, dtype=cache.dtype, device=cache.device)
 

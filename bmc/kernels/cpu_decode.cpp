@@ -643,5 +643,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("int8_kv_dots", &Attention::int8_kv_dots)
       .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
            py::arg("q"), py::arg("kv"), py::arg("layer"), py::arg("bias"), py::arg("seg_kv"), py::arg("seg_bias"),
-           py::arg("seg_group"), py::arg("prompt") = true);
+           py::arg("seg_group"), py::arg("prompt") = false);
 }

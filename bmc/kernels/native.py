@@ -95,7 +95,7 @@ def with_env_settings(dec: Any) -> Any:
 
 def native_attention(heads: int, kv_heads: int, head_dim: int) -> Any:
     """The native step's attention alone (cpu/attention.h): `attention_step(q, kv, layer, bias, seg_kv, seg_bias,
-    seg_group, prompt=True)` runs the kernel a prompt chunk (prompt=False: a decode or verify step) runs, without a
+    seg_group, prompt=False)` runs the kernel a decode or verify step (prompt=True: a prompt chunk) runs, without a
     decoder (bmc-calibrate, the benchmarks and the tests call it); None when the native kernel is unavailable."""
     mod = native_module()
     if mod is None:

@@ -82,7 +82,8 @@ class AutoTree:
     timed_steps: list[int] = field(default_factory=lambda: [0, 0])
     draft_cost: float = 0.0  # seconds a verify step's drafter takes (drafted)
     draft_steps: int = 0
-    _rates: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # rates() until the next record()
+    _rates: dict[tuple[int, int], list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (rates() as computed, until the counts change)
 
     def rates(self, state: int, n: int) -> list[float]:
         """The acceptance estimates of nodes 0..n-1: node 0 Laplace's (accepted + 1) / (rows + 2); node i with its

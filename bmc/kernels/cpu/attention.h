@@ -39,8 +39,8 @@ class Attention {
 
   // One layer's attention alone, the kernel a decode or verify step runs (bmc-calibrate, the benchmarks and
   // the tests call it): q [B, t, H*d] with RoPE applied, kv [L, 2, B, H_kv, cap, d] already holding the step's keys, bias
-  // [B, 1, 1 or t, cap], segments as in forward(); prompt: the rows are a prompt's (see attention()). Returns
-  // [B, t, H*d].
+  // [B, 1, 1 or t, cap], segments as in forward(); prompt: the rows are a prompt chunk's (see attention(); the
+  // binding's default is a decode or verify step's). Returns [B, t, H*d].
   torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
                                std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
                                std::vector<torch::Tensor> seg_group, bool prompt) const {
@@ -126,7 +126,8 @@ class Attention {
     // masked once each row has seen a key: those add exactly nothing (see skip below).
     const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
-    const int64_t spans = split_spans(pairs * qblocks, chunks, threads);
+    // (a verify tree of more than QUERY_BLOCK rows splits as its decode rows do: the same spans, the same sums)
+    const int64_t spans = split_spans(prompt ? pairs * qblocks : pairs, chunks, threads);
     const int64_t span_chunks = (chunks + spans - 1) / spans;
     std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
     if (spans > 1) {
