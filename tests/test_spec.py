@@ -235,6 +235,15 @@ def test_auto_rows_turn_hot_and_cold_from_what_their_drafts_got():
         auto.guessed(7, 42)
         auto.observe(7, 42)
     assert auto.state[7] == HOT and auto.accepted[COLD][0] == 4
+    # a hot row decoding plainly (its hot rate low from failed verifies) is guessed for too: a right guess counts
+    # for the hot state's node 0 (so its rate can recover and the row draft again), a wrong one turns it cold
+    hot_seen, hot_acc = auto.seen[HOT][0], auto.accepted[HOT][0]
+    auto.guessed(7, 42)
+    auto.observe(7, 42)
+    assert auto.state[7] == HOT and (auto.seen[HOT][0], auto.accepted[HOT][0]) == (hot_seen + 1, hot_acc + 1)
+    auto.guessed(7, 42)
+    auto.observe(7, 43)
+    assert auto.state[7] == COLD and auto.seen[HOT][0] == hot_seen + 2 and auto.seen[COLD][0] == 5
     auto.forget(7)
     assert 7 not in auto.state
 
