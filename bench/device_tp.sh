@@ -5,6 +5,7 @@
 #   bash bench/device_tp.sh 70b       # bench/gpu_tp.py, Llama-2-70B shape, tp=4 (or 2 on H200s), batch 1 and 32
 #   bash bench/device_tp.sh suite     # the GPU tests: tests/test_gpu.py, test_graph_arena.py, test_tp.py -m gpu
 #   bash bench/device_tp.sh ahead     # the GPU test of steps run ahead (tests/test_gpu.py -k run_ahead)
+#   bash bench/device_tp.sh determinism  # bench/gpu_determinism.py: bf16 batch-32 decode run to run, per mode
 # 7b and 70b run each batch with run_ahead on and off (--no-ahead-too).
 # Stages in the order given; each bounded by its own timeout, a failed one does not stop the next. Logs and JSON
 # under $OUT. NVLink multicast stays off (the hosts require it).
@@ -38,6 +39,8 @@ for stage in "$@"; do
              tests/test_graph_arena.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -8
            timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_tp.py 2>&1 \
              | tee "$OUT/tp-tests.log" | tail -8 ;;
+    determinism) timeout ${T_DET:-400} python3 bench/gpu_determinism.py --out "$OUT" 2>&1 | grep -v Warning \
+                   | tee "$OUT/determinism.log" ;;
   esac
   echo "== stage $stage: $(( $(date +%s) - t0 )) s"
 done

@@ -54,6 +54,25 @@ def test_cuda_causal_prefill_attention_equals_masked(dtype, heads, kv_heads):
     torch.testing.assert_close(causal_attention(q, k, v, bias, d**-0.5), want, **tol)
 
 
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_cuda_attention_gives_the_same_bits_every_call(t):
+    """A bf16 decode step's attention at batch 32 (the 7B shape's 32 heads of 128, capacity 288 with a padding
+    bias) called again on the same inputs gives the same bits. cuDNN's kernel did not: two runs of one batch-32
+    decode parted within 2-7 tokens on an H200, every row, with or without graphs (bench/gpu_determinism.py)."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    B, H, d, cap, used = 32, 32, 128, 288, 200
+    q = torch.randn(B, H, t, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, H, cap, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    bias = torch.zeros(B, 1, t, cap, device="cuda", dtype=torch.bfloat16)
+    bias[..., used:] = torch.finfo(torch.bfloat16).min
+    first = dense_attention(q, k, v, bias, d**-0.5)
+    for _ in range(20):
+        assert torch.equal(dense_attention(q, k, v, bias, d**-0.5), first)
+    causal_first = causal_attention(q, k, v, bias, d**-0.5)
+    for _ in range(5):
+        assert torch.equal(causal_attention(q, k, v, bias, d**-0.5), causal_first)
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "opt-projected"])
 def test_cuda_logits_match_hf_on_cuda(tiny_dirs, variant):
     path = str(tiny_dirs[variant])

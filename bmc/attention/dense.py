@@ -4,8 +4,25 @@ The G query heads that share a KV head are folded into the query-row axis ([B, H
 head is read once by one matrix product instead of being copied G times (what repeat_kv does in HF)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's attention on CUDA is not deterministic run to run (bf16, batch 32 on an H200: every row of two runs of
+# the same prompts parted within 2-7 tokens; without cuDNN none did; docs/performance.md, "Run to run"), so it
+# is left out unless BMC_CUDA_SDPA=cudnn asks for it
+CUDA_BACKENDS = ([SDPBackend.CUDNN_ATTENTION] if os.environ.get("BMC_CUDA_SDPA") == "cudnn" else []) + \
+    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA restricted to the backends that give the same bits every run."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(CUDA_BACKENDS, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 def group_bias(bias: torch.Tensor, groups: int) -> torch.Tensor:
@@ -23,7 +40,7 @@ def dense_attention(
     B, H, t, d = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(B, kv_heads, (H // kv_heads) * t, d)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+    out = sdpa(qg, k, v, attn_mask=bias, scale=scale)
     return out.reshape(B, H, t, d)
 
 
@@ -41,7 +58,7 @@ def causal_attention(
         # CUDA's flash kernel takes no float32 and its memory-efficient one no GQA, so enable_gqa would run the
         # math path (1.7x slower than the mask on an H100); repeating the t new KV rows is cheap beside it
         k, v, groups = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 1
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
 
 
 def softcapped_attention(

@@ -25,11 +25,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
 from ..kv.formats import KVFormat
-from .dense import dense_attention
+from .dense import dense_attention, sdpa
 from ..kernels.sparq import fused_decode
 
 
@@ -169,7 +168,7 @@ def sparq_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: tor
     if fmt is not None:  # only the k chosen rows are decoded
         K_k, V_k = fmt.decode(K_k, q.dtype), fmt.decode(V_k, q.dtype)
     bias_k = None if bias is None else bias[:, :, 0, :].expand(B, kvh, -1).gather(-1, i2)[:, :, None, :]
-    y = F.scaled_dot_product_attention(qg, K_k, V_k, attn_mask=bias_k, scale=scale)
+    y = sdpa(qg, K_k, V_k, attn_mask=bias_k, scale=scale)
     if v_mean is not None:
         y = alpha * y + (1 - alpha) * v_mean
     return y.reshape(B, H, t, d), moved
