@@ -165,3 +165,72 @@ def test_the_cli_flag(gqa_dir, capsys):
 def test_refused_where_the_native_step_does_not_run(gqa_dir, monkeypatch):
     with pytest.raises(BmcError, match="native CPU step"):
         bmc.load(str(gqa_dir), dtype="bfloat16", activations="bfloat16")
+
+
+def prompt_attention_case(hd: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """q [B, t, h*d], a float32 cache [1, 2, B, kvh, cap, d] holding 70 earlier keys then the t new ones, and a
+    causal bias [B, 1, t, cap] with padding columns and one left-padded row (GQA: 6 query heads on 2 KV heads)."""
+    B, h, kvh, cap = 2, 6, 2, 70 + t + 5
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, t, h * hd, generator=g) * 1.5
+    kv = torch.randn(1, 2, B, kvh, cap, hd, generator=g)
+    kv[:, 1] *= torch.logspace(-1, 1, cap)[:, None]  # values of many magnitudes
+    bias = torch.zeros(B, 1, t, cap)
+    fmin = torch.finfo(torch.float32).min
+    bias[..., 70 + t:] = fmin
+    bias[1, 0, :, :9] = fmin  # row 1 left-padded
+    for i in range(t):
+        bias[:, 0, i, 70 + i + 1: 70 + t] = fmin
+    return q, kv, bias, h, kvh
+
+
+def bf16_prompt_attention(h: int, kvh: int, hd: int, on: bool = True, threads: int = 0):
+    attn = native_module().Attention(h, kvh, hd, hd**-0.5)
+    attn.set_bf16_prompts(on)
+    attn.set_split_threads(threads)
+    return attn
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("t", [1, 7, 16, 33, 130])
+def test_bf16_prompt_attention_within_its_stated_bound(hd, t):
+    """A prompt chunk's attention in bfloat16 arithmetic against float64. Bound (attend_bf16.h): each score within
+    D = scale (2^-8 + 2^-16 + d 2^-24) sum_e |q_e k_e| of exact, so each weight within e^(2 max D) of its share;
+    each weight and value rounded once more (2^-9 each), the products summed in float32 over the keys:
+    |o - exact| <= (e^(2 max D) (1 + 2^-8 + 2^-16) (1 + 2^-20) - 1 + (n + 4) 2^-23) sum_j w_j |v_j|."""
+    from .test_native import reference_attention
+
+    q, kv, bias, h, kvh = prompt_attention_case(hd, t, hd + t)
+    scale = hd**-0.5
+    got = bf16_prompt_attention(h, kvh, hd).attention_step(q, kv, 0, bias, [], [], [], prompt=True).double()
+    exact = reference_attention(q, kv, bias, [], scale).double()
+    B, cap, G = q.shape[0], kv.shape[4], h // kvh
+    K = kv[0, 0].double().repeat_interleave(G, dim=1)  # [B, h, cap, d]
+    V = kv[0, 1].double().repeat_interleave(G, dim=1)
+    qh = q.double().view(B, t, h, hd).transpose(1, 2)  # [B, h, t, d]
+    scores = qh @ K.transpose(-1, -2) * scale + bias.double()  # [B, h, t, cap]
+    w = torch.softmax(scores, dim=-1)
+    open_ = bias.double() > torch.finfo(torch.float32).min  # [B, 1, t, cap]
+    mag = (qh.abs() @ K.abs().transpose(-1, -2)) * scale * open_
+    D = (2**-8 + 2**-16 + hd * 2**-24) * mag.amax(-1, keepdim=True)  # [B, h, t, 1]
+    wv = w @ V.abs()  # sum_j w_j |v_j|: [B, h, t, d]
+    bound = (torch.exp(2 * D) * (1 + 2**-8 + 2**-16) * (1 + 2**-20) - 1 + (cap + 4) * 2**-23) * wv
+    err = (got.view(B, t, h, hd).transpose(1, 2) - exact.view(B, t, h, hd).transpose(1, 2)).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    float32 = bf16_prompt_attention(h, kvh, hd, on=False).attention_step(q, kv, 0, bias, [], [], [], prompt=True)
+    float_err = (float32.double() - exact).abs().max()
+    assert err.max() > 10 * float_err  # bfloat16 arithmetic really ran
+
+
+def test_a_prompt_rows_bf16_attention_does_not_depend_on_its_chunk():
+    """A prompt row attended in a chunk of 100 rows or of 63 (the same keys, the same bias row) gets the same bits,
+    so a prompt prefilled whole, in the server's chunks, or beside others' rows gives the same cache and tokens."""
+    q, kv, bias, h, kvh = prompt_attention_case(64, 100, 3)
+    attn = bf16_prompt_attention(h, kvh, 64, threads=1)
+    whole = attn.attention_step(q, kv, 0, bias, [], [], [], prompt=True)
+    for lo, hi in [(37, 100), (0, 5), (64, 65)]:
+        part = attn.attention_step(q[:, lo:hi].contiguous(), kv, 0, bias[:, :, lo:hi].contiguous(), [], [], [],
+                                   prompt=True)
+        assert torch.equal(part, whole[:, lo:hi]), (lo, hi)
+    decode = attn.attention_step(q[:, 99:100].contiguous(), kv, 0, bias[:, :, 99:100].contiguous(), [], [], [])
+    assert not torch.equal(decode, whole[:, 99:100])  # decode and verify rows stay float32

@@ -48,6 +48,7 @@
 #include "cpu/kv_format.h"
 #include "cpu/attend_float.h"
 #include "cpu/attend_i8.h"
+#include "cpu/attend_bf16.h"
 #include "cpu/attention.h"
 #include "cpu/moe.h"
 
@@ -191,7 +192,10 @@ class NativeDecoder {
 
   // Prompt rows (the parts forward / forward_parts are told are a prompt's) in bfloat16 arithmetic, a stated bound;
   // decode and verify rows, and the LM head, stay in float32.
-  void set_bf16_prompts(bool on) { bf16_prompts_ = on; }
+  void set_bf16_prompts(bool on) {  // a prompt's GEMMs and the attention of its rows in bfloat16 arithmetic
+    bf16_prompts_ = on;
+    attn_.set_bf16_prompts(on);
+  }
 
   void set_int8_kv_dots(bool on) { attn_.set_int8_kv_dots(on); }  // see Attention
   bool int8_kv_dots() const { return attn_.int8_kv_dots(); }
@@ -639,6 +643,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>(), "heads, kv_heads, head_dim, scale")
       .def("set_softcap", &Attention::set_softcap)
       .def("set_int8_kv_dots", &Attention::set_int8_kv_dots)
+      .def("set_bf16_prompts", &Attention::set_bf16_prompts)
       .def("set_split_threads", &Attention::set_split_threads)
       .def("int8_kv_dots", &Attention::int8_kv_dots)
       .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>(),

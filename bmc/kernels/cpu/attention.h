@@ -32,6 +32,8 @@ class Attention {
     int8_kv_dots_ = on;
   }
   bool int8_kv_dots() const { return int8_kv_dots_; }
+  // a prompt's rows attend their own cache in bfloat16 arithmetic (attend_keys_bf16), as their GEMMs do
+  void set_bf16_prompts(bool on) { bf16_prompts_ = on; }
   // The thread count the capacity's split into spans is planned for (0: the running count). A split sets the
   // merge order, so fixing it keeps the results the same when fewer threads run the tasks (platform/threads.py).
   void set_split_threads(int64_t threads) { split_threads_ = std::max<int64_t>(0, threads); }
@@ -138,6 +140,7 @@ class Attention {
     auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
     const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
     const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
+    const bool bf16 = prompt && bf16_chunks(lay);  // a prompt's chunks in bfloat16 arithmetic (attend_keys_bf16)
     const float* kf = reinterpret_cast<const float*>(kc);
     const float* vf = reinterpret_cast<const float*>(vc);
     at::parallel_for(0, pairs * qblocks * spans, 1, [&](int64_t begin, int64_t end) {
@@ -150,6 +153,7 @@ class Attention {
 #if HAVE_I8_KV_DOTS
       I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
 #endif
+      std::unique_ptr<Bf16Chunk> bc(bf16 ? new Bf16Chunk(Rmax, hd_) : nullptr);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / (qblocks * spans), qbk = task / spans % qblocks, span = task % spans;
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
@@ -174,6 +178,7 @@ class Attention {
         if (dots)
           for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
 #endif
+        if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
         bool started = direct && prior;  // the rows' state holds keys already (else the first chunk starts it)
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
@@ -185,8 +190,9 @@ class Attention {
           bool skip = started;
           for (int64_t rr = 0; rr < Rb; ++rr) {
             const float* bb = bias0[rr] + c0;
-            bool open = false;
-            for (int64_t j = 0; j < nc; ++j) open |= bb[j] > -FLT_MAX;
+            float top = -FLT_MAX;  // a max reduction vectorizes; `open |= bb[j] > -FLT_MAX` ran a compare a key
+            for (int64_t j = 0; j < nc; ++j) top = std::max(top, bb[j]);
+            const bool open = top > -FLT_MAX;
             skip = skip && !open && seen[rr];
             seen[rr] |= open;
           }
@@ -230,7 +236,13 @@ class Attention {
             widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
                        next >= 0 ? kc + next * lay.row_bytes : nullptr);
             widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
-            attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+            if (bf16)
+              attend_keys_bf16(rows, Rb, *bc, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+            else
+              attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+          } else if (bf16) {
+            attend_keys_bf16(rows, Rb, *bc, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
+                             OWN_KEYS, more);
           } else {
             attend_keys(rows, Rb, prompt, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
                         next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
@@ -504,6 +516,44 @@ class Attention {
     weigh_rows(rows, R, p, ldp, false, V, n, prior, V_next);
   }
 
+  // attend_keys for a prompt's rows in bfloat16 arithmetic (attend_bf16.h): the chunk's keys and values become
+  // panels of pairs, the scores one product of the rows' query pairs (set_queries, once a task) with the keys, the
+  // online softmax as attend_keys's, then the weights as pairs times the values, added to the rescaled outputs.
+  void attend_keys_bf16(Rows& rows, int64_t R, Bf16Chunk& bc, const float* K, const float* V, int64_t n, float scale,
+                        float* p, int64_t ldp, bool prior) const {
+    bc.set_keys(K, n);
+    bf16_products(bc.q.data(), R, bc.q2, bc.kt.data(), n, p, ldp);
+    constexpr int64_t K2 = OWN_KEYS / 2;
+    for (int64_t r = 0; r < R; ++r) {
+      float* pr = p + r * ldp;
+      const float* br = rows.bias[r];
+      int64_t j = 0;
+      for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
+      for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
+      softmax_row(rows, r, pr, n, prior);
+      x_pairs(pr, n, K2, bc.w.data() + r * K2);
+    }
+    bc.set_values(V, n);
+    float* y = bc.y.data();
+    bf16_products(bc.w.data(), R, K2, bc.vt.data(), hd_, y, hd_);
+    for (int64_t r = 0; r < R; ++r) {
+      float* o = rows.o[r];
+      const float* yr = y + r * hd_;
+      if (prior) {
+        const float a = rows.alpha[r];
+        for (int64_t e = 0; e < hd_; e += P) store16(o + e, load16(o + e) * a + load16(yr + e));
+      } else {
+        std::copy(yr, yr + hd_, o);
+      }
+    }
+  }
+
+  // Whether a prompt's own-cache chunks in this layout take attend_keys_bf16: set_bf16_prompts on, float32 or
+  // 16-bit rows (int8 rows keep their own arithmetic), head_dim a multiple of 32, no soft-capping
+  bool bf16_chunks(const KVLayout& lay) const {
+    return bf16_prompts_ && hd_ % 32 == 0 && softcap_ == 0.0 && lay.kind != KVKind::I8;
+  }
+
   // Whether this step's own-cache chunks of an int8 cache are attended in integers (attend_i8): with VNNI, at
   // head_dim 64 or 128 and without soft-capping, unless set_int8_kv_dots turned it off
   bool integer_dots(const KVLayout& lay) const {
@@ -710,6 +760,7 @@ class Attention {
   double scale_;
   double softcap_ = 0.0;
   bool int8_kv_dots_ = HAVE_I8_KV_DOTS;
+  bool bf16_prompts_ = false;
   int64_t split_threads_ = 0;
   std::vector<float> zeros_ = std::vector<float>(std::max(OWN_KEYS, SEG_KEYS), 0.0f);  // a bias that adds nothing
 };
