@@ -7,7 +7,8 @@
    float32 and in bfloat16 arithmetic (the path this CPU runs: AMX, vdpbf16ps or emulated), and torch's
    `x @ w.t()` in float32 (MKL) and bfloat16 (oneDNN) on the same values; GFLOP/s, best of --repeats.
 2. Prefill of --prompt-len tokens at batch 1 (`engine.prefill_alone`, best of --repeats, interleaved): bmc float32
-   arithmetic, bmc bfloat16 prompts, and the PyTorch path in bfloat16 (`dtype="bfloat16"`), tok/s.
+   arithmetic, bmc bfloat16 prompts (GEMMs and attention), and the PyTorch path in bfloat16 (`dtype="bfloat16"`).
+3. With --decode N: batch-1 decode, the matrices as float32 panels against kept in 16 bits.
 The bfloat16 path is picked once per process (BMC_AMX=0 before the run: vdpbf16ps where AMX is present).
 Writes JSON and a PNG under --out, with the threads, the host's CPU and the path."""
 from __future__ import annotations
@@ -91,6 +92,30 @@ def prefill(path: str, prompt_len: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def decode(path: str, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Decode at batch 1 (16-token prompt, `new_tokens` generated, best of `repeats`, interleaved): the checkpoint's
+    matrices as float32 panels (quant="none") against kept in 16 bits (quant="auto": "stored"), both float32
+    arithmetic on the native step."""
+    import bmc
+
+    models = {"float32 panels (--quant none)": bmc.load(path, quant="none"),
+              "16-bit panels (--quant auto)": bmc.load(path)}
+    prompt = [[100 + i for i in range(16)]]
+    tps: dict[str, list[float]] = {k: [] for k in models}
+    for m in models.values():
+        bmc.generate(m, prompt, max_new_tokens=4, ignore_eos=True)  # warm-up
+    for _ in range(repeats):
+        for label, m in models.items():
+            tps[label].append(bmc.generate(m, prompt, max_new_tokens=new_tokens, ignore_eos=True)
+                              .stats.decode_tokens_per_s)
+    out = {label: max(v) for label, v in tps.items()}
+    base = out["float32 panels (--quant none)"]
+    for label, v in out.items():
+        print(f"decode batch 1: {label} {v:.1f} tok/s (x{v / base:.2f}; runs {[round(x, 1) for x in tps[label]]})",
+              flush=True)
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -121,6 +146,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also decode N tokens at batch 1: float32 panels against 16-bit panels")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +168,8 @@ def main() -> None:
     result["gemms"] = gemms(model, args.repeats)
     del model
     result["prefill"] = prefill(path, args.prompt_len, args.repeats)
+    if args.decode:
+        result["decode_tokens_per_s"] = decode(path, args.decode, args.repeats)
     tag = result["bf16_path"]
     (out / f"bf16-prefill-{tag}.json").write_text(json.dumps(result, indent=2))
     plot(result, out / f"bf16-prefill-{tag}.png")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one-GPU device host: its 16-core Xeon (AMX) for issue 44's bfloat16 figures and its GPU for issue 48's, in
+# stages (each bounded by its own timeout; a failed one does not stop the next). Run with the device tool, carry
+# [".whl"]. Logs and JSON under $OUT.
+#   bash bench/device_one.sh bf16-tests   # tests/test_bf16_arith.py on the Xeon's build (AMX), then with BMC_AMX=0
+#   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode 64 (TinyLlama shape, 16 threads)
+#   bash bench/device_one.sh gpu-sdpa     # the attention determinism test (and with cuDNN: it should fail),
+#                                         # bench/gpu_sdpa.py, bench/gpu_determinism.py --modes default,no-ahead
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+lscpu | grep -E "Model name|^CPU\(s\)" || true
+grep -o -w -E "amx_bf16|amx_tile|avx512_bf16" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    bf16-tests)
+      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_bf16_arith.py 2>&1 \
+        | tee "$OUT/bf16-tests-amx.log" | tail -4
+      BMC_AMX=0 timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_bf16_arith.py \
+        -k "attention or chunk or bound" 2>&1 | tee "$OUT/bf16-tests-noamx.log" | tail -4 ;;
+    bf16-bench)
+      timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode 64 2>&1 \
+        | grep -v -E "Warning|it/s" | tee "$OUT/bf16-bench.log" ;;
+    gpu-sdpa)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \
+        | tee "$OUT/sdpa-test.log" | tail -3
+      BMC_CUDA_SDPA=cudnn timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k same_bits 2>&1 \
+        | tee "$OUT/sdpa-test-cudnn.log" | tail -3
+      timeout ${T_SDPA:-300} python3 bench/gpu_sdpa.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gpu-sdpa.log"
+      timeout 200 python3 bench/gpu_determinism.py --modes default,no-ahead --out "$OUT" 2>&1 | grep -v Warning \
+        | tee "$OUT/determinism.log" ;;
+  esac
+  echo "== stage $stage: $(( $(date +%s) - t0 )) s"
+done
