@@ -25,12 +25,12 @@ for stage in "$@"; do
       timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode 64 2>&1 \
         | grep -v -E "Warning|it/s" | tee "$OUT/bf16-bench.log" ;;
     gpu-sdpa)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \
+      timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \
         | tee "$OUT/sdpa-test.log" | tail -3
-      BMC_CUDA_SDPA=cudnn timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k same_bits 2>&1 \
+      BMC_CUDA_SDPA=cudnn timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k same_bits 2>&1 \
         | tee "$OUT/sdpa-test-cudnn.log" | tail -3
-      timeout ${T_SDPA:-300} python3 bench/gpu_sdpa.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gpu-sdpa.log"
-      timeout 200 python3 bench/gpu_determinism.py --modes default,no-ahead --out "$OUT" 2>&1 | grep -v Warning \
+      timeout ${T_SDPA:-150} python3 bench/gpu_sdpa.py --gen 128 --caps 384,4096 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gpu-sdpa.log"
+      timeout 100 python3 bench/gpu_determinism.py --modes default --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/determinism.log" ;;
   esac
   echo "== stage $stage: $(( $(date +%s) - t0 )) s"
