@@ -10,7 +10,8 @@ position at which some row differs from the first run (None: identical). Modes:
 - eager: no graphs;
 - det: torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch then fills new
   tensors with NaN: a read of memory never written shows as NaN tokens, not as drift);
-- no-cudnn-sdpa: scaled_dot_product_attention without cuDNN (flash / memory-efficient kernels);
+- cudnn: BMC_CUDA_SDPA=cudnn, cuDNN's attention first (bmc's CUDA attention before session 39; the "no-cudnn-sdpa"
+  mode of bench/results/h100/gpu-determinism/ was then the only one without it);
 - no-reduced: cuBLAS bf16 GEMMs without reduced-precision reductions."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODES = ["default", "no-ahead", "eager", "det", "no-cudnn-sdpa", "no-reduced"]
+MODES = ["default", "no-ahead", "eager", "det", "cudnn", "no-reduced"]
 
 
 def one_mode(mode: str, args) -> dict:
@@ -34,8 +35,6 @@ def one_mode(mode: str, args) -> dict:
 
     if mode == "det":
         torch.use_deterministic_algorithms(True, warn_only=True)
-    if mode == "no-cudnn-sdpa":
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if mode == "no-reduced":
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers,
@@ -77,6 +76,8 @@ def main() -> None:
         env = dict(os.environ)
         if mode == "det":
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        if mode == "cudnn":
+            env["BMC_CUDA_SDPA"] = "cudnn"
         cmd = [sys.executable, __file__, "--one", mode] + [f"--{k}={getattr(args, k)}" for k in
                                                           ("layers", "batch", "prompt", "gen", "runs")]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

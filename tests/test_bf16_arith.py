@@ -20,12 +20,13 @@ pytestmark = pytest.mark.skipif(not native_supported(torch.device("cpu"), torch.
 
 
 def bf16_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x and w each rounded to bfloat16 (relative 2^-9 each), K products summed in float32 (2^-24 each step), the
-    bias added in float32: |y - exact| <= (2^-8 + 2^-18 + K 2^-23) sum_k |x_k w_k| + 2^-23 |b + x w|."""
+    """x and w each rounded to bfloat16 (8 significant bits: relative 2^-8 each), K products summed in float32
+    (2^-24 each step), the bias added in float32: |y - exact| <= (2^-7 + 2^-16 + K 2^-23) sum_k |x_k w_k|
+    + 2^-23 |b + x w|."""
     K = x.shape[-1]
     mag = x.double().abs() @ w.double().abs().t()
     exact = x.double() @ w.double().t() + (0 if b is None else b.double())
-    return (2**-8 + 2**-18 + K * 2**-23) * mag + 2**-23 * exact.abs()
+    return (2**-7 + 2**-16 + K * 2**-23) * mag + 2**-23 * exact.abs()
 
 
 def weight(layout: str, n: int, k: int, seed: int) -> tuple[Linear, torch.Tensor]:
@@ -191,18 +192,24 @@ def bf16_prompt_attention(h: int, kvh: int, hd: int, on: bool = True, threads: i
     return attn
 
 
+@pytest.mark.parametrize("kv_dtype,threads", [("float32", 0), ("float32", 16), ("bfloat16", 0), ("float16", 0)])
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("t", [1, 7, 16, 33, 130])
-def test_bf16_prompt_attention_within_its_stated_bound(hd, t):
+def test_bf16_prompt_attention_within_its_stated_bound(hd, t, kv_dtype, threads):
     """A prompt chunk's attention in bfloat16 arithmetic against float64. Bound (attend_bf16.h): each score within
-    D = scale (2^-8 + 2^-16 + d 2^-24) sum_e |q_e k_e| of exact, so each weight within e^(2 max D) of its share;
-    each weight and value rounded once more (2^-9 each), the products summed in float32 over the keys:
-    |o - exact| <= (e^(2 max D) (1 + 2^-8 + 2^-16) (1 + 2^-20) - 1 + (n + 4) 2^-23) sum_j w_j |v_j|."""
+    D = scale (2^-7 + 2^-16 + d 2^-24) sum_e |q_e k_e| of exact, so each weight within e^(2 max D) of its share;
+    each weight and value rounded once more (2^-8 each), the products summed in float32 over the keys:
+    |o - exact| <= (e^(2 max D) (1 + 2^-7 + 2^-16) (1 + 2^-20) - 1 + (n + 4) 2^-23) sum_j w_j |v_j|.
+    Over a float32 cache and the 16-bit ones (widened a chunk at a time first; the reference reads their values),
+    and with the capacity split into spans whose partial states are merged (16 planned threads)."""
     from .test_native import reference_attention
 
     q, kv, bias, h, kvh = prompt_attention_case(hd, t, hd + t)
+    stored = kv.to(getattr(torch, kv_dtype))
+    kv = stored.float()
     scale = hd**-0.5
-    got = bf16_prompt_attention(h, kvh, hd).attention_step(q, kv, 0, bias, [], [], [], prompt=True).double()
+    attn = bf16_prompt_attention(h, kvh, hd, threads=threads)
+    got = attn.attention_step(q, stored, 0, bias, [], [], [], prompt=True).double()
     exact = reference_attention(q, kv, bias, [], scale).double()
     B, cap, G = q.shape[0], kv.shape[4], h // kvh
     K = kv[0, 0].double().repeat_interleave(G, dim=1)  # [B, h, cap, d]
@@ -212,19 +219,30 @@ def test_bf16_prompt_attention_within_its_stated_bound(hd, t):
     w = torch.softmax(scores, dim=-1)
     open_ = bias.double() > torch.finfo(torch.float32).min  # [B, 1, t, cap]
     mag = (qh.abs() @ K.abs().transpose(-1, -2)) * scale * open_
-    D = (2**-8 + 2**-16 + hd * 2**-24) * mag.amax(-1, keepdim=True)  # [B, h, t, 1]
+    D = (2**-7 + 2**-16 + hd * 2**-24) * mag.amax(-1, keepdim=True)  # [B, h, t, 1]
     wv = w @ V.abs()  # sum_j w_j |v_j|: [B, h, t, d]
-    bound = (torch.exp(2 * D) * (1 + 2**-8 + 2**-16) * (1 + 2**-20) - 1 + (cap + 4) * 2**-23) * wv
+    bound = (torch.exp(2 * D) * (1 + 2**-7 + 2**-16) * (1 + 2**-20) - 1 + (cap + 4) * 2**-23) * wv
     err = (got.view(B, t, h, hd).transpose(1, 2) - exact.view(B, t, h, hd).transpose(1, 2)).abs()
     assert (err <= bound).all(), float((err / bound).max())
-    float32 = bf16_prompt_attention(h, kvh, hd, on=False).attention_step(q, kv, 0, bias, [], [], [], prompt=True)
+    # tighter, against float64 over the operands rounded as the kernel rounds them (q, k, v to bfloat16): what is
+    # left is each weight's own rounding (2^-8), the float32 sums of the scores and of the weighted values
+    qr, Kr, Vr = (x.bfloat16().double() for x in (qh, K, V))
+    scores_r = qr @ Kr.transpose(-1, -2) * scale + bias.double()
+    w_r = torch.softmax(scores_r, dim=-1)
+    D_r = (hd * 2**-24 + 2**-22) * ((qr.abs() @ Kr.abs().transpose(-1, -2)) * scale * open_).amax(-1, keepdim=True)
+    tight = (torch.exp(2 * D_r) * (1 + 2**-8) * (1 + 2**-20) - 1 + (cap + 4) * 2**-23) * (w_r @ Vr.abs())
+    err_r = (got.view(B, t, h, hd).transpose(1, 2) - w_r @ Vr).abs()
+    assert (err_r <= tight + 2**-24 * exact.abs().max()).all(), float((err_r / tight).max())
+    float32 = bf16_prompt_attention(h, kvh, hd, on=False, threads=threads).attention_step(q, stored, 0, bias, [], [],
+                                                                                        [], prompt=True)
     float_err = (float32.double() - exact).abs().max()
     assert err.max() > 10 * float_err  # bfloat16 arithmetic really ran
 
 
 def test_a_prompt_rows_bf16_attention_does_not_depend_on_its_chunk():
-    """A prompt row attended in a chunk of 100 rows or of 63 (the same keys, the same bias row) gets the same bits,
-    so a prompt prefilled whole, in the server's chunks, or beside others' rows gives the same cache and tokens."""
+    """A prompt row attended in a chunk of 100 rows or of 63 (the same keys, the same bias row) gets the same bits:
+    the bfloat16 products keep rows apart. (With more planned threads the capacity may split into spans by the
+    chunk's size, which sets the merge order, as on the float path: one thread here keeps one span.)"""
     q, kv, bias, h, kvh = prompt_attention_case(64, 100, 3)
     attn = bf16_prompt_attention(h, kvh, 64, threads=1)
     whole = attn.attention_step(q, kv, 0, bias, [], [], [], prompt=True)
@@ -234,3 +252,14 @@ def test_a_prompt_rows_bf16_attention_does_not_depend_on_its_chunk():
         assert torch.equal(part, whole[:, lo:hi]), (lo, hi)
     decode = attn.attention_step(q[:, 99:100].contiguous(), kv, 0, bias[:, :, 99:100].contiguous(), [], [], [])
     assert not torch.equal(decode, whole[:, 99:100])  # decode and verify rows stay float32
+
+
+def test_int8_kv_keeps_its_own_arithmetic_in_bf16_prompts():
+    """An int8 cache's prompt chunk is attended as without bfloat16 prompts (integers or widened rows): the same bits."""
+    from bmc.kv.formats import KV_FORMATS
+
+    q, kv, bias, h, kvh = prompt_attention_case(64, 40, 5)
+    stored = KV_FORMATS["int8"].encode(kv)
+    on = bf16_prompt_attention(h, kvh, 64).attention_step(q, stored, 0, bias, [], [], [], prompt=True)
+    off = bf16_prompt_attention(h, kvh, 64, on=False).attention_step(q, stored, 0, bias, [], [], [], prompt=True)
+    assert torch.equal(on, off)

@@ -13,15 +13,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # cuDNN's attention on CUDA is not deterministic run to run (bf16, batch 32 on an H200: every row of two runs of
 # the same prompts parted within 2-7 tokens; without cuDNN none did; docs/performance.md, "Run to run"), so it
 # is left out unless BMC_CUDA_SDPA=cudnn asks for it
-CUDA_BACKENDS = ([SDPBackend.CUDNN_ATTENTION] if os.environ.get("BMC_CUDA_SDPA") == "cudnn" else []) + \
-    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDNN_FIRST = os.environ.get("BMC_CUDA_SDPA") == "cudnn"
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """F.scaled_dot_product_attention, on CUDA restricted to the backends that give the same bits every run."""
+    """F.scaled_dot_product_attention, on CUDA restricted to the backends that give the same bits every run (a
+    backend left out of the list is switched off for the call; torch's own order among the rest)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **kw)
-    with sdpa_kernel(CUDA_BACKENDS, set_priority=True):
+    if CUDNN_FIRST:  # set_priority: torch >= 2.6
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION] + CUDA_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(CUDA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 

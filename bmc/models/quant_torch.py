@@ -20,8 +20,8 @@ Stated bounds, per output y = sum_k x_k w_k (x as the model holds it, w the exac
   output bit for bit (tests/test_gpu.py holds both). quant="gguf" gives quant="none"'s greedy tokens in float32
   (tested on the GPU, Q8_0 / Q4_0 / Q4_1 / Q4_K_M files).
 - tinygemm computes w = (q - 8) * s + z with s and z in bfloat16, so a block's fp16 scale d and offset m + 8 d are
-  rounded to bfloat16 (relative error <= 2^-9 each): every weight is within 2^-9 (|d| |q - 8| + |m + 8 d|) + its
-  own bfloat16 rounding of the exact value, the same order as quant="none"'s bfloat16 cast of it (2^-9 |w|). A
+  rounded to bfloat16 (relative error <= 2^-8 each): every weight is within 2^-8 (|d| |q - 8| + |m + 8 d|) + its
+  own bfloat16 rounding of the exact value, the same order as quant="none"'s bfloat16 cast of it (2^-8 |w|). A
   stated bound, not quant="none"'s weights: tests hold the logits to bfloat16's tolerance of quant="none"'s.
 torch's `_weight_int8pack_mm` takes one scale per output channel, not per 32 values (GGUF's Q8_0 cannot use it),
 and ran 10x slower than bfloat16 cuBLAS on an H100 at M = 1."""

@@ -1,8 +1,8 @@
 // bfloat16 arithmetic for a prompt's attention (activations="bfloat16"): a chunk's scores q.k and weighted values
 // sum_j p_j v_j as products of bfloat16 pairs summed in float32, on gemm_bf16.h's kernels (AMX tiles, vdpbf16ps,
 // or float32 FMAs on the widened pairs); the softmax, its running state and the outputs stay float32.
-// Bound (docs/design.md, "Precision modes"): a score within (2^-8 + 2^-16 + d 2^-24) sum_e |q_e k_e| (times the
-// scale) of float32's, each weight and value rounded once more (2^-9 relative each) before their products.
+// Bound (docs/design.md, "Precision modes"): a score within (2^-7 + 2^-16 + d 2^-24) sum_e |q_e k_e| (times the
+// scale) of exact, each weight and value rounded once more (2^-8 relative each) before their products.
 // A row's arithmetic is its own: the same bits whatever rows, and how many, are attended beside it.
 // One of the native step's headers: cpu_decode.cpp includes them all, in order, into one translation unit.
 #pragma once
@@ -32,7 +32,7 @@ struct Bf16Chunk {
   // Keys [n][hd] as OWN_KEYS / 16 panels [q2][16] of pairs (lane c: key c's dims 2e, 2e + 1); keys past n zero.
   // Each key row is paired where it lies, then 16 x 16 blocks of pairs are transposed in registers.
   void set_keys(const float* K, int64_t n) {
-    alignas(64) uint32_t tmp[P * 64];  // 16 keys x up to 64 pairs (head_dim <= 128)
+    alignas(64) uint32_t tmp[P * 64];  // 16 keys x 64 pairs: head_dim 128 at a time
     for (int64_t j0 = 0; j0 < OWN_KEYS; j0 += P) {
       uint32_t* panel = kt.data() + j0 * q2;
       for (int64_t e0 = 0; e0 < q2; e0 += 64) {

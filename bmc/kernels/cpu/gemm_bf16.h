@@ -1,6 +1,7 @@
 // bfloat16 arithmetic for steps of many rows (activations="bfloat16"): x and W rounded to bfloat16 (nearest even),
 // products summed in float32, two k at a time. A stated bound, not float32's values:
-// |y - y_exact| <= (2^-8 + K 2^-23) sum_k |x_k w_k| (docs/design.md, "Precision modes").
+// |y - y_exact| <= (2^-7 + 2^-16 + K 2^-23) sum_k |x_k w_k| (docs/design.md, "Precision modes"; bfloat16 keeps 8
+// significant bits, so each rounding is within 2^-8 relative).
 // Three ISA paths, one layout (pairs of k): AMX-BF16 tiles where the CPU has them and Linux grants them,
 // AVX512-BF16's vdpbf16ps, and float32 FMAs on the widened pairs (any other CPU: the same bound, no faster).
 // One of the native step's headers: cpu_decode.cpp includes them all, in order, into one translation unit.
