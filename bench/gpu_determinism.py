@@ -27,26 +27,15 @@ MODES = ["default", "no-ahead", "eager", "det", "cudnn", "no-reduced"]
 
 def one_mode(mode: str, args) -> dict:
     import torch
-    import transformers
 
-    from bmc.bench.engines import run_bmc
+    from bmc.bench.engines import random_llama_7b, run_bmc
     from bmc.bench.harness import first_divergence
-    from bmc.models import model_from_tensors
 
     if mode == "det":
         torch.use_deterministic_algorithms(True, warn_only=True)
     if mode == "no-reduced":
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers,
-                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                   max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin="llama-7b-cut", dtype=torch.bfloat16,
-                               device="cuda")
-    del hf
-    torch.cuda.empty_cache()
+    model = random_llama_7b(args.layers)
     prompts = [[(13 * b + 7 * i) % 31990 + 5 for i in range(args.prompt)] for b in range(args.batch)]
     kw: dict = {"cuda_graphs": False} if mode == "eager" else {"graph_warmup": True}
     if mode == "no-ahead":

@@ -10,7 +10,6 @@ orders, µs (CUDA events, median of 200 after 20 warm-up calls)."""
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 from pathlib import Path
@@ -53,11 +52,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    import transformers
-
-    from bmc.bench.engines import run_bmc
+    from bmc.bench.engines import random_llama_7b, run_bmc
     from bmc.graphs import graph_store
-    from bmc.models import model_from_tensors
 
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
                     "prompt": args.prompt, "gen": args.gen, "dtype": "bfloat16", "attention_us": {}, "decode": {}}
@@ -66,17 +62,7 @@ def main() -> None:
             r = attention_us(B, cap)
             report["attention_us"][f"B{B}-cap{cap}"] = r
             print(f"attention B={B} cap={cap}: " + ", ".join(f"{k} {v:.1f} us" for k, v in r.items()), flush=True)
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers,
-                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                   max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin="llama-7b", dtype=torch.bfloat16,
-                               device="cuda")
-    del hf
-    gc.collect()
-    torch.cuda.empty_cache()
+    model = random_llama_7b(args.layers)
     for B in map(int, args.batches.split(",")):
         prompts = [[(13 * b + 7 * i) % 31990 + 5 for i in range(args.prompt)] for b in range(B)]
         tps: dict[str, list[float]] = {k: [] for k in ORDERS}

@@ -218,3 +218,27 @@ def stream_read_gbps(mib: int = 512, repeats: int = 3) -> float:
         read()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def random_llama_7b(layers: int = 32, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Model:
+    """A Llama-2-7B-shaped bmc model (cut to `layers`) with HF's random init (seed 0), made on `device`: for the GPU
+    benchmarks, whose speed and determinism do not depend on the values."""
+    import gc
+
+    import transformers
+
+    from ..models import model_from_tensors
+
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                   max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    model = model_from_tensors(cfg.to_dict(), dict(hf.state_dict()), origin=f"llama-7b-shape-{layers}-layers",
+                               dtype=dtype, device=device)
+    del hf
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return model
