@@ -2,6 +2,7 @@
 # The one-GPU device host: its 16-core Xeon (AMX) for issue 44's bfloat16 figures and its GPU for issue 48's, in
 # stages (each bounded by its own timeout; a failed one does not stop the next). Run with the device tool, carry
 # [".whl"]. Logs and JSON under $OUT.
+#   bash bench/device_one.sh build        # the C++ kernel's build alone (over 200 s on that Xeon in session 39)
 #   bash bench/device_one.sh bf16-tests   # tests/test_bf16_arith.py on the Xeon's build (AMX), then with BMC_AMX=0
 #   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode 64 (TinyLlama shape, 16 threads)
 #   bash bench/device_one.sh gpu-sdpa     # the attention determinism test (and with cuDNN: it should fail),
@@ -16,6 +17,9 @@ grep -o -w -E "amx_bf16|amx_tile|avx512_bf16" /proc/cpuinfo | sort -u | tr '\n' 
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
+    build)
+      timeout ${T_BUILD:-420} python3 -c "from bmc.kernels.native import native_module as m; print(m().bf16_path())" \
+        2>&1 | tail -2 ;;
     bf16-tests)
       timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_bf16_arith.py 2>&1 \
         | tee "$OUT/bf16-tests-amx.log" | tail -4
