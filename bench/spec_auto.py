@@ -35,8 +35,8 @@ FORMAT_NAMES = {"stored": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0", "none": "F32"}
 OUT = Path(__file__).resolve().parent / "results" / "cpu"
 
 
-def run(model, prompts: list[str], tree: str | None, n: int) -> tuple[float, list, float]:
-    kw = dict(max_new_tokens=n, ignore_eos=True, chat=True)
+def run(model, prompts: list[str], tree: str | None, n: int, eos: bool = False) -> tuple[float, list, float]:
+    kw = dict(max_new_tokens=n, ignore_eos=not eos, chat=True)
     if tree is not None:
         kw.update(speculative="ngram", tree=tree)
     t0 = time.perf_counter()
@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--activations", default="float", help="float (exact) and/or int8 (VNNI, Q4/Q8 matrices): the "
                     "arithmetic of plain and speculative alike, e.g. float,int8")
+    ap.add_argument("--copy-until-eos", action="store_true",
+                    help="the copy task stops where the model ends its answer (EOS) instead of running --tokens past "
+                    "it: the copy alone, without the free text a forced continuation adds after it")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,13 +70,15 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             for task, base_prompts in TASKS.items():
                 prompts = (base_prompts * batch)[:batch]
-                _, want, _ = run(model, prompts, None, args.tokens)
+                eos = args.copy_until_eos and task == "copy"
+                _, want, _ = run(model, prompts, None, args.tokens, eos)
+                generated = sum(len(w) for w in want)
                 run(model, prompts, "auto", 8)  # warm-up: the step-cost curve measured (once per model) here
                 times: dict[str, list[float]] = {t: [] for t in ["plain", *trees]}
                 accepted: dict[str, list[float]] = {t: [] for t in trees}
                 for _ in range(args.repeats):
                     for t in times:
-                        s, got, per_step = run(model, prompts, None if t == "plain" else t, args.tokens)
+                        s, got, per_step = run(model, prompts, None if t == "plain" else t, args.tokens, eos)
                         assert got == want, (fmt, act, batch, task, t)  # exactness first
                         times[t].append(s)
                         if t != "plain":
@@ -85,7 +90,8 @@ def main() -> None:
                            "quant": fmt, "activations": act, "batch": batch, "task": task,
                            "tree": t, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
                            "vs_plain": plain / statistics.median(v), "vs_plain_pairs": ratios,
-                           "tokens_per_s": batch * args.tokens / statistics.median(v),
+                           "generated_tokens": generated, "until_eos": eos,
+                           "tokens_per_s": generated / statistics.median(v),
                            "accepted_per_verify_step": statistics.median(accepted[t]) if t in accepted else None}
                     results.append(row)
                     print(f"{row['format']:16s} B={batch} {task:4s} {t:12s} {row['median_s'] * 1000:8.1f} ms "
@@ -97,6 +103,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
             "tokens": args.tokens, "repeats": args.repeats, "activations": args.activations, "drafter": "ngram",
+            "copy_until_eos": args.copy_until_eos,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     (out / "spec-auto.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, trees, out / "spec-auto.png")
