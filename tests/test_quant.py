@@ -679,26 +679,39 @@ def q4_heads(tmp_path_factory) -> dict[int, str]:
     return out
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+def _factored_q4() -> bool:
+    """Whether float rows multiply Q4 panels as stored, 4 rows a call, up to linear.h's FACTORED_ROWS: the AVX-512
+    build's kernels (experts_spread answers for the same build)."""
+    mod = native_module()
+    return mod is not None and bool(mod.experts_spread())
+
+
+@pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("model_of", ["gguf-hd16", "hf-hd64", "hf-hd128"])
-def test_int8_activation_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads, model_of, kv_dtype):
-    """With int8 activations a verify step's rows are the bits of the same tokens decoded one at a time (float or
-    int8 KV), so speculation gives plain decoding's tokens. A step's attention scores a verify tree's rows by the
-    decode rows' dot products, whatever their count (a prompt's 8 or more rows a KV head: one matrix product,
-    which sums in another order and once moved an int8 activation across a rounding step: 0.65 in a logit). The
-    cache grows in whole 16-key score blocks, as the scheduler's do (see the cache-growth test above)."""
+def test_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads, model_of, kv_dtype, activations):
+    """A verify step's rows are the bits of the same tokens decoded one at a time (float or int8 KV), so
+    speculation gives plain decoding's tokens: with int8 activations, and with float ones on Q4 weights (a row's
+    GEMM sums are the same in a call of 1 or of up to 64 rows; 5-8 rows once took another kernel whose sums
+    differed). A step's attention scores a verify tree's rows by the decode rows' dot products, whatever their
+    count (a prompt's 8 or more rows a KV head: one matrix product, which sums in another order and once moved an
+    int8 activation across a rounding step: 0.65 in a logit). The cache grows in whole 16-key score blocks, as the
+    scheduler's do (see the cache-growth test above)."""
     import copy
 
     from bmc.attention import dense_attention
     from bmc.engine import GenerationConfig, GenerationStats, make_cache
 
+    if activations == "int8" and not _has_int8_dot():
+        pytest.skip("int8 activations need AVX512-VNNI and VBMI")
+    if activations == "float" and not _factored_q4():
+        pytest.skip("float rows take the factored Q4 kernels on AVX-512 builds only")
     if model_of == "gguf-hd16":
         path = str(tmp_path / "q4.gguf")
         _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0, tied=True)
-        model = bmc.load(path, activations="int8")
+        model = bmc.load(path, activations=activations)
     else:
-        model = bmc.load(q4_heads[int(model_of[5:])], quant="q4_0", activations="int8")
+        model = bmc.load(q4_heads[int(model_of[5:])], quant="q4_0", activations=activations)
     g, vocab = torch.Generator().manual_seed(3), model.config.vocab_size
     prompt = torch.randint(3, vocab, (21,), generator=g).tolist()
     chain = torch.randint(3, vocab, (6,), generator=g).tolist()  # 6 rows a query head: 12-18 a KV head
@@ -718,7 +731,7 @@ def test_int8_activation_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads
         tree.reserve(len(chain))
         verified = model.net(torch.tensor([chain]), torch.arange(len(prompt), len(prompt) + len(chain))[None], tree,
                              dense_attention, tree.attention_bias(len(chain)), all_logits=True)[0]
-    assert model.net.lm_head.quant in ("q4_0", "q8_0")  # the LM head's GEMM in int8 activations too
+    assert model.net.lm_head.quant in ("q4_0", "q8_0")  # the LM head's GEMM on quantized panels too
     assert torch.equal(verified, torch.stack(decoded))
     text = [5, 6, 7, 8, 9, 10] * 4
     plain = bmc.generate(model, [text], max_new_tokens=24, ignore_eos=True, kv_dtype=kv_dtype)

@@ -28,6 +28,12 @@ __attribute__((noinline)) void block_sums(const float* x, int64_t ldx, int64_t M
 
 // gemm() over quantized panels: the same row and panel blocking (so the same float kernels see the same panel
 // values in the same order), each group of panels dequantized into the thread's buffer first.
+// Float rows up to this many multiply quantized panels as stored, 4 rows a kernel call (the scales applied once a
+// block); more dequantize each group of panels once for all rows. The factored calls were as fast or faster up to
+// 96 rows (docs/performance.md, "Figures behind the code's choices"), and a row's sums do not depend on the rows
+// beside it there.
+constexpr int64_t FACTORED_ROWS = 64;
+
 void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
                 const float* bias, float* y, bool accumulate, bool int8_x) {
   const int64_t np = wq.size(0);
@@ -57,31 +63,21 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     return;
   }
 #endif
-  if (M <= 4) {  // the panel streams through registers, its scales applied once per block
+  if (M <= FACTORED_ROWS) {  // the panel streams through registers, its scales applied once per block
     // each row's sum over each block of K (the offsets' factor), in a buffer kept by the calling thread: no
     // allocation per GEMM on the decode path
     static thread_local std::vector<float> xsum_buf;
     if (static_cast<int64_t>(xsum_buf.size()) < M * nblk) xsum_buf.resize(M * nblk);
     float* xsum = xsum_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
     if (has_offset(kind)) block_sums(x, ldx, M, K, xsum);
-    const QuantPanelKernel kernel = ROWS_BY_KIND[kind][M - 1];
     at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
-        kernel(x, ldx, base + p * panel_bytes, K, bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate,
-               xsum);
-      }
-    });
-    return;
-  }
-  if (M <= 8) {  // 5-8 rows: all of them against 3 (Q8) or 2 (the others) panels a pass
-    const int64_t per = KIND_VECTORS[kind] == 1 && !has_offset(kind) ? 3 : 2, groups = (np + per - 1) / per;
-    at::parallel_for(0, groups, 3, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = per * g, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
-        const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
-        WIDE_BY_KIND[kind][(M - 5) * 3 + nb - 1](x, ldx, base + p0 * panel_bytes, panel_bytes, K,
-                                                 bias == nullptr ? nullptr : bias + n0, y + n0, N, nw, accumulate);
+        // rows 4 at a time, the panel from L1 after the first: a row's sums are the same whatever its block
+        for (int64_t r0 = 0; r0 < M; r0 += 4)
+          ROWS_BY_KIND[kind][std::min<int64_t>(4, M - r0) - 1](x + r0 * ldx, ldx, base + p * panel_bytes, K,
+                                                               bias == nullptr ? nullptr : bias + n0,
+                                                               y + r0 * N + n0, N, nw, accumulate, xsum + r0 * nblk);
       }
     });
     return;

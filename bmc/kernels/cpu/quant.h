@@ -84,9 +84,9 @@ void dequant_panels(const torch::Tensor& wq, int kind, int64_t p0, int64_t nb, i
 #ifdef __AVX512F__
 // 1-4 rows (decode) on AVX-512: the panel streams through registers, no buffer (dequantizing into a buffer first
 // took several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of
-// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). 5-8 rows (quant_block_kernel) keep
-// the per-weight dequantization: bit for bit the float kernels' arithmetic. Figures: docs/performance.md, "Figures
-// behind the code's choices".
+// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). gemm_quant calls them 4 rows at a time
+// up to FACTORED_ROWS (linear.h); past that, panels are dequantized once for all rows. Figures: docs/performance.md,
+// "Figures behind the code's choices".
 inline v16 q8_ints(const uint8_t* q) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
 }
@@ -176,60 +176,6 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
   const v16 bv = load_bias(bias, nw);
   for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
 }
-
-// 5-8 rows against NB panels, dequantized in registers: one accumulator chain per (row, column) over k in order,
-// as block_kernel runs it (which panels share a pass does not change any sum), so again bit for bit.
-template <int MB, int NB, int KIND>
-void quant_block_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t panel_bytes, int64_t K,
-                        const float* bias, float* y, int64_t ldy, int64_t nw, bool accumulate) {
-  v16 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = v16{};
-  constexpr int64_t bb = KIND_BLOCK[KIND];
-  const int64_t nblk = K / QK;
-  for (int64_t b = 0; b < nblk; ++b) {
-    const uint8_t* blk[NB];
-    v16 d[NB], m[NB];  // with d_hi: rows 0-15's scales, then 16-31's
-    for (int j = 0; j < NB; ++j) {
-      blk[j] = wq + j * panel_bytes + b * bb;
-      for (int64_t line = 0; line < bb; line += 64) __builtin_prefetch(blk[j] + 4 * bb + line);
-      d[j] = scale_vec<KIND>(blk[j], 0);
-      m[j] = has_offset(KIND) ? offset_vec<KIND>(blk[j], d[j]) : v16{};
-    }
-    const float* xb = x + b * QK;
-    for (int k = 0; k < QK; ++k) {
-      if (has_scale_hi(KIND) && k == QK / 2)
-        for (int j = 0; j < NB; ++j) d[j] = scale_vec<KIND>(blk[j], KIND_SCALE_HI[KIND]);
-      v16 w[NB];
-      for (int j = 0; j < NB; ++j) {
-        const v16 q = block_ints<KIND>(blk[j], k);
-        if (has_offset(KIND))
-          w[j] = (v16)_mm512_fmadd_ps((__m512)d[j], (__m512)q, (__m512)m[j]);  // d q is exact: one rounding
-        else
-          w[j] = d[j] * q;
-      }
-      for (int i = 0; i < MB; ++i) {
-        const float xi = xb[i * ldx + k];
-        for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
-      }
-    }
-  }
-  store_block<MB, NB>(acc, bias, y, ldy, nw, accumulate);
-}
-
-using QuantBlockKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
-                                  int64_t, int64_t, bool);
-// 5-8 rows x 1-3 panels: Q8 takes three panels a pass (24 accumulators, 3 weight rows, 3 scales), the others two
-// (their offsets or second scales take registers too)
-template <int KIND>
-constexpr QuantBlockKernel QUANT_WIDE_KERNELS[12] = {
-    quant_block_kernel<5, 1, KIND>, quant_block_kernel<5, 2, KIND>, quant_block_kernel<5, 3, KIND>,
-    quant_block_kernel<6, 1, KIND>, quant_block_kernel<6, 2, KIND>, quant_block_kernel<6, 3, KIND>,
-    quant_block_kernel<7, 1, KIND>, quant_block_kernel<7, 2, KIND>, quant_block_kernel<7, 3, KIND>,
-    quant_block_kernel<8, 1, KIND>, quant_block_kernel<8, 2, KIND>, quant_block_kernel<8, 3, KIND>};
-#define BMC_WIDE_ENTRY(K) QUANT_WIDE_KERNELS<K>,
-constexpr const QuantBlockKernel* WIDE_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_WIDE_ENTRY)};
-#undef BMC_WIDE_ENTRY
 
 using QuantPanelKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
                                   int64_t, bool, const float*);
