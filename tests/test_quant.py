@@ -629,21 +629,28 @@ def block_kind_code(name: str) -> int:
     return BLOCK_KIND[name].code
 
 
+@pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
-def test_int8_activation_gemms_give_a_row_the_same_bits_at_any_row_count(kind):
-    """With int8 activations a row's output does not depend on the rows beside it (1, 3, 9 or 33 at once): each
-    row count's kernel sums the same terms in the same order and rounds them alike (an implied offset included:
-    Q4_0's -8 d; K-quants' two scales a block)."""
-    if not native_module().has_int8_dot():
+def test_quantized_gemms_give_a_row_the_same_bits_at_any_row_count(kind, activations):
+    """A row's output does not depend on the rows beside it (1, 3, 9, 33 or 64 at once): each row count's kernel
+    sums the same terms in the same order and rounds them alike (an implied offset included: Q4_0's -8 d;
+    K-quants' two scales a block). With int8 activations at any row count; with float ones up to linear.h's
+    FACTORED_ROWS (64), where the panels stream through the 1-4 row kernels (their sums were once re-associated
+    by the compiler in the 1-row Q8 kernel alone: Q8_0 and Q6_K rows differed between a call of 1 and of 2+)."""
+    if activations == "int8" and not native_module().has_int8_dot():
         pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
+    if activations == "float" and not _factored_q4():
+        pytest.skip("float rows take the 1-4 row kernels on AVX-512 builds only")
     w = random_matrix(kind, 64, 256, 0, MODEL_D) if kind in K_BYTES else random_blocks(kind, (64, 256))
     lin = bmc.models.ops.Linear(w)
-    lin.int8_activations = True
-    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(1))
-    one = torch.cat([lin(x[i : i + 1]) for i in range(33)])
-    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 33, 3)]), one)
-    assert torch.equal(torch.cat([lin(x[:9]), lin(x[9:])]), one)
+    lin.int8_activations = activations == "int8"
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    one = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 64, 3)]), one)
+    assert torch.equal(torch.cat([lin(x[:9]), lin(x[9:42]), lin(x[42:])]), one)
     assert torch.equal(lin(x), one)
+    if activations == "float":  # and within the bound of the dequantized float GEMM
+        torch.testing.assert_close(one, x @ w.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 
 def test_weight_bytes_are_what_a_step_reads(tiny_dirs):
@@ -688,12 +695,12 @@ def _factored_q4() -> bool:
 
 @pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("model_of", ["gguf-hd16", "hf-hd64", "hf-hd128"])
+@pytest.mark.parametrize("model_of", ["gguf-hd16", "hf-hd64", "hf-hd128", "hf-hd64-q8_0"])
 def test_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads, model_of, kv_dtype, activations):
     """A verify step's rows are the bits of the same tokens decoded one at a time (float or int8 KV), so
-    speculation gives plain decoding's tokens: with int8 activations, and with float ones on Q4 weights (a row's
-    GEMM sums are the same in a call of 1 or of up to 64 rows; 5-8 rows once took another kernel whose sums
-    differed). A step's attention scores a verify tree's rows by the decode rows' dot products, whatever their
+    speculation gives plain decoding's tokens: with int8 activations, and with float ones on Q4 and Q8_0 weights (a
+    row's GEMM sums are the same in a call of 1 or of up to 64 rows; 5-8 rows once took another kernel whose sums
+    differed, and the 1-row Q8 kernel once summed in a compiler-chosen tree). A step's attention scores a verify tree's rows by the decode rows' dot products, whatever their
     count (a prompt's 8 or more rows a KV head: one matrix product, which sums in another order and once moved an
     int8 activation across a rounding step: 0.65 in a logit). The cache grows in whole 16-key score blocks, as the
     scheduler's do (see the cache-growth test above)."""
@@ -705,13 +712,14 @@ def test_verify_rows_are_the_decode_rows_bits(tmp_path, q4_heads, model_of, kv_d
     if activations == "int8" and not _has_int8_dot():
         pytest.skip("int8 activations need AVX512-VNNI and VBMI")
     if activations == "float" and not _factored_q4():
-        pytest.skip("float rows take the factored Q4 kernels on AVX-512 builds only")
+        pytest.skip("float rows take the 1-4 row quantized kernels on AVX-512 builds only")
     if model_of == "gguf-hd16":
         path = str(tmp_path / "q4.gguf")
         _write(path, plan=uniform_plan(Q.Q4_0), embed_type=Q.Q4_0, tied=True)
         model = bmc.load(path, activations=activations)
     else:
-        model = bmc.load(q4_heads[int(model_of[5:])], quant="q4_0", activations=activations)
+        head_dim, _, quant = model_of[5:].partition("-")
+        model = bmc.load(q4_heads[int(head_dim)], quant=quant or "q4_0", activations=activations)
     g, vocab = torch.Generator().manual_seed(3), model.config.vocab_size
     prompt = torch.randint(3, vocab, (21,), generator=g).tolist()
     chain = torch.randint(3, vocab, (6,), generator=g).tolist()  # 6 rows a query head: 12-18 a KV head

@@ -131,6 +131,15 @@ constexpr bool prefetches_ahead(int rows) { return rows > 2; }
 // d sum_k x_k q_k + m sum_k x_k, with the row sums of x per block computed once per GEMM (xsum). One operation
 // fewer per 16 weights than dequantizing each; the same value up to float rounding (activations stay float32).
 // Two accumulator chains per row: even/odd k, or for Q8X the two 16-row halves, interleaved.
+// Every sum is an explicit FMA or add in a written order: -ffast-math re-associates `s += x * w`, and did so in
+// some row counts' kernels and not others (the 1-row Q8 kernel into a tree), so a row's sums depended on how many
+// rows its call had. Pinned, a row's output is the same bits in a call of 1 to FACTORED_ROWS rows.
+inline v16 fma16(const v16& a, const v16& b, const v16& c) {
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+inline v16 add16(const v16& a, const v16& b) { return (v16)_mm512_add_ps((__m512)a, (__m512)b); }
+inline v16 bcast16(const float* p) { return (v16)_mm512_set1_ps(*p); }
+
 template <int MB, int KIND>
 void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* bias, float* y,
                         int64_t ldy, int64_t nw, bool accumulate, const float* xsum) {
@@ -146,35 +155,29 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
     const float* xb = x + b * QK;
     v16 s0[MB], s1[MB];
     for (int i = 0; i < MB; ++i) s0[i] = s1[i] = v16{};
-    if (has_scale_hi(KIND)) {
-      for (int k = 0; k < QK / 2; ++k) {
-        const v16 w0 = block_ints<KIND>(blk, k), w1 = block_ints<KIND>(blk, k + QK / 2);
-        for (int i = 0; i < MB; ++i) {
-          s0[i] += xb[i * ldx + k] * w0;
-          s1[i] += xb[i * ldx + k + QK / 2] * w1;
-        }
+    // chain 0 takes k0 = 0, 2, 4... (or 0-15 for two scales a block), chain 1 the k beside it
+    constexpr int step = has_scale_hi(KIND) ? 1 : 2, half = has_scale_hi(KIND) ? QK / 2 : 1;
+    for (int k = 0; k < (has_scale_hi(KIND) ? QK / 2 : QK); k += step) {
+      const v16 w0 = block_ints<KIND>(blk, k), w1 = block_ints<KIND>(blk, k + half);
+      for (int i = 0; i < MB; ++i) {
+        s0[i] = fma16(bcast16(xb + i * ldx + k), w0, s0[i]);
+        s1[i] = fma16(bcast16(xb + i * ldx + k + half), w1, s1[i]);
       }
+    }
+    if (has_scale_hi(KIND)) {
       const v16 d1 = scale_vec<KIND>(blk, KIND_SCALE_HI[KIND]);
       const v16 m = has_offset(KIND) ? offset_vec<KIND>(blk, d) : v16{};
-      for (int i = 0; i < MB; ++i) acc[i] += d * s0[i] + d1 * s1[i] + m * xsum[i * nblk + b];
-      continue;
-    }
-    for (int k = 0; k < QK; k += 2) {
-      const v16 w0 = block_ints<KIND>(blk, k), w1 = block_ints<KIND>(blk, k + 1);
-      for (int i = 0; i < MB; ++i) {
-        s0[i] += xb[i * ldx + k] * w0;
-        s1[i] += xb[i * ldx + k + 1] * w1;
-      }
-    }
-    if (has_offset(KIND)) {
+      for (int i = 0; i < MB; ++i)
+        acc[i] = fma16(d1, s1[i], fma16(d, s0[i], has_offset(KIND) ? fma16(m, bcast16(xsum + i * nblk + b), acc[i]) : acc[i]));
+    } else if (has_offset(KIND)) {
       const v16 m = offset_vec<KIND>(blk, d);
-      for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]) + m * xsum[i * nblk + b];
+      for (int i = 0; i < MB; ++i) acc[i] = fma16(d, add16(s0[i], s1[i]), fma16(m, bcast16(xsum + i * nblk + b), acc[i]));
     } else {
-      for (int i = 0; i < MB; ++i) acc[i] += d * (s0[i] + s1[i]);
+      for (int i = 0; i < MB; ++i) acc[i] = fma16(d, add16(s0[i], s1[i]), acc[i]);
     }
   }
   const v16 bv = load_bias(bias, nw);
-  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, acc[i] + bv, nw, accumulate);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, add16(acc[i], bv), nw, accumulate);
 }
 
 using QuantPanelKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
