@@ -29,7 +29,7 @@ from .tree import TreeSpec
 
 AUTO_PROPOSAL = TreeSpec(4, 8, 32)  # what a drafter proposes under tree="auto" (four continuations of 8 tokens)
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33, 48, 64)
-COSTS_VERSION = 3  # 3: float rows on Q4 panels factored up to 64 rows (linear.h), cheaper at 5-64
+COSTS_VERSION = 4  # 3: float rows on Q4 panels factored up to 64 rows (linear.h), cheaper at 5-64; 4: 8 rows a call
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ __attribute__((noinline)) void block_sums(const float* x, int64_t ldx, int64_t M
 
 // gemm() over quantized panels: the same row and panel blocking (so the same float kernels see the same panel
 // values in the same order), each group of panels dequantized into the thread's buffer first.
-// Float rows up to this many multiply quantized panels as stored, 4 rows a kernel call (the scales applied once a
-// block); more dequantize each group of panels once for all rows. The factored calls were as fast or faster up to
+// Float rows up to this many multiply quantized panels as stored, up to 8 rows a kernel call (the scales applied
+// once a block); more dequantize each group of panels once for all rows. The factored calls were as fast or faster up to
 // 96 rows (docs/performance.md, "Figures behind the code's choices"), and a row's sums do not depend on the rows
 // beside it there.
 constexpr int64_t FACTORED_ROWS = 64;
+constexpr int64_t QUANT_ROWS = QUANT_ROWS_MAX;
 
 void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
                 const float* bias, float* y, bool accumulate, bool int8_x) {
@@ -73,9 +74,9 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
-        // rows 4 at a time, the panel from L1 after the first: a row's sums are the same whatever its block
-        for (int64_t r0 = 0; r0 < M; r0 += 4)
-          ROWS_BY_KIND[kind][std::min<int64_t>(4, M - r0) - 1](x + r0 * ldx, ldx, base + p * panel_bytes, K,
+        // rows QUANT_ROWS at a time, the panel from L1 after the first: a row's sums are the same whatever its block
+        for (int64_t r0 = 0; r0 < M; r0 += QUANT_ROWS)
+          ROWS_BY_KIND[kind][std::min<int64_t>(QUANT_ROWS, M - r0) - 1](x + r0 * ldx, ldx, base + p * panel_bytes, K,
                                                                bias == nullptr ? nullptr : bias + n0,
                                                                y + r0 * N + n0, N, nw, accumulate, xsum + r0 * nblk);
       }

@@ -82,9 +82,9 @@ void dequant_panels(const torch::Tensor& wq, int kind, int64_t p0, int64_t nb, i
 }
 
 #ifdef __AVX512F__
-// 1-4 rows (decode) on AVX-512: the panel streams through registers, no buffer (dequantizing into a buffer first
-// took several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of
-// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). gemm_quant calls them 4 rows at a time
+// 1-8 rows (decode, verify trees) on AVX-512: the panel streams through registers, no buffer (dequantizing into a
+// buffer first took several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of
+// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). gemm_quant calls them 8 rows at a time
 // up to FACTORED_ROWS (linear.h); past that, panels are dequantized once for all rows. Figures: docs/performance.md,
 // "Figures behind the code's choices".
 inline v16 q8_ints(const uint8_t* q) {
@@ -182,9 +182,13 @@ void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t 
 
 using QuantPanelKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
                                   int64_t, bool, const float*);
+// Rows a call at most: each row's sums are the same bits at every count (the order is pinned above), so wider
+// calls only unpack each weight for more rows at once.
+constexpr int QUANT_ROWS_MAX = 8;
 template <int KIND>
-constexpr QuantPanelKernel QUANT_ROW_KERNELS[4] = {quant_panel_kernel<1, KIND>, quant_panel_kernel<2, KIND>,
-                                                   quant_panel_kernel<3, KIND>, quant_panel_kernel<4, KIND>};
+constexpr QuantPanelKernel QUANT_ROW_KERNELS[QUANT_ROWS_MAX] = {
+    quant_panel_kernel<1, KIND>, quant_panel_kernel<2, KIND>, quant_panel_kernel<3, KIND>, quant_panel_kernel<4, KIND>,
+    quant_panel_kernel<5, KIND>, quant_panel_kernel<6, KIND>, quant_panel_kernel<7, KIND>, quant_panel_kernel<8, KIND>};
 #define BMC_ROWS_ENTRY(K) QUANT_ROW_KERNELS<K>,
 constexpr const QuantPanelKernel* ROWS_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_ROWS_ENTRY)};
 #undef BMC_ROWS_ENTRY
