@@ -196,15 +196,18 @@ void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::T
   (void)amx;
   const int64_t np = wp.size(0), per = 4, groups = (np + per - 1) / per;
   const int64_t K2 = (K + 1) / 2, K2p = amx ? (K2 + 15) / 16 * 16 : K2, Mp = amx ? (M + 15) / 16 * 16 : M;
+  // An AMX tile loads 16 rows of x ld apart: a row of 4 KB (K = 2048) put all 16 in one L1 set; one more line a row
+  // spreads them
+  const int64_t ld = amx ? K2p + 16 : K2p;
   static thread_local std::vector<uint32_t> xb_buf;
-  if (static_cast<int64_t>(xb_buf.size()) < Mp * K2p) xb_buf.resize(Mp * K2p);
+  if (static_cast<int64_t>(xb_buf.size()) < Mp * ld) xb_buf.resize(Mp * ld);
   uint32_t* xb = xb_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
   at::parallel_for(0, Mp, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (i < M)
-        x_pairs(x + i * ldx, K, K2p, xb + i * K2p);
+        x_pairs(x + i * ldx, K, K2p, xb + i * ld);
       else
-        std::fill(xb + i * K2p, xb + (i + 1) * K2p, 0u);
+        std::fill(xb + i * ld, xb + i * ld + K2p, 0u);
     }
   });
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -223,7 +226,7 @@ void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::T
           const int64_t mt = M - m0 > 16 ? 2 : 1, rows = std::min<int64_t>(32, M - m0);
           for (int64_t j = 0; j < nb; j += 2) {
             const int64_t nt = nb - j > 1 ? 2 : 1;
-            AMX_KERNELS[(mt - 1) * 2 + nt - 1](xb + m0 * K2p, K2p, wb + j * K2p * P, K2p, c);
+            AMX_KERNELS[(mt - 1) * 2 + nt - 1](xb + m0 * ld, ld, wb + j * K2p * P, K2p, c);
             for (int64_t t = 0; t < nt; ++t) {
               const int64_t n0 = (p0 + j + t) * P, width = std::min<int64_t>(P, N - n0);
               const v16 b = load_bias(bias == nullptr ? nullptr : bias + n0, width);
@@ -244,7 +247,7 @@ void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::T
       group_pairs(wp, kind, p0, nb, K, K2p, fb, wb);
       for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
         const int64_t mb = (M - m0) / (blocks - blk);  // near-equal blocks, as gemm_panels
-        BF16_KERNELS[(mb - 1) * 4 + nb - 1](xb + m0 * K2p, K2p, wb, K2p, bias == nullptr ? nullptr : bias + n0,
+        BF16_KERNELS[(mb - 1) * 4 + nb - 1](xb + m0 * ld, ld, wb, K2p, bias == nullptr ? nullptr : bias + n0,
                                             y + m0 * N + n0, N, nw, accumulate);
         m0 += mb;
       }
