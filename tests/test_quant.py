@@ -632,22 +632,22 @@ def block_kind_code(name: str) -> int:
 @pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_quantized_gemms_give_a_row_the_same_bits_at_any_row_count(kind, activations):
-    """A row's output does not depend on the rows beside it (1, 3, 9, 33 or 64 at once): each row count's kernel
-    sums the same terms in the same order and rounds them alike (an implied offset included: Q4_0's -8 d;
-    K-quants' two scales a block). With int8 activations at any row count; with float ones up to linear.h's
-    FACTORED_ROWS (64), where the panels stream through the 1-4 row kernels (their sums were once re-associated
-    by the compiler in the 1-row Q8 kernel alone: Q8_0 and Q6_K rows differed between a call of 1 and of 2+)."""
+    """A row's output does not depend on the rows beside it (1, 3, 9, 33, 64 or 130 at once): each row count's
+    kernel sums the same terms in the same order and rounds them alike (an implied offset included: Q4_0's -8 d;
+    K-quants' two scales a block). With float activations the panels stream through the 1-8 row kernels at every
+    row count (their sums were once re-associated by the compiler in the 1-row Q8 kernel alone, and past 64 rows
+    the panels were dequantized: rows summed apart)."""
     if activations == "int8" and not native_module().has_int8_dot():
         pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
     if activations == "float" and not _factored_q4():
-        pytest.skip("float rows take the 1-4 row kernels on AVX-512 builds only")
+        pytest.skip("float rows take the 1-8 row kernels on AVX-512 builds only")
     w = random_matrix(kind, 64, 256, 0, MODEL_D) if kind in K_BYTES else random_blocks(kind, (64, 256))
     lin = bmc.models.ops.Linear(w)
     lin.int8_activations = activations == "int8"
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
-    one = torch.cat([lin(x[i : i + 1]) for i in range(64)])
-    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 64, 3)]), one)
-    assert torch.equal(torch.cat([lin(x[:9]), lin(x[9:42]), lin(x[42:])]), one)
+    x = torch.randn(130, 256, generator=torch.Generator().manual_seed(1))
+    one = torch.cat([lin(x[i : i + 1]) for i in range(130)])
+    assert torch.equal(torch.cat([lin(x[i : i + 3]) for i in range(0, 130, 3)]), one)
+    assert torch.equal(torch.cat([lin(x[:9]), lin(x[9:42]), lin(x[42:106]), lin(x[106:])]), one)
     assert torch.equal(lin(x), one)
     if activations == "float":  # and within the bound of the dequantized float GEMM
         torch.testing.assert_close(one, x @ w.dequantize().t(), rtol=1e-5, atol=1e-4)
@@ -687,7 +687,7 @@ def q4_heads(tmp_path_factory) -> dict[int, str]:
 
 
 def _factored_q4() -> bool:
-    """Whether float rows multiply Q4 panels as stored, 4 rows a call, up to linear.h's FACTORED_ROWS: the AVX-512
+    """Whether float rows multiply quantized panels as stored, 8 rows a call (linear.h's gemm_quant): the AVX-512
     build's kernels (experts_spread answers for the same build)."""
     mod = native_module()
     return mod is not None and bool(mod.experts_spread())

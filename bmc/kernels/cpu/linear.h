@@ -28,11 +28,11 @@ __attribute__((noinline)) void block_sums(const float* x, int64_t ldx, int64_t M
 
 // gemm() over quantized panels: the same row and panel blocking (so the same float kernels see the same panel
 // values in the same order), each group of panels dequantized into the thread's buffer first.
-// Float rows up to this many multiply quantized panels as stored, up to 8 rows a kernel call (the scales applied
-// once a block); more dequantize each group of panels once for all rows. The factored calls were as fast or faster up to
-// 96 rows (docs/performance.md, "Figures behind the code's choices"), and a row's sums do not depend on the rows
-// beside it there.
-constexpr int64_t FACTORED_ROWS = 64;
+// Float rows multiply quantized panels as stored, up to 8 rows a kernel call, the scales applied once a block
+// (AVX-512 builds; AVX2 ones dequantize each group of panels once for all rows). So a row's sums are the same bits
+// at every row count: a decode row beside a prompt chunk, a prompt prefilled whole or in chunks. Dequantizing
+// past 64 rows was no faster once x is walked in L2-sized row blocks (docs/performance.md, "Figures behind the
+// code's choices").
 constexpr int64_t QUANT_ROWS = QUANT_ROWS_MAX;
 
 void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
@@ -64,21 +64,28 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     return;
   }
 #endif
-  if (M <= FACTORED_ROWS) {  // the panel streams through registers, its scales applied once per block
+  {  // the panel streams through registers, its scales applied once per block
     // each row's sum over each block of K (the offsets' factor), in a buffer kept by the calling thread: no
     // allocation per GEMM on the decode path
     static thread_local std::vector<float> xsum_buf;
     if (static_cast<int64_t>(xsum_buf.size()) < M * nblk) xsum_buf.resize(M * nblk);
     float* xsum = xsum_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
     if (has_offset(kind)) block_sums(x, ldx, M, K, xsum);
-    at::parallel_for(0, np, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
-        // rows QUANT_ROWS at a time, the panel from L1 after the first: a row's sums are the same whatever its block
-        for (int64_t r0 = 0; r0 < M; r0 += QUANT_ROWS)
-          ROWS_BY_KIND[kind][std::min<int64_t>(QUANT_ROWS, M - r0) - 1](x + r0 * ldx, ldx, base + p * panel_bytes, K,
-                                                               bias == nullptr ? nullptr : bias + n0,
-                                                               y + r0 * N + n0, N, nw, accumulate, xsum + r0 * nblk);
+    // rows a block of about 256 KB of x, walked by all of a thread's panels while it stays in L2 (the panels stay
+    // there too); decode rows are one block
+    const int64_t block_rows = std::max<int64_t>(QUANT_ROWS, (65536 / K) / QUANT_ROWS * QUANT_ROWS);
+    at::parallel_for(0, np, M <= block_rows ? 8 : 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+        const int64_t m1 = std::min(M, m0 + block_rows);
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
+          // rows QUANT_ROWS at a time, the panel from L1 after the first: a row's sums are the same whatever its
+          // block
+          for (int64_t r0 = m0; r0 < m1; r0 += QUANT_ROWS)
+            ROWS_BY_KIND[kind][std::min<int64_t>(QUANT_ROWS, m1 - r0) - 1](
+                x + r0 * ldx, ldx, base + p * panel_bytes, K, bias == nullptr ? nullptr : bias + n0, y + r0 * N + n0,
+                N, nw, accumulate, xsum + r0 * nblk);
+        }
       }
     });
     return;

@@ -82,11 +82,11 @@ void dequant_panels(const torch::Tensor& wq, int kind, int64_t p0, int64_t nb, i
 }
 
 #ifdef __AVX512F__
-// 1-8 rows (decode, verify trees) on AVX-512: the panel streams through registers, no buffer (dequantizing into a
-// buffer first took several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of
-// per weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). gemm_quant calls them 8 rows at a time
-// up to FACTORED_ROWS (linear.h); past that, panels are dequantized once for all rows. Figures: docs/performance.md,
-// "Figures behind the code's choices".
+// 1-8 rows on AVX-512: the panel streams through registers, no buffer (dequantizing into a buffer first took
+// several times as long at M = 1). Each block's scale is applied once (quant_panel_kernel below) instead of per
+// weight: batch-4 decode faster, batch 1 where it was (bound elsewhere). gemm_quant calls them 8 rows at a time at
+// every row count (linear.h: x in L2-sized row blocks). Figures: docs/performance.md, "Figures behind the code's
+// choices".
 inline v16 q8_ints(const uint8_t* q) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
 }
@@ -133,7 +133,7 @@ constexpr bool prefetches_ahead(int rows) { return rows > 2; }
 // Two accumulator chains per row: even/odd k, or for Q8X the two 16-row halves, interleaved.
 // Every sum is an explicit FMA or add in a written order: -ffast-math re-associates `s += x * w`, and did so in
 // some row counts' kernels and not others (the 1-row Q8 kernel into a tree), so a row's sums depended on how many
-// rows its call had. Pinned, a row's output is the same bits in a call of 1 to FACTORED_ROWS rows.
+// rows its call had. Pinned, a row's output is the same bits in a call of any number of rows.
 inline v16 fma16(const v16& a, const v16& b, const v16& c) {
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 }
