@@ -653,6 +653,29 @@ def test_quantized_gemms_give_a_row_the_same_bits_at_any_row_count(kind, activat
         torch.testing.assert_close(one, x @ w.dequantize().t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_float_panels_give_a_row_the_same_bits_at_any_row_count(kind):
+    """Float32 and 16-bit panels: a row's output is one FMA chain over k in order at every row count's kernel (1-2
+    rows on 4 panels, 3-4 on one, 5-8 wide, blocked past 8), so it does not depend on the rows beside it. Before,
+    the 1-4 row kernel summed even and odd k apart and the others did not."""
+    if not _factored_q4():
+        pytest.skip("the register blockings are AVX-512's")
+    N, K = 80, 96
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.05).numpy()
+    if kind == "f32":
+        mod = native_module()
+        weight = mod.Weight(mod.pack_panels(torch.from_numpy(w).t().contiguous()))
+        f = lambda xs: mod.panel_linear(xs, weight, N, None, False)  # noqa: E731
+    else:
+        raw = gguf.quants.quantize(w, HALF_TYPES[kind]).reshape(N, -1).view(np.uint8)
+        f = bmc.models.ops.Linear(QuantWeight(kind, (N, K), raw))
+    x = torch.randn(130, K, generator=torch.Generator().manual_seed(1))
+    one = torch.cat([f(x[i : i + 1]) for i in range(130)])
+    for step in (2, 3, 4, 5, 8, 9, 64):
+        assert torch.equal(torch.cat([f(x[i : i + step]) for i in range(0, 130, step)]), one), step
+    assert torch.equal(f(x), one)
+
+
 def test_weight_bytes_are_what_a_step_reads(tiny_dirs):
     """An untied embedding table is looked up a row at a time: not in weight_bytes; a tied one is the LM head,
     read whole, and counted once."""

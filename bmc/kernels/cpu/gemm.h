@@ -18,31 +18,24 @@ inline void store_out(float* out, v16 r, int64_t width, bool accumulate) {
   }
 }
 
-// y[MB rows][16] (+)= x[MB rows][K] @ panel[K][16] (+ bias); two partial sums over k halve the FMA chains.
+// y[MB rows][16] (+)= x[MB rows][K] @ panel[K][16] (+ bias). Each output is one FMA chain over k in order, as in
+// block_kernel, so a row's result does not depend on the rows beside it (two partial sums over k here once made
+// the 1-4 row calls sum apart from the 5+ row ones; one chain keeps up with the weight stream).
 template <int MB, typename W>
 void panel_kernel(const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
                   int64_t ldy, int64_t nw, bool accumulate) {
-  v16 a0[MB], a1[MB];
-  for (int i = 0; i < MB; ++i) a0[i] = a1[i] = v16{};
-  int64_t k = 0;
-  for (; k + 1 < K; k += 2) {
+  v16 a[MB];
+  for (int i = 0; i < MB; ++i) a[i] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
     __builtin_prefetch(wp + (k + PREFETCH_ROWS) * P);
-    __builtin_prefetch(wp + (k + PREFETCH_ROWS + 1) * P);
-    const v16 w0 = load16(wp + k * P), w1 = load16(wp + (k + 1) * P);
-    for (int i = 0; i < MB; ++i) {
-      a0[i] += x[i * ldx + k] * w0;
-      a1[i] += x[i * ldx + k + 1] * w1;
-    }
-  }
-  if (k < K) {
-    const v16 w0 = load16(wp + k * P);
-    for (int i = 0; i < MB; ++i) a0[i] += x[i * ldx + k] * w0;
+    const v16 w = load16(wp + k * P);
+    for (int i = 0; i < MB; ++i) a[i] = fma16(bcast16(x + i * ldx + k), w, a[i]);
   }
   const v16 b = load_bias(bias, nw);
-  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, (a0[i] + a1[i]) + b, nw, accumulate);
+  for (int i = 0; i < MB; ++i) store_out(y + i * ldy, add16(a[i], b), nw, accumulate);
 }
 
-// 1-4 rows, each panel streamed once with the rows in registers (5 and more: block_kernel)
+// 1-4 rows, each panel streamed once with the rows in registers (gemm_panels: 3-4 rows on AVX-512, any on AVX2)
 template <typename W>
 void rows_kernel(int64_t mb, const float* x, int64_t ldx, const W* wp, int64_t K, const float* bias, float* y,
                  int64_t ldy, int64_t nw, bool acc) {
@@ -61,7 +54,7 @@ inline void store_block(const v16 (&acc)[MB][NB], const float* bias, float* y, i
   for (int j = 0; j < NB; ++j) {
     const int64_t width = j == NB - 1 ? nw : P;
     const v16 b = load_bias(bias == nullptr ? nullptr : bias + j * P, width);
-    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, acc[i][j] + b, width, accumulate);
+    for (int i = 0; i < MB; ++i) store_out(y + i * ldy + j * P, add16(acc[i][j], b), width, accumulate);
   }
 }
 
@@ -84,8 +77,8 @@ void block_kernel(const float* x, int64_t ldx, const W* wp, int64_t K, const flo
     v16 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load16(wp + (j * K + k) * P);
     for (int i = 0; i < MB; ++i) {
-      const float xi = x[i * ldx + k];
-      for (int j = 0; j < NB; ++j) acc[i][j] += xi * w[j];
+      const v16 xi = bcast16(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = fma16(xi, w[j], acc[i][j]);
     }
   }
   store_block<MB, NB>(acc, bias, y, ldy, nw, accumulate);
@@ -112,7 +105,8 @@ constexpr BlockKernelOf<W> WIDE_ROW_KERNELS[12] = {  // 5-8 rows x 1-3 panels, s
     block_kernel<8, 1, true, W>, block_kernel<8, 2, true, W>, block_kernel<8, 3, true, W>};
 
 // y[M, N] (+)= x[M, K] @ W (+ bias) with W packed [ceil(N/16), K, 16] and x rows ldx apart; threads split the
-// panels, so each streams its own contiguous part of W. Up to 4 rows, each panel is streamed once with all rows in
+// panels, so each streams its own contiguous part of W. 1-2 rows: groups of 4 panels streamed with the rows in
+// registers (a chain per output needs others beside it); 3-4 rows, each panel streamed once with all rows in
 // registers; 5-8 rows, groups of 3 panels with all rows in registers (bound by the weight stream, which the FMAs
 // slowed at 8 rows on one panel); beyond, groups of 4 panels are walked by blocks of <= 6 rows of near-equal size
 // (bound by FMAs: the group stays in L2 between row blocks).

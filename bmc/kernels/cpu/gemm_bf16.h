@@ -63,19 +63,6 @@ inline void widen_pairs(const uint32_t* p, v16& even, v16& odd) {
 #endif
 }
 
-// c + a * b rounded once, spelled out: left to -ffast-math, some blockings contracted to an FMA and some did not,
-// and a row's result depended on the rows beside it.
-inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return {(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo),
-          (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
-#else
-  return c + a * b;
-#endif
-}
-
 // y[MB rows][NB panels] (+)= x @ NB panels of pairs (+ bias): per pair of k, one load per panel and one broadcast per
 // row feed MB * NB dot products (block_kernel's blocking, two k a step).
 template <int MB, int NB>

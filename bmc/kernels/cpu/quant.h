@@ -131,14 +131,9 @@ constexpr bool prefetches_ahead(int rows) { return rows > 2; }
 // d sum_k x_k q_k + m sum_k x_k, with the row sums of x per block computed once per GEMM (xsum). One operation
 // fewer per 16 weights than dequantizing each; the same value up to float rounding (activations stay float32).
 // Two accumulator chains per row: even/odd k, or for Q8X the two 16-row halves, interleaved.
-// Every sum is an explicit FMA or add in a written order: -ffast-math re-associates `s += x * w`, and did so in
-// some row counts' kernels and not others (the 1-row Q8 kernel into a tree), so a row's sums depended on how many
-// rows its call had. Pinned, a row's output is the same bits in a call of any number of rows.
-inline v16 fma16(const v16& a, const v16& b, const v16& c) {
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
-inline v16 add16(const v16& a, const v16& b) { return (v16)_mm512_add_ps((__m512)a, (__m512)b); }
-inline v16 bcast16(const float* p) { return (v16)_mm512_set1_ps(*p); }
+// Every sum is an explicit FMA or add in a written order (simd.h's fma16): -ffast-math re-associated `s += x * w`
+// in some row counts' kernels and not others (the 1-row Q8 kernel into a tree), so a row's sums depended on how
+// many rows its call had. Pinned, a row's output is the same bits in a call of any number of rows.
 
 template <int MB, int KIND>
 void quant_panel_kernel(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* bias, float* y,

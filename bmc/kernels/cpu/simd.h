@@ -59,6 +59,34 @@ inline v16 max16(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b)
 inline v8 max8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
 inline v16 max16(v16 a, v16 b) { return {max8(a.lo, b.lo), max8(a.hi, b.hi)}; }
 #endif
+// c + a * b rounded once, and a + b, spelled out: left to -ffast-math, a chain `acc += x * w` was contracted to
+// FMAs in some blockings and not others, or re-associated into a tree in some row counts' kernels, and a row's
+// result depended on the rows beside it. The GEMM kernels sum in the order these write.
+inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return {(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo),
+          (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
+#else
+  return c + a * b;
+#endif
+}
+inline v16 add16(v16 a, v16 b) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_add_ps((__m512)a, (__m512)b);
+#else
+  return {(v8)_mm256_add_ps((__m256)a.lo, (__m256)b.lo), (v8)_mm256_add_ps((__m256)a.hi, (__m256)b.hi)};
+#endif
+}
+inline v16 bcast16(const float* p) {  // *p in every lane (a memory operand of the FMA that takes it)
+#if defined(__AVX512F__)
+  return (v16)_mm512_set1_ps(*p);
+#else
+  const v8 h = (v8)_mm256_set1_ps(*p);
+  return {h, h};
+#endif
+}
 inline float hsum(v16 v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
