@@ -417,3 +417,41 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
     names.add(kernels.build_name("step", str(source)))  # the generated headers are read too
     assert len(names) == 6 and all(n.startswith("step_") for n in names)
     assert kernels.sources_of(str(source)) == [str(source), str(wing / "simd.h")]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_threads(kv_dtype, t):
+    """Decode and verify rows split their capacity into spans of a fixed size (simd.h's SPAN_CHUNKS), merged in
+    order: a row attended alone (its capacity just past its length) gives the same bits as in a batch whose longer
+    rows raise the capacity (its extra keys masked), at 1 or 2 threads, planned for 16. Before, the split was
+    chosen per step from the batch and threads (batch 1 split, larger batches not)."""
+    mod = native_module()
+    if mod is None:
+        pytest.skip("the native kernel is not built")
+    h, kvh, hd, length = 9, 3, 64, 700
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, t, h * hd, generator=g)
+    kv = torch.randn(1, 2, 3, kvh, 1600, hd, generator=g).to(kv_dtype)
+    lengths = [1600, length, 1200]
+    bias = torch.zeros(3, 1, t, 1600)
+    for b, n in enumerate(lengths):
+        bias[b, :, :, n:] = torch.finfo(torch.float32).min
+        for i in range(t):  # a verify tree's rows see the keys before theirs (a chain)
+            bias[b, :, i, n - t + i + 1 : n] = torch.finfo(torch.float32).min
+    attn = mod.Attention(h, kvh, hd, hd**-0.5)
+    batch = attn.attention_step(q, kv, 0, bias, [], [], [])
+    alone_cap = (length + 15) // 16 * 16
+    alone = attn.attention_step(q[1:2].contiguous(), kv[:, :, 1:2, :, :alone_cap].contiguous(), 0,
+                                bias[1:2, :, :, :alone_cap].contiguous(), [], [], [])
+    assert torch.equal(alone[0], batch[1])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            attn.set_split_threads(16 if n == 1 else 0)
+            assert torch.equal(attn.attention_step(q, kv, 0, bias, [], [], []), batch), n
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_attention(q.double(), kv.double(), bias.double(), [], hd**-0.5).float().view(3, t, h * hd)
+    torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-5)

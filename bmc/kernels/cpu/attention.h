@@ -119,20 +119,23 @@ class Attention {
       std::fill(out, out + B * t * h_ * hd_, 0.0f);
       for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
     }
-    // Tasks are (row, KV head, span of the capacity). A step at batch 1 has only H_kv (row, KV head) pairs, fewer
-    // than twice the threads: the capacity is then split into spans (flash-decoding's split-K), each attended into
-    // its own partial state, and the partials are merged exactly by their maxima and sums. Each key is still read
-    // once; one span per pair writes straight into the output.
+    // Tasks are (row, KV head, span of the capacity). Decode and verify rows take spans of SPAN_CHUNKS chunks
+    // whatever the batch, capacity or threads (flash-decoding's split-K), each attended into its own partial state,
+    // and the partials are merged in order, exactly by their maxima and sums: so a row's sums are the same bits
+    // alone or in any batch (spans past its length are all masked and add nothing). A prompt's rows split the
+    // capacity into as many spans as keep the threads busy. Each key is still read once; a lone span without
+    // shared segments before it writes straight into the output.
     // A prompt's query positions are taken QUERY_BLOCK at a time (each block a task of its own: a prompt of 512
     // tokens at batch 1 has only H_kv pairs), and a block skips the key chunks that every one of its rows has
     // masked once each row has seen a key: those add exactly nothing (see skip below).
     const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
     // (a verify tree of more than QUERY_BLOCK rows splits as its decode rows do: the same spans, the same sums)
-    const int64_t spans = split_spans(prompt ? pairs * qblocks : pairs, chunks, threads);
-    const int64_t span_chunks = (chunks + spans - 1) / spans;
+    const int64_t spans = prompt ? split_spans(pairs * qblocks, chunks, threads) : (chunks + SPAN_CHUNKS - 1) / SPAN_CHUNKS;
+    const int64_t span_chunks = prompt ? (chunks + spans - 1) / spans : SPAN_CHUNKS;
+    const bool direct = spans == 1 && !prior;  // else each span's partial state goes to part_*, merged below
     std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
-    if (spans > 1) {
+    if (!direct) {
       part_m.resize(pairs * spans * R);
       part_s.resize(pairs * spans * R);
       part_o.resize(pairs * spans * R * hd_);
@@ -163,7 +166,7 @@ class Attention {
         const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
                                       ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
-        const bool direct = spans == 1;  // else the span's partial state goes to part_*
+        bool open_span = direct;  // whether a row of the task has a key of the span its bias does not mask
         for (int64_t rr = 0; rr < Rb; ++rr) {  // row r = g * t + i: query i of the KV head's g-th query head
           const int64_t i = i0 + rr % nt, r = rr / nt * t + i, state = state_of(b, kh, r);
           row_of[rr] = r;
@@ -171,8 +174,17 @@ class Attention {
           rows.q[rr] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
           rows.o[rr] = direct ? out + state * hd_ : part_o.data() + ((pair * spans + span) * R + r) * hd_;
           bias0[rr] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
-          rows.m[rr] = direct && prior ? run_m[state] : -FLT_MAX;
-          rows.s[rr] = direct && prior ? run_s[state] : 0.0f;
+          rows.m[rr] = -FLT_MAX;
+          rows.s[rr] = 0.0f;
+          if (!open_span && (rr == 0 || bias0[rr] != bias0[rr - 1])) {
+            float top = -FLT_MAX;
+            for (int64_t j = k0; j < k1; ++j) top = std::max(top, bias0[rr][j]);
+            open_span = top > -FLT_MAX;
+          }
+        }
+        if (!open_span) {  // every row masks the whole span (past a shorter row's length): it adds nothing
+          for (int64_t rr = 0; rr < Rb; ++rr) part_s[(pair * spans + span) * R + row_of[rr]] = 0.0f;
+          continue;
         }
 #if HAVE_I8_KV_DOTS
         if (dots)
@@ -180,7 +192,7 @@ class Attention {
 #endif
         if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
-        bool started = direct && prior;  // the rows' state holds keys already (else the first chunk starts it)
+        bool started = false;  // the rows' state holds keys (else the first chunk starts it)
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
           // skip: every row of the block masks the whole chunk and has met an unmasked key before it, so the
@@ -255,14 +267,14 @@ class Attention {
           if (direct) {
             const float inv = 1.0f / rows.s[rr];
             for (int64_t e = 0; e < hd_; ++e) rows.o[rr][e] *= inv;
-          } else {
+          } else {  // a row that met no key it does not mask leaves an empty state (s = 0), skipped below
             part_m[(pair * spans + span) * R + row_of[rr]] = rows.m[rr];
-            part_s[(pair * spans + span) * R + row_of[rr]] = rows.s[rr];
+            part_s[(pair * spans + span) * R + row_of[rr]] = seen[rr] ? rows.s[rr] : 0.0f;
           }
         }
       }
     });
-    if (spans == 1) return;
+    if (direct) return;
     at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the exact merge of the spans
       for (int64_t n = begin; n < end; ++n) {
         const int64_t pair = n / R, r = n % R, state = state_of(pair % B, pair / B, r);
@@ -274,9 +286,9 @@ class Attention {
         } else {
           std::fill(o, o + hd_, 0.0f);
         }
-        for (int64_t sp = 0; sp < spans; ++sp) {
+        for (int64_t sp = 0; sp < spans; ++sp) {  // in order; folded into an empty state, a span is copied exactly
           const int64_t at = (pair * spans + sp) * R + r;
-          fold_state(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
+          if (part_s[at] > 0.0f) fold_state(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
         }
         const float inv = 1.0f / sum;
         for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;

@@ -20,6 +20,9 @@ constexpr int64_t SEG_QUERY_ROWS = 96;
 // slower, with the spread prefetch: docs/performance.md, "Figures behind the code's choices"), and the score
 // buffer stays small at any capacity.
 constexpr int64_t OWN_KEYS = 64;
+// Key chunks per span of a decode or verify row's capacity (attention's split-K): fixed, so a row's sums do not
+// depend on its batch, the batch's capacity or the threads (docs/performance.md, "Figures behind the code's choices").
+constexpr int64_t SPAN_CHUNKS = 4;
 // A prompt's query positions per attention task: a block's rows share each key chunk (L1/L2), blocks spread a
 // batch-1 prompt over the threads, and a block of a causal prompt skips the key chunks past its diagonal. Steps of
 // up to this many new tokens a row (decode, verify) are one block, as before.
