@@ -455,3 +455,41 @@ def test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_th
         torch.set_num_threads(threads)
     want = reference_attention(q.double(), kv.double(), bias.double(), [], hd**-0.5).float().view(3, t, h * hd)
     torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_rows_attention_is_the_same_bits_however_the_prompt_is_chunked(kv_dtype):
+    """A prompt's rows: the same fixed spans folded in order, and scores as a matrix product at any row count
+    (fewer than 8 rows a KV head once took dot products, which sum in another order), so a prompt attended whole,
+    in chunks of 7 / 100 / 193 rows, or beside a longer prompt in a batch gives each row the same bits, at 1 or 2
+    threads."""
+    mod = native_module()
+    if mod is None:
+        pytest.skip("the native kernel is not built")
+    h, kvh, hd, n = 9, 3, 64, 300
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, n, h * hd, generator=g)
+    kv = torch.randn(1, 2, 2, kvh, 640, hd, generator=g).to(kv_dtype)
+    causal = torch.full((n, 640), torch.finfo(torch.float32).min).triu(1)
+    bias = torch.stack([causal, torch.full((n, 640), torch.finfo(torch.float32).min)])[:, None].clone()
+    bias[1, 0, :, :n] = causal[:, :n]
+    bias[1, 0, :, n:] = torch.finfo(torch.float32).min
+    bias[0, 0, :, 304:] = torch.finfo(torch.float32).min  # row 0: its own prompt only, 340 keys of padding
+    attn = mod.Attention(h, kvh, hd, hd**-0.5)
+    alone_cap = 304
+    whole = attn.attention_step(q[:1].contiguous(), kv[:, :, :1, :, :alone_cap].contiguous(), 0,
+                                bias[:1, :, :, :alone_cap].contiguous(), [], [], [], prompt=True)
+    parts = [attn.attention_step(q[:1, lo:hi].contiguous(), kv[:, :, :1, :, :alone_cap].contiguous(), 0,
+                                 bias[:1, :, lo:hi, :alone_cap].contiguous(), [], [], [], prompt=True)
+             for lo, hi in ((0, 7), (7, 107), (107, 300))]
+    assert torch.equal(torch.cat(parts, dim=1), whole)
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 2):
+            torch.set_num_threads(nthreads)
+            batch = attn.attention_step(q, kv, 0, bias, [], [], [], prompt=True)
+            assert torch.equal(batch[:1], whole), nthreads
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_attention(q[:1].double(), kv[:, :, :1].double(), bias[:1].double(), [], hd**-0.5)
+    torch.testing.assert_close(whole, want.float().view(1, n, h * hd), rtol=1e-5, atol=1e-5)

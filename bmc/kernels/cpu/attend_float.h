@@ -62,11 +62,14 @@ static constexpr ColumnBlock COL_REST[5] = {column_block<1, 1>, column_block<2, 
 static void softmax_row(Rows& rows, int64_t r, float* pr, int64_t n, bool prior) {
   float mx = rows.m[r];
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pr[j]);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    pr[j] = exp_fast(pr[j] - mx);
-    sum += pr[j];
-  }
+  for (int64_t j = 0; j < n; ++j) pr[j] = exp_fast(pr[j] - mx);
+  // summed in 16 lanes, a last partial block zero-filled, then one reduction: the same bits for n keys and for n
+  // plus masked ones (each exactly 0), so a row's sum does not depend on where its chunk ends
+  v16 lanes = v16{};
+  int64_t j = 0;
+  for (; j + P <= n; j += P) lanes = add16(lanes, load16(pr + j));
+  if (j < n) lanes = add16(lanes, load_part(pr + j, n - j));
+  const float sum = hsum(lanes);
   rows.alpha[r] = prior ? exp_fast(rows.m[r] - mx) : 0.0f;
   rows.s[r] = rows.s[r] * rows.alpha[r] + sum;
   rows.m[r] = mx;
@@ -80,9 +83,9 @@ static void score_block(const float* const* q, const float* kt, int64_t hd, floa
   for (int64_t e = 0; e < hd; ++e) {
     v16 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load16(kt + (j * hd + e) * P);
-    for (int r = 0; r < MB; ++r) {
-      const float x = q[r][e];
-      for (int j = 0; j < NB; ++j) acc[r][j] += x * w[j];
+    for (int r = 0; r < MB; ++r) {  // pinned FMAs: a row's scores the same bits at every block size
+      const v16 x = bcast16(q[r] + e);
+      for (int j = 0; j < NB; ++j) acc[r][j] = fma16(x, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < MB; ++r)
@@ -96,6 +99,16 @@ static constexpr ScoreBlock SCORE_BLOCKS[24] = {
     score_block<4, 1>, score_block<4, 2>, score_block<4, 3>, score_block<4, 4>,
     score_block<5, 1>, score_block<5, 2>, score_block<5, 3>, score_block<5, 4>,
     score_block<6, 1>, score_block<6, 2>, score_block<6, 3>, score_block<6, 4>};
+
+#ifdef __AVX512F__
+// A key's 16 partial products q . k over its NV vectors, in a pinned order (the same in a whole block and a tail)
+template <int NV>
+inline v16 key_partial(const v16* qr, const float* k) {
+  v16 a = (v16)_mm512_mul_ps((__m512)qr[0], (__m512)load16(k));
+  for (int j = 1; j < NV; ++j) a = fma16(qr[j], load16(k + P * j), a);
+  return a;
+}
+#endif
 
 // out[j] = q . K[j] * scale + bias[j] for n keys of head_dim 16 * NV: q in NV registers, 16 keys' partial
 // products summed by one transposing reduction
@@ -136,18 +149,22 @@ static void scores(const float* q, const float* K, int64_t n, const float* bias,
   for (; s + P <= n; s += P) {
     pf.advance();
     v16 part[P];
-    for (int kk = 0; kk < P; ++kk) {
-      const float* k = K + (s + kk) * P * NV;
-      part[kk] = qr[0] * load16(k);
-      for (int j = 1; j < NV; ++j) part[kk] += qr[j] * load16(k + P * j);
-    }
-    store16(out + s, sum16(part) + load16(bias + s));
+    for (int kk = 0; kk < P; ++kk) part[kk] = key_partial<NV>(qr, K + (s + kk) * P * NV);
+    store16(out + s, add16(sum16(part), load16(bias + s)));
   }
-  for (; s < n; ++s) {
-    const float* k = K + s * P * NV;
-    v16 a = qr[0] * load16(k);
-    for (int j = 1; j < NV; ++j) a += qr[j] * load16(k + P * j);
-    out[s] = hsum(a) + bias[s];
+  if (s < n) {  // the last keys as a block of 16 whose missing keys' partials are zero: sum16 reduces each key's
+               // partial in the same tree as in a whole block, so a key's score does not depend on where the chunk
+               // ends (a row alone, its capacity just past its length, against a batch's wider one)
+    v16 part[P];
+    for (int kk = 0; kk < P; ++kk) {
+      if (s + kk >= n) {
+        part[kk] = v16{};
+        continue;
+      }
+      part[kk] = key_partial<NV>(qr, K + (s + kk) * P * NV);
+    }
+    const v16 r = add16(sum16(part), load_part(bias + s, n - s));
+    for (int64_t kk = 0; kk < n - s; ++kk) out[s + kk] = r[kk];
   }
 #endif
 }
@@ -164,9 +181,9 @@ static void weigh(const float* p, int64_t ldp, const float* V, int64_t n, const 
     pf.advance();
     v16 v[NV];
     for (int j = 0; j < NV; ++j) v[j] = load16(V + s * P * NV + P * j);
-    for (int r = 0; r < RC; ++r) {
-      const float w = COLS ? p[s * ldp + r] : p[r * ldp + s];
-      for (int j = 0; j < NV; ++j) acc[r][j] += w * v[j];
+    for (int r = 0; r < RC; ++r) {  // pinned FMAs: a row's sums the same bits at every row count
+      const v16 w = bcast16(COLS ? p + s * ldp + r : p + r * ldp + s);
+      for (int j = 0; j < NV; ++j) acc[r][j] = fma16(w, v[j], acc[r][j]);
     }
   }
   for (int r = 0; r < RC; ++r)

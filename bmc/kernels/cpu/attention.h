@@ -119,23 +119,24 @@ class Attention {
       std::fill(out, out + B * t * h_ * hd_, 0.0f);
       for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
     }
-    // Tasks are (row, KV head, span of the capacity). Decode and verify rows take spans of SPAN_CHUNKS chunks
-    // whatever the batch, capacity or threads (flash-decoding's split-K), each attended into its own partial state,
-    // and the partials are merged in order, exactly by their maxima and sums: so a row's sums are the same bits
-    // alone or in any batch (spans past its length are all masked and add nothing). A prompt's rows split the
-    // capacity into as many spans as keep the threads busy. Each key is still read once; a lone span without
-    // shared segments before it writes straight into the output.
+    // Every row's capacity is attended in spans of SPAN_CHUNKS chunks, whatever the batch, capacity or threads
+    // (flash-decoding's split-K): each span into a fresh state, the spans folded in order, exactly by their maxima
+    // and sums (into nothing yet, a span is copied). So a row's sums are its own: the same bits alone or in any
+    // batch (spans past its length are all masked and add nothing), at any thread count, and for a prompt's row
+    // however the prompt is chunked. Only the spreading of the work varies: with enough (row, KV head, query
+    // block) items for the threads a task walks its spans, folding as it goes; with few (a decode step at batch
+    // 1), each span is a task and the partial states are folded after. Each key is read once.
     // A prompt's query positions are taken QUERY_BLOCK at a time (each block a task of its own: a prompt of 512
     // tokens at batch 1 has only H_kv pairs), and a block skips the key chunks that every one of its rows has
     // masked once each row has seen a key: those add exactly nothing (see skip below).
     const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
-    // (a verify tree of more than QUERY_BLOCK rows splits as its decode rows do: the same spans, the same sums)
-    const int64_t spans = prompt ? split_spans(pairs * qblocks, chunks, threads) : (chunks + SPAN_CHUNKS - 1) / SPAN_CHUNKS;
-    const int64_t span_chunks = prompt ? (chunks + spans - 1) / spans : SPAN_CHUNKS;
-    const bool direct = spans == 1 && !prior;  // else each span's partial state goes to part_*, merged below
-    std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when spans > 1
-    if (!direct) {
+    const int64_t spans = (chunks + SPAN_CHUNKS - 1) / SPAN_CHUNKS;
+    const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
+    const int64_t span_tasks = split ? spans : 1;
+    const bool walks = !split && (spans > 1 || prior);  // a task folds each span's state into the output row
+    std::vector<float> part_m, part_s, part_o;  // [pair, span, R] (and [.., d]) when split
+    if (split) {
       part_m.resize(pairs * spans * R);
       part_s.resize(pairs * spans * R);
       part_o.resize(pairs * spans * R * hd_);
@@ -146,45 +147,42 @@ class Attention {
     const bool bf16 = prompt && bf16_chunks(lay);  // a prompt's chunks in bfloat16 arithmetic (attend_keys_bf16)
     const float* kf = reinterpret_cast<const float*>(kc);
     const float* vf = reinterpret_cast<const float*>(vc);
-    at::parallel_for(0, pairs * qblocks * spans, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, pairs * qblocks * span_tasks, 1, [&](int64_t begin, int64_t end) {
       Rows rows(Rmax, OWN_KEYS * hd_);
       std::vector<float> p(Rmax * OWN_KEYS);
       std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
       std::vector<const float*> bias0(Rmax);
       std::vector<int64_t> row_of(Rmax);  // the block's rows, as rows r = g * t + i of the pair
       std::vector<char> seen(Rmax);       // whether row rr has met a key its bias does not mask
+      std::vector<float*> out_row(Rmax);
+      // walking: a span's state in span_o, the rows' folded state in acc_m, acc_s and their output rows
+      std::vector<float> span_o(walks ? Rmax * hd_ : 0), acc_m(walks ? Rmax : 0), acc_s(walks ? Rmax : 0);
 #if HAVE_I8_KV_DOTS
       I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
 #endif
       std::unique_ptr<Bf16Chunk> bc(bf16 ? new Bf16Chunk(Rmax, hd_) : nullptr);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t pair = task / (qblocks * spans), qbk = task / spans % qblocks, span = task % spans;
+        const int64_t pair = task / (qblocks * span_tasks), qbk = task / span_tasks % qblocks;
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
-        const int64_t k0 = span * span_chunks * OWN_KEYS, k1 = std::min(cap, k0 + span_chunks * OWN_KEYS);
+        const int64_t sp0 = split ? task % span_tasks : 0, sp1 = split ? sp0 + 1 : spans;
+        const int64_t kend = std::min(cap, sp1 * SPAN_CHUNKS * OWN_KEYS);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
-        const int64_t next_pair = (task + 1) / (qblocks * spans), next_k0 = (task + 1) % spans * span_chunks * OWN_KEYS;
+        const int64_t next_pair = (task + 1) / (qblocks * span_tasks);
+        const int64_t next_k0 = split ? (task + 1) % span_tasks * SPAN_CHUNKS * OWN_KEYS : 0;
         const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
                                       ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
-        bool open_span = direct;  // whether a row of the task has a key of the span its bias does not mask
         for (int64_t rr = 0; rr < Rb; ++rr) {  // row r = g * t + i: query i of the KV head's g-th query head
           const int64_t i = i0 + rr % nt, r = rr / nt * t + i, state = state_of(b, kh, r);
           row_of[rr] = r;
-          seen[rr] = 0;
           rows.q[rr] = qkv + (b * t + i) * nq + (kh * G + r / t) * hd_;
-          rows.o[rr] = direct ? out + state * hd_ : part_o.data() + ((pair * spans + span) * R + r) * hd_;
           bias0[rr] = bias + (b * bias_rows + (bias_rows > 1 ? i : 0)) * cap;
-          rows.m[rr] = -FLT_MAX;
+          out_row[rr] = out + state * hd_;
           rows.s[rr] = 0.0f;
-          if (!open_span && (rr == 0 || bias0[rr] != bias0[rr - 1])) {
-            float top = -FLT_MAX;
-            for (int64_t j = k0; j < k1; ++j) top = std::max(top, bias0[rr][j]);
-            open_span = top > -FLT_MAX;
+          if (walks) {
+            acc_m[rr] = prior ? run_m[state] : -FLT_MAX;
+            acc_s[rr] = prior ? run_s[state] : 0.0f;
           }
-        }
-        if (!open_span) {  // every row masks the whole span (past a shorter row's length): it adds nothing
-          for (int64_t rr = 0; rr < Rb; ++rr) part_s[(pair * spans + span) * R + row_of[rr]] = 0.0f;
-          continue;
         }
 #if HAVE_I8_KV_DOTS
         if (dots)
@@ -192,108 +190,143 @@ class Attention {
 #endif
         if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
-        bool started = false;  // the rows' state holds keys (else the first chunk starts it)
-        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
-          const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
-          // skip: every row of the block masks the whole chunk and has met an unmasked key before it, so the
-          // chunk's weights would be exp_fast's floor (e^-87) beside a running sum of at least 1, its max would
-          // leave the state scaled by exp_fast(0) = 1: lost in rounding (a causal prompt's upper triangle; the
-          // padding past a decode row's length, whose steps came out bit for bit the same)
-          bool skip = started;
-          for (int64_t rr = 0; rr < Rb; ++rr) {
-            const float* bb = bias0[rr] + c0;
-            float top = -FLT_MAX;  // a max reduction vectorizes; `open |= bb[j] > -FLT_MAX` ran a compare a key
-            for (int64_t j = 0; j < nc; ++j) top = std::max(top, bb[j]);
-            const bool open = top > -FLT_MAX;
-            skip = skip && !open && seen[rr];
-            seen[rr] |= open;
+        for (int64_t sp = sp0; sp < sp1; ++sp) {
+          const int64_t k0 = sp * SPAN_CHUNKS * OWN_KEYS, k1 = std::min(cap, k0 + SPAN_CHUNKS * OWN_KEYS);
+          bool open_span = false;  // whether a row has a key of the span its bias does not mask
+          for (int64_t rr = 0; rr < Rb && !open_span; ++rr) {
+            if (rr > 0 && bias0[rr] == bias0[rr - 1]) continue;
+            float top = -FLT_MAX;
+            for (int64_t j = k0; j < k1; ++j) top = std::max(top, bias0[rr][j]);
+            open_span = top > -FLT_MAX;
           }
-          if (skip) continue;
-          for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bias0[rr] + c0;
-          // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
-          // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md, "Figures
-          // behind the code's choices")
-          const int64_t next = c0 + OWN_KEYS < k1 ? own + c0 + OWN_KEYS : next_task;
-          const bool more = started;
-          started = true;
-          if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
-            const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
-            if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
-              // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
-              // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to the
-              // hardware prefetcher
-              constexpr int64_t D = I8_AHEAD;
-              const int64_t ahead = c0 + D * OWN_KEYS < k1 ? own + c0 + D * OWN_KEYS : -1;
-              if (c0 == k0) {  // the chunks before the first `ahead` one, at once
-                const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
-                const LinePrefetch pk{kc + (own + c0 + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
-                const LinePrefetch pv{vc + (own + c0 + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
-                if (n > 0) pk.share(0), pv.share(0);
-              }
+          if (!open_span) {  // every row masks the whole span (past a shorter row's length): it adds nothing
+            if (split)
+              for (int64_t rr = 0; rr < Rb; ++rr) part_s[(pair * spans + sp) * R + row_of[rr]] = 0.0f;
+            continue;
+          }
+          for (int64_t rr = 0; rr < Rb; ++rr) {
+            seen[rr] = 0;
+            rows.m[rr] = -FLT_MAX;
+            rows.s[rr] = 0.0f;
+            rows.o[rr] = split ? part_o.data() + ((pair * spans + sp) * R + row_of[rr]) * hd_
+                         : walks ? span_o.data() + rr * hd_ : out_row[rr];
+          }
+          bool started = false;  // the rows' state holds keys (else the first chunk starts it)
+          for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
+            const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
+            // skip: every row of the block masks the whole chunk and has met an unmasked key before it, so the
+            // chunk's weights would be exp_fast(masked - max) = 0 and its max would leave the state scaled by
+            // exp_fast(0) = 1: nothing changes, not a bit (a causal prompt's upper triangle; the padding past a
+            // decode row's length)
+            bool skip = started;
+            for (int64_t rr = 0; rr < Rb; ++rr) {
+              const float* bb = bias0[rr] + c0;
+              float top = -FLT_MAX;  // a max reduction vectorizes; `open |= bb[j] > -FLT_MAX` ran a compare a key
+              for (int64_t j = 0; j < nc; ++j) top = std::max(top, bb[j]);
+              const bool open = top > -FLT_MAX;
+              skip = skip && !open && seen[rr];
+              seen[rr] |= open;
+            }
+            if (skip) continue;
+            for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bias0[rr] + c0;
+            // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
+            // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md,
+            // "Figures behind the code's choices")
+            const int64_t next = c0 + OWN_KEYS < kend ? own + c0 + OWN_KEYS : next_task;
+            const bool more = started;
+            started = true;
+            if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
+              const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
+              if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
+                // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
+                // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to
+                // the hardware prefetcher
+                constexpr int64_t D = I8_AHEAD;
+                const int64_t ahead = c0 + D * OWN_KEYS < k1 ? own + c0 + D * OWN_KEYS : -1;
+                if (c0 == k0) {  // the chunks before the first `ahead` one, at once
+                  const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
+                  const LinePrefetch pk{kc + (own + c0 + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
+                  const LinePrefetch pv{vc + (own + c0 + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
+                  if (n > 0) pk.share(0), pv.share(0);
+                }
 #if HAVE_I8_KV_DOTS
-              if (dots) {
-                attend_i8(rows, Rb, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(), OWN_KEYS,
-                          more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
-                          ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+                if (dots) {
+                  attend_i8(rows, Rb, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(),
+                            OWN_KEYS, more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                            ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+                  continue;
+                }
+#endif
+                widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
+                           ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
+                           ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
+                attend_keys(rows, Rb, prompt, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr,
+                            nullptr, v_at, lay.row_bytes);
                 continue;
               }
-#endif
               widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
-                         ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
-                         ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
-              attend_keys(rows, Rb, prompt, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr, nullptr,
-                          v_at, lay.row_bytes);
-              continue;
+                         next >= 0 ? kc + next * lay.row_bytes : nullptr);
+              widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
+              if (bf16)
+                attend_keys_bf16(rows, Rb, *bc, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+              else
+                attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+            } else if (bf16) {
+              attend_keys_bf16(rows, Rb, *bc, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
+                               OWN_KEYS, more);
+            } else {
+              attend_keys(rows, Rb, prompt, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
+                          OWN_KEYS, more, next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
             }
-            widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
-                       next >= 0 ? kc + next * lay.row_bytes : nullptr);
-            widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
-            if (bf16)
-              attend_keys_bf16(rows, Rb, *bc, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
-            else
-              attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
-          } else if (bf16) {
-            attend_keys_bf16(rows, Rb, *bc, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
-                             OWN_KEYS, more);
-          } else {
-            attend_keys(rows, Rb, prompt, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(), OWN_KEYS, more,
-                        next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
+          }
+          for (int64_t rr = 0; rr < Rb; ++rr) {  // a row that met no key it does not mask leaves an empty state
+            if (!seen[rr]) rows.s[rr] = 0.0f;
+            if (split) {
+              part_m[(pair * spans + sp) * R + row_of[rr]] = rows.m[rr];
+              part_s[(pair * spans + sp) * R + row_of[rr]] = rows.s[rr];
+            } else if (walks && rows.s[rr] > 0.0f) {
+              fold_or_copy(acc_m[rr], acc_s[rr], out_row[rr], rows.m[rr], rows.s[rr], rows.o[rr]);
+            }
           }
         }
-        if (!started) {  // an empty span (more spans than the rounding left chunks for)
-          for (int64_t rr = 0; rr < Rb; ++rr) std::fill(rows.o[rr], rows.o[rr] + hd_, 0.0f);
-        }
-        for (int64_t rr = 0; rr < Rb; ++rr) {
-          if (direct) {
-            const float inv = 1.0f / rows.s[rr];
-            for (int64_t e = 0; e < hd_; ++e) rows.o[rr][e] *= inv;
-          } else {  // a row that met no key it does not mask leaves an empty state (s = 0), skipped below
-            part_m[(pair * spans + span) * R + row_of[rr]] = rows.m[rr];
-            part_s[(pair * spans + span) * R + row_of[rr]] = seen[rr] ? rows.s[rr] : 0.0f;
-          }
-        }
+        if (split) continue;
+        for (int64_t rr = 0; rr < Rb; ++rr) normalize(out_row[rr], walks ? acc_s[rr] : rows.s[rr]);
       }
     });
-    if (direct) return;
-    at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the exact merge of the spans
+    if (!split) return;
+    at::parallel_for(0, pairs * R, 16, [&](int64_t begin, int64_t end) {  // the spans folded in order
       for (int64_t n = begin; n < end; ++n) {
         const int64_t pair = n / R, r = n % R, state = state_of(pair % B, pair / B, r);
         float* o = out + state * hd_;
-        float m = -FLT_MAX, sum = 0.0f;
-        if (prior) {
-          m = run_m[state];
-          sum = run_s[state];
-        } else {
-          std::fill(o, o + hd_, 0.0f);
-        }
-        for (int64_t sp = 0; sp < spans; ++sp) {  // in order; folded into an empty state, a span is copied exactly
+        float m = prior ? run_m[state] : -FLT_MAX, sum = prior ? run_s[state] : 0.0f;
+        for (int64_t sp = 0; sp < spans; ++sp) {
           const int64_t at = (pair * spans + sp) * R + r;
-          if (part_s[at] > 0.0f) fold_state(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
+          if (part_s[at] > 0.0f) fold_or_copy(m, sum, o, part_m[at], part_s[at], part_o.data() + at * hd_);
         }
-        const float inv = 1.0f / sum;
-        for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
+        normalize(o, sum);
       }
     });
+  }
+
+  // A span's state (m2, s2, o2) folded into a row's (m, s, o), exactly by their maxima and sums; into an empty
+  // state (s = 0), copied. Explicit FMAs: both callers (a task walking its spans, the fold after split spans)
+  // round alike.
+  void fold_or_copy(float& m, float& s, float* o, float m2, float s2, const float* o2) const {
+    if (s == 0.0f) {
+      m = m2, s = s2;
+      std::copy(o2, o2 + hd_, o);
+      return;
+    }
+    fold_state(m, s, o, m2, s2, o2);
+  }
+  // o / s; a row that met no key at all (every key masked) reads zeros
+  void normalize(float* o, float s) const {
+    if (s == 0.0f) {
+      std::fill(o, o + hd_, 0.0f);
+      return;
+    }
+    const float inv = 1.0f / s;
+    for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
   }
 
   // Tasks are (KV head, group, a slice of up to SEG_QUERY_ROWS of the group's query rows, a span of the segment):
@@ -386,7 +419,7 @@ class Attention {
                            more ? std::min<int64_t>(SEG_KEYS, k1 - c0 - SEG_KEYS) : 0);
           } else {
             for (int64_t r = 0; r < R; ++r) rows.bias[r] = bias;
-            attend_keys(rows, R, true, K, V, nc, scale, p.data(), SEG_KEYS, true);
+            attend_keys(rows, R, false, K, V, nc, scale, p.data(), SEG_KEYS, true);  // (cols takes 8+ rows)
           }
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -479,8 +512,8 @@ class Attention {
   // exp(score - max), and unnormalised outputs. Empty states are (-FLT_MAX, 0, 0).
   void fold_state(float& m, float& s, float* o, float m2, float s2, const float* o2) const {
     const float mx = std::max(m, m2), a = std::exp(m - mx), b = std::exp(m2 - mx);
-    s = s * a + s2 * b;
-    for (int64_t e = 0; e < hd_; ++e) o[e] = o[e] * a + o2[e] * b;
+    s = std::fma(s2, b, s * a);
+    for (int64_t e = 0; e < hd_; ++e) o[e] = std::fma(o2[e], b, o[e] * a);
     m = mx;
   }
 
@@ -504,7 +537,7 @@ class Attention {
   void attend_keys(Rows& rows, int64_t R, bool matrix, const float* K, const float* V, int64_t n, float scale,
                    float* p, int64_t ldp, bool prior, const float* K_next = nullptr, const float* V_next = nullptr,
                    const uint8_t* vq = nullptr, int64_t row_bytes = 0) const {
-    const bool wide = matrix && R >= WIDE_ROWS && hd_ % P == 0;
+    const bool wide = matrix && hd_ % P == 0;  // a prompt's rows at any count: a row's scores its own
     if (wide) wide_scores(rows, R, K, n, scale, p, ldp);
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
@@ -539,9 +572,14 @@ class Attention {
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p + r * ldp;
       const float* br = rows.bias[r];
+      const v16 sc = bcast16(&scale);  // pinned, and the last keys as a zero-filled block: a key's score is the
+                                       // same bits wherever its chunk ends
       int64_t j = 0;
-      for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
-      for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
+      for (; j + P <= n; j += P) store16(pr + j, fma16(load16(pr + j), sc, load16(br + j)));
+      if (j < n) {
+        const v16 r = fma16(load_part(pr + j, n - j), sc, load_part(br + j, n - j));
+        for (int64_t c = 0; c < n - j; ++c) pr[j + c] = r[c];
+      }
       softmax_row(rows, r, pr, n, prior);
       x_pairs(pr, n, K2, bc.w.data() + r * K2);
     }
@@ -761,9 +799,14 @@ class Attention {
         cap_scores(pr, br, n);
         continue;
       }
+      const v16 sc = bcast16(&scale);  // pinned, and the last keys as a zero-filled block: a key's score is the
+                                       // same bits wherever its chunk ends
       int64_t j = 0;
-      for (; j + P <= n; j += P) store16(pr + j, load16(pr + j) * scale + load16(br + j));
-      for (; j < n; ++j) pr[j] = pr[j] * scale + br[j];
+      for (; j + P <= n; j += P) store16(pr + j, fma16(load16(pr + j), sc, load16(br + j)));
+      if (j < n) {
+        const v16 r = fma16(load_part(pr + j, n - j), sc, load_part(br + j, n - j));
+        for (int64_t c = 0; c < n - j; ++c) pr[j + c] = r[c];
+      }
     }
   }
 
