@@ -339,15 +339,8 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
     at any row count, and a row's softmax sums and last key block do not depend on where its chunk ends. So a
     request whose prompt is prefilled in chunks of a 40-token budget gets, bit for bit, the log-probabilities of
     the same request prefilled whole, at another thread count: not only the same tokens. Prompts of 283 and 121
-    tokens cross the 256-key spans and end in chunks of fewer than 8 rows a KV head. (Rows decoded beside shorter or longer ones are not covered: the batch cache
-    left-pads the shorter rows, so their keys meet the span grid at other columns; docs/design.md.)"""
-    from .conftest import save_tiny
-
-    torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = bmc.load(str(save_tiny(tmp_path / "tiny", transformers.LlamaForCausalLM(cfg).eval(), 320)), quant=quant)
+    tokens cross the 256-key spans and end in chunks of fewer than 8 rows a KV head."""
+    model = _tiny_long(tmp_path, quant)
     g = torch.Generator().manual_seed(11)
     for n in (283, 121):  # last chunks of 3 and 1 tokens: 6 and 2 rows a KV head
         prompt = torch.randint(3, 320, (n,), generator=g).tolist()
@@ -367,3 +360,47 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
         whole, chunked = runs
         assert chunked.tokens == whole.tokens
         assert chunked.logprobs == whole.logprobs  # floats compared exactly
+
+
+@pytest.mark.parametrize("quant", ["none", "q4_0", "q8_0"])
+def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant):
+    """Requests served together (joining at different steps, their prompts prefilled in chunks of a 40-token
+    budget beside the others' decode rows, rows of other lengths left-padded in the batch cache) get each run
+    alone's log-probabilities bit for bit, not only its tokens: every GEMM sums a row alike at any row count, and
+    attention counts each row's span and chunk grid from its own first key, so a row's keys meet the same grid
+    at any column of any capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2."""
+    model = _tiny_long(tmp_path, quant)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 23, 150, 77)]
+
+    def run(sched: Scheduler, arrivals: dict[int, list[int]]) -> list[LogprobCollector]:
+        cols = [LogprobCollector() for _ in prompts]
+        reqs = [Request(list(p), GenerationConfig(max_new_tokens=16, ignore_eos=True), c, logprobs=1)
+                for p, c in zip(prompts, cols)]
+        drive(sched, {step: [reqs[i] for i in ids] for step, ids in arrivals.items()}, collectors=cols)
+        return cols
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512), {0: [i]})[i]
+                 for i in range(len(prompts))]
+    finally:
+        torch.set_num_threads(threads)
+    served = run(Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40), {0: [0], 2: [1], 5: [2, 3]})
+    for one, many in zip(alone, served):
+        assert many.error is None and len(many.logprobs) == 16
+        assert many.tokens == one.tokens
+        assert many.logprobs == one.logprobs  # floats compared exactly
+
+
+def _tiny_long(tmp_path, quant: str):
+    """A tiny GQA Llama (head_dim 64, the vectorised attention paths) with positions for prompts past 256 keys."""
+    from .conftest import save_tiny
+
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = save_tiny(tmp_path / "tiny", transformers.LlamaForCausalLM(cfg).eval(), 320)
+    return bmc.load(str(path), quant=quant)

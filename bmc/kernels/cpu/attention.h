@@ -131,7 +131,19 @@ class Attention {
     // masked once each row has seen a key: those add exactly nothing (see skip below).
     const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
-    const int64_t spans = (chunks + SPAN_CHUNKS - 1) / SPAN_CHUNKS;
+    // Each row's grid of spans and chunks starts at its first key (the first its first query's bias does not
+    // mask): the batch cache left-pads a shorter row, so its keys sit at other columns than alone, and a grid from
+    // column 0 would fall on other keys
+    constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
+    std::vector<int64_t> origin(B, 0);
+    int64_t spans = 1;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = bias + b * bias_rows * cap;
+      int64_t j = 0;
+      while (j < cap && !(row[j] > -FLT_MAX)) ++j;
+      origin[b] = j < cap ? j : 0;
+      spans = std::max(spans, (cap - origin[b] + span_keys - 1) / span_keys);
+    }
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
     const int64_t span_tasks = split ? spans : 1;
     const bool walks = !split && (spans > 1 || prior);  // a task folds each span's state into the output row
@@ -165,10 +177,10 @@ class Attention {
         const int64_t pair = task / (qblocks * span_tasks), qbk = task / span_tasks % qblocks;
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t sp0 = split ? task % span_tasks : 0, sp1 = split ? sp0 + 1 : spans;
-        const int64_t kend = std::min(cap, sp1 * SPAN_CHUNKS * OWN_KEYS);  // where this task's reading ends
+        const int64_t kend = std::min(cap, origin[b] + sp1 * span_keys);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / (qblocks * span_tasks);
-        const int64_t next_k0 = split ? (task + 1) % span_tasks * SPAN_CHUNKS * OWN_KEYS : 0;
+        const int64_t next_k0 = origin[next_pair % B] + (split ? (task + 1) % span_tasks * span_keys : 0);
         const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
                                       ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
@@ -191,7 +203,7 @@ class Attention {
         if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
         for (int64_t sp = sp0; sp < sp1; ++sp) {
-          const int64_t k0 = sp * SPAN_CHUNKS * OWN_KEYS, k1 = std::min(cap, k0 + SPAN_CHUNKS * OWN_KEYS);
+          const int64_t k0 = origin[b] + sp * span_keys, k1 = std::min(cap, k0 + span_keys);
           bool open_span = false;  // whether a row has a key of the span its bias does not mask
           for (int64_t rr = 0; rr < Rb && !open_span; ++rr) {
             if (rr > 0 && bias0[rr] == bias0[rr - 1]) continue;
