@@ -422,13 +422,12 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 3])
 def test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_threads(kv_dtype, t):
-    """Decode and verify rows split their capacity into spans of a fixed size (simd.h's SPAN_CHUNKS), merged in
-    order: a row attended alone (its capacity just past its length) gives the same bits as in a batch whose longer
+    """Decode and verify rows split their capacity into spans of a fixed size (simd.h's SPAN_CHUNKS) counted from
+    their first key, merged in order: a row attended alone (its capacity just past its length) gives the same bits as in a batch whose longer
     rows raise the capacity (its extra keys masked), at 1 or 2 threads, planned for 16. Before, the split was
     chosen per step from the batch and threads (batch 1 split, larger batches not)."""
+    require_native()
     mod = native_module()
-    if mod is None:
-        pytest.skip("the native kernel is not built")
     h, kvh, hd, length = 9, 3, 64, 700
     g = torch.Generator().manual_seed(5)
     q = torch.randn(3, t, h * hd, generator=g)
@@ -463,9 +462,8 @@ def test_a_prompt_rows_attention_is_the_same_bits_however_the_prompt_is_chunked(
     (fewer than 8 rows a KV head once took dot products, which sum in another order), so a prompt attended whole,
     in chunks of 7 / 100 / 193 rows, or beside a longer prompt in a batch gives each row the same bits, at 1 or 2
     threads."""
+    require_native()
     mod = native_module()
-    if mod is None:
-        pytest.skip("the native kernel is not built")
     h, kvh, hd, n = 9, 3, 64, 300
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, n, h * hd, generator=g)
