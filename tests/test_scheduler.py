@@ -362,14 +362,20 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
         assert chunked.logprobs == whole.logprobs  # floats compared exactly
 
 
-@pytest.mark.parametrize("quant", ["none", "q4_0", "q8_0"])
-def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant):
+@pytest.mark.parametrize("quant,activations", [("none", "float"), ("q4_0", "float"), ("q8_0", "float"),
+                                               ("q4_0", "int8"), ("none", "bfloat16")])
+def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activations):
     """Requests served together (joining at different steps, their prompts prefilled in chunks of a 40-token
     budget beside the others' decode rows, rows of other lengths left-padded in the batch cache) get each run
     alone's log-probabilities bit for bit, not only its tokens: every GEMM sums a row alike at any row count, and
     attention counts each row's span and chunk grid from its own first key, so a row's keys meet the same grid
-    at any column of any capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2."""
-    model = _tiny_long(tmp_path, quant)
+    at any column of any capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2. In float32
+    arithmetic, with int8 activations (VNNI) and with bfloat16 prompts (each row's rounding its own)."""
+    from bmc.kernels.native import native_module
+
+    if activations == "int8" and not native_module().has_int8_dot():
+        pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
+    model = _tiny_long(tmp_path, quant, activations)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 23, 150, 77)]
 
@@ -394,7 +400,7 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant):
         assert many.logprobs == one.logprobs  # floats compared exactly
 
 
-def _tiny_long(tmp_path, quant: str):
+def _tiny_long(tmp_path, quant: str, activations: str = "float"):
     """A tiny GQA Llama (head_dim 64, the vectorised attention paths) with positions for prompts past 256 keys."""
     from .conftest import save_tiny
 
@@ -403,4 +409,4 @@ def _tiny_long(tmp_path, quant: str):
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                    max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     path = save_tiny(tmp_path / "tiny", transformers.LlamaForCausalLM(cfg).eval(), 320)
-    return bmc.load(str(path), quant=quant)
+    return bmc.load(str(path), quant=quant, activations=activations)
