@@ -362,15 +362,17 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
         assert chunked.logprobs == whole.logprobs  # floats compared exactly
 
 
-@pytest.mark.parametrize("quant,activations", [("none", "float"), ("q4_0", "float"), ("q8_0", "float"),
-                                               ("q4_0", "int8"), ("none", "bfloat16")])
-def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activations):
+@pytest.mark.parametrize("quant,activations,kv_dtype", [
+    ("none", "float", "auto"), ("q4_0", "float", "auto"), ("q8_0", "float", "auto"), ("q4_0", "int8", "auto"),
+    ("none", "bfloat16", "auto"), ("q4_0", "float", "int8"), ("none", "float", "bfloat16")])
+def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activations, kv_dtype):
     """Requests served together (joining at different steps, their prompts prefilled in chunks of a 40-token
     budget beside the others' decode rows, rows of other lengths left-padded in the batch cache) get each run
     alone's log-probabilities bit for bit, not only its tokens: every GEMM sums a row alike at any row count, and
     attention counts each row's span and chunk grid from its own first key, so a row's keys meet the same grid
     at any column of any capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2. In float32
-    arithmetic, with int8 activations (VNNI) and with bfloat16 prompts (each row's rounding its own)."""
+    arithmetic, with int8 activations (VNNI) and with bfloat16 prompts (each row's rounding its own); over float32,
+    int8 and bfloat16 KV."""
     from bmc.kernels.native import native_module
 
     if activations == "int8" and not native_module().has_int8_dot():
@@ -389,11 +391,14 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512), {0: [i]})[i]
+        alone = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512, kv_dtype=kv_dtype), {0: [i]})[i]
                  for i in range(len(prompts))]
     finally:
         torch.set_num_threads(threads)
-    served = run(Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40), {0: [0], 2: [1], 5: [2, 3]})
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40, kv_dtype=kv_dtype)
+    served = run(sched, {0: [0], 2: [1], 5: [2, 3]})
+    if kv_dtype != "auto":
+        assert sched.cache.format.name == kv_dtype
     for one, many in zip(alone, served):
         assert many.error is None and len(many.logprobs) == 16
         assert many.tokens == one.tokens
