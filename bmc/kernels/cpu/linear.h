@@ -33,7 +33,9 @@ __attribute__((noinline)) void block_sums(const float* x, int64_t ldx, int64_t M
 // at every row count: a decode row beside a prompt chunk, a prompt prefilled whole or in chunks. Dequantizing
 // past 64 rows was no faster once x is walked in L2-sized row blocks (docs/performance.md, "Figures behind the
 // code's choices").
+#ifdef __AVX512F__
 constexpr int64_t QUANT_ROWS = QUANT_ROWS_MAX;
+#endif
 
 void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wq, int kind, int64_t N,
                 const float* bias, float* y, bool accumulate, bool int8_x) {
