@@ -130,12 +130,14 @@ class Attention {
     // tokens at batch 1 has only H_kv pairs), and a block skips the key chunks that every one of its rows has
     // masked once each row has seen a key: those add exactly nothing (see skip below).
     const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
-    const int64_t pairs = B * kvh_, threads = split_threads(), chunks = (cap + OWN_KEYS - 1) / OWN_KEYS;
+    const int64_t pairs = B * kvh_, threads = split_threads();
     // Each row's grid of spans and chunks starts at its first key (the first its first query's bias does not
     // mask): the batch cache left-pads a shorter row, so its keys sit at other columns than alone, and a grid from
     // column 0 would fall on other keys
     constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
-    std::vector<int64_t> origin(B, 0);
+    static thread_local std::vector<int64_t> origin_buf;  // the calling thread's: no allocation a layer
+    if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
+    int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
     for (int64_t b = 0; b < B; ++b) {
       const float* row = bias + b * bias_rows * cap;
