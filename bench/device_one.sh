@@ -7,6 +7,9 @@
 #   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode 64 (TinyLlama shape, 16 threads)
 #   bash bench/device_one.sh gpu-sdpa     # the attention determinism test (and with cuDNN: it should fail),
 #                                         # bench/gpu_sdpa.py, bench/gpu_determinism.py --modes default,no-ahead
+#   bash bench/device_one.sh gpu-attn     # the Triton decode attention's tests, bench/gpu_sdpa.py (it, SDPA, cuDNN)
+#   bash bench/device_one.sh gpu-attn-configs  # bench/gpu_attn_configs.py: the decode attention's launch choices
+#   bash bench/device_one.sh gpu-b1       # bench/gpu.py, 7B shape batch 1 (HF in the run), then --quant none,q8_0,q4_0
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -36,6 +39,20 @@ for stage in "$@"; do
       timeout ${T_SDPA:-150} python3 bench/gpu_sdpa.py --gen 128 --caps 384,4096 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/gpu-sdpa.log"
       timeout 100 python3 bench/gpu_determinism.py --modes default --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/determinism.log" ;;
+    gpu-attn)
+      timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+        -k "decode_attention or same_bits or fused" 2>&1 | tee "$OUT/attn-tests.log" | tail -5
+      timeout ${T_SDPA:-240} python3 bench/gpu_sdpa.py --gen 128 --caps 384,4096 --out "$OUT" 2>&1 | grep -v Warning \
+        | tee "$OUT/gpu-sdpa.log" ;;
+    gpu-attn-configs)
+      timeout ${T_CONF:-420} python3 bench/gpu_attn_configs.py --out "$OUT" 2>&1 | grep -v Warning \
+        | tee "$OUT/gpu-attn-configs.log" ;;
+    gpu-b1)
+      timeout ${T_B1:-240} python3 bench/gpu.py --batch 1 --total 384 --prompt 128 --repeats 2 --graph-warmup \
+        --engines bmc --no-iterative --out "$OUT" 2>&1 | grep -v Warning | tail -25 | tee "$OUT/gpu-b1.log"
+      timeout ${T_Q:-200} python3 bench/gpu.py --quant none,q8_0,q4_0 --batch 1 --total 384 --prompt 128 \
+        --repeats 2 --graph-warmup --no-hf --engines bmc --no-iterative --out "$OUT/quant" 2>&1 | grep -v Warning \
+        | tail -25 | tee "$OUT/gpu-quant.log" ;;
   esac
   echo "== stage $stage: $(( $(date +%s) - t0 )) s"
 done

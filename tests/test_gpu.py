@@ -73,6 +73,66 @@ def test_cuda_attention_gives_the_same_bits_every_call(t):
     for _ in range(5):
         assert torch.equal(causal_attention(q, k, v, bias, d**-0.5), causal_first)
 
+def _strided_kv(B: int, KVH: int, S: int, D: int, dtype: torch.dtype, g: torch.Generator):
+    """K and V as views of one arena-like buffer (a slab longer than S a head, as the cache's capacity views)."""
+    slab = S + 9
+    buf = torch.randn(2 * B * KVH * slab * D, device="cuda", generator=g).to(dtype)
+    st = (KVH * slab * D, slab * D, D, 1)
+    return (buf[: B * KVH * slab * D].as_strided((B, KVH, S, D), st),
+            buf[B * KVH * slab * D:].as_strided((B, KVH, S, D), st))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_decode_attention_within_its_bound_and_the_same_bits_every_call(dtype):
+    """fused_triton.decode_attention (one kernel; splits folded in split order by the last one to finish) against
+    dense_attention (SDPA) on strided K/V and a bias with masked columns: within its stated bound, eps(dtype)
+    max|v| in 16-bit dtypes and 2^-17 max|v| in float32; MHA, GQA (2-8 heads a KV head) and MQA, one split and
+    many; every call the same bits, and the merge counters back at zero after each."""
+    pytest.importorskip("triton")
+    from bmc.models import fused_triton as ft
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for B, H, KVH, S, D in ((1, 32, 32, 384, 128), (3, 4, 2, 37, 24), (2, 8, 1, 1000, 64), (5, 6, 3, 16, 128),
+                            (1, 16, 2, 4096, 128), (33, 32, 8, 300, 128), (1, 8, 8, 5000, 256), (2, 12, 4, 700, 80)):
+        k, v = _strided_kv(B, KVH, S, D, dtype, g)
+        q = torch.randn(B, H, 1, D, device="cuda", generator=g).to(dtype)
+        bias = torch.zeros(B, 1, 1, S, device="cuda", dtype=dtype)
+        bias.masked_fill_(torch.rand(B, 1, 1, S, device="cuda", generator=g) < 0.3, torch.finfo(dtype).min)
+        bias[..., S // 2] = 0  # every row sees a column
+        want = dense_attention(q, k, v, bias, D ** -0.5)
+        got = ft.decode_attention(q, k, v, bias, D ** -0.5)
+        tol = (torch.finfo(dtype).eps if dtype != torch.float32 else 2.0**-17) * v.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= tol, (B, H, KVH, S, D, dtype)
+        for _ in range(5):
+            assert torch.equal(ft.decode_attention(q, k, v, bias, D ** -0.5), got), (B, H, KVH, S, D, dtype)
+        torch.cuda.synchronize()
+        assert int(ft._counters[q.device].abs().sum()) == 0
+
+
+def test_cuda_decode_attention_replayed_in_a_graph_gives_the_eager_bits():
+    """Captured in a CUDA graph (several calls, each folding many splits through the shared counters) and
+    replayed, the kernel gives the eager call's bits every replay, after new inputs are copied in."""
+    pytest.importorskip("triton")
+    from bmc.models.fused_triton import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, H, KVH, S, D = 1, 32, 8, 2048, 128
+    k, v = _strided_kv(B, KVH, S, D, torch.bfloat16, g)
+    q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    bias = torch.zeros(B, 1, 1, S, device="cuda", dtype=torch.bfloat16)
+    bias[..., 1500:] = torch.finfo(torch.bfloat16).min
+    decode_attention(q, k, v, bias, D ** -0.5)  # the warm-up (and the counters) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [decode_attention(q, k, v, bias, D ** -0.5) for _ in range(3)]
+    for step in range(3):
+        q.copy_(torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=torch.bfloat16))
+        graph.replay()
+        want = decode_attention(q, k, v, bias, D ** -0.5)
+        assert all(torch.equal(o, want) for o in outs), step
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "opt-projected"])
 def test_cuda_logits_match_hf_on_cuda(tiny_dirs, variant):
     path = str(tiny_dirs[variant])

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .llama import LlamaModel
 
 MODE = os.environ.get("BMC_CUDA_FUSED", "triton")
+# the decode attention under MODE "triton": "triton" (fused_triton.decode_attention) or "sdpa" (the step's own)
+ATTENTION = os.environ.get("BMC_CUDA_DECODE_ATTENTION", "triton")
 COMPILE_MODE = os.environ.get("BMC_CUDA_FUSED_COMPILE", "default")  # measured ahead of max-autotune-no-cudagraphs
 _triton_ok: bool | None = None
 
@@ -53,6 +55,15 @@ def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: in
             and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.head_dim % 2 == 0
             and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
 
+
+def _attention(attention: "AttentionFn") -> "AttentionFn":
+    from ..attention import dense_attention
+
+    if MODE == "triton" and ATTENTION == "triton" and attention is dense_attention:
+        from .fused_triton import decode_attention
+
+        return decode_attention
+    return attention
 
 
 # the plain path's ops, for MODE "compile" (and as the tests' references)
@@ -99,6 +110,7 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     B = x.shape[0]
     hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
     norm, rope_write, silu_mul = _glue()
+    attention = _attention(attention)
     col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)

@@ -13,6 +13,8 @@ silu_mul are bit for bit the torch path's. The norm's sum of squares is a tree s
 mean: its bound is in `add_rms_norm` (tests/test_gpu.py holds both)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,3 +139,154 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
                                                     enable_fp_fusion=False)
     return y.view(*gu.shape[:-1], I)
 
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr, cnt_ptr, S, CHUNK, scale, KVH, G,
+                             NS, sq_b, sq_h, sk_b, sk_h, sk_s, sb_b, so_b, so_h, D: tl.constexpr, BD: tl.constexpr,
+                             BG: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr,
+                             PREC: tl.constexpr, PV_PREC: tl.constexpr, STAGES: tl.constexpr,
+                             NSP: tl.constexpr):
+    """Program (row b, KV head, split): the G query heads of one KV head against columns [split * CHUNK, +CHUNK),
+    a float32 online softmax; K and V are read once for the G heads. With one split it writes the output; with
+    several it stores its unnormalised state, and the split that finishes last (a counter a (row, KV head), reset
+    by that split) folds the NS states (NS <= NSP) in a fixed order: the same sums whichever split comes last."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // KVH).to(tl.int64)
+    kvh = (pid % KVH).to(tl.int64)
+    g = tl.arange(0, BG)
+    gmask = g < G
+    d = tl.arange(0, BD)
+    dmask = d < D
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0)
+    m = tl.full([BG], float("-inf"), tl.float32)
+    l = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BD], tl.float32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    base = b * sk_b + kvh * sk_h
+    for s0 in tl.range(start, end, BS, num_stages=STAGES):
+        s = s0 + tl.arange(0, BS)
+        smask = s < end
+        kv_off = base + s[:, None].to(tl.int64) * sk_s + d[None, :]
+        kvmask = smask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kvmask, other=0)
+        v = tl.load(v_ptr + kv_off, mask=kvmask, other=0).to(tl.float32)  # both loads in flight
+        if DOT:  # products of 16-bit values are exact in float32; float32 operands take the IEEE (FMA) product
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PREC)
+        else:
+            sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        sc = sc * scale + tl.load(b_ptr + b * sb_b + s, mask=smask, other=0).to(tl.float32)[None, :]
+        sc = tl.where(smask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        if DOT:
+            pv = tl.dot(p, v, input_precision=PV_PREC)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out_off = b * so_b + heads[:, None] * so_h + d[None, :]
+    omask = gmask[:, None] & dmask[None, :]
+    if NS == 1:
+        tl.store(o_ptr + out_off, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=omask)
+    else:
+        w = (pid.to(tl.int64) * NS + split) * BG + g
+        tl.store(part_ptr + w[:, None] * BD + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + w * 2, m, mask=gmask)
+        tl.store(ml_ptr + w * 2 + 1, l, mask=gmask)
+        tl.debug_barrier()  # every thread's stores before the release below
+        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == NS - 1:  # the last split: each head's NS states at once, a fixed tree over the splits
+            n = tl.arange(0, NSP)
+            nmask = n < NS
+            for gi in tl.static_range(BG):
+                if gi < G:
+                    wn = (pid.to(tl.int64) * NS + n) * BG + gi
+                    mn = tl.load(ml_ptr + wn * 2, mask=nmask, other=float("-inf"), cache_modifier=".cg")
+                    ln = tl.load(ml_ptr + wn * 2 + 1, mask=nmask, other=0, cache_modifier=".cg")
+                    an = tl.load(part_ptr + wn[:, None] * BD + d[None, :], mask=nmask[:, None], other=0,
+                                 cache_modifier=".cg")
+                    f = tl.exp(mn - tl.max(mn, axis=0))
+                    o = tl.sum(an * f[:, None], axis=0) / tl.sum(ln * f, axis=0)
+                    tl.store(o_ptr + b * so_b + (kvh * G + gi) * so_h + d, o.to(o_ptr.dtype.element_ty), mask=dmask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (or graph replay)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """The merge counters, zero between calls (each call's last split puts them back): one buffer a device,
+    made outside a CUDA graph's capture so every graph shares it."""
+    have = _counters.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention's counters must be made before a CUDA graph is captured")
+        have = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _counters[device] = have
+    return have
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+MAX_SPLITS = 16  # the last split folds them in one pass
+
+
+def decode_splits(rows: int, S: int, block: int, programs: int) -> int:
+    """Column splits for rows x KV heads programs: about `programs` in all, at least one block of columns each."""
+    return max(1, min(triton.cdiv(S, block), triton.cdiv(programs, rows), MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                     layer: int = 0, *, block: int = 0, dot: bool = True, warps: int = 4, stages: int = 3,
+                     per_sm: int = 2) -> torch.Tensor:
+    """dense_attention for one query a row (decode), one kernel: q [B, H, 1, d]; k, v [B, H_kv, S, d] (the cache's
+    views, any strides but the last, the same for k and v); bias [B, 1, 1, S]. Returns [B, H, 1, d].
+
+    Each program reads its KV head's columns once for the G query heads on it (padded to 16 rows: tensor-core
+    products, also for one head a KV head), in blocks of 32 columns (64 where rows x KV heads are fewer than the
+    SMs), three blocks in flight; the columns are split (up to 16 ways) so that about two programs run an SM
+    (flash-decoding), and the splits' states are folded in a fixed order by the split that finishes last, so a
+    call's bits do not depend on which program ran when. The keywords are bench/gpu_attn_configs.py's (docs/performance.md, "Decode attention
+    on CUDA"). Bound against SDPA (which rounds
+    scores, sums and the output in its own order; tests/test_gpu.py): |o' - o| <= eps(dtype) max|v| in 16-bit
+    dtypes, 2^-17 max|v| in float32."""
+    B, H, t, D = q.shape
+    KVH, S = k.shape[1], k.shape[2]
+    G = H // KVH
+    assert t == 1 and k.stride() == v.stride() and k.stride(-1) == 1 and bias.stride(-1) == 1 and q.stride(-1) == 1
+    use_dot = G > 1 or dot  # one query head a KV head may take either
+    BG = max(16, triton.next_power_of_2(G)) if use_dot else 1
+    BD = max(16, triton.next_power_of_2(D)) if use_dot else triton.next_power_of_2(D)  # tl.dot: 16 and up
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    sms = _sms(index)
+    BS = block or (16 if BD > 128 else 32 if B * KVH >= sms else 64)
+    ns = decode_splits(B * KVH, S, BS, per_sm * sms)
+    chunk = triton.cdiv(triton.cdiv(S, ns), BS) * BS
+    ns = triton.cdiv(S, chunk)
+    # 16-bit q and k are exact in tf32 (its 10-bit significand), so their products go to the tensor cores as they
+    # are; P rounds to tf32 for its product with V (2^-11, inside the bound). ROCm's Triton takes IEEE only
+    exact = q.dtype == torch.float32
+    prec = "ieee" if exact or torch.version.hip else "tf32"
+    out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+    if ns > 1:
+        part = torch.empty(B * KVH * ns * BG, BD, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * KVH * ns * BG, 2, dtype=torch.float32, device=q.device)
+        cnt = _counter(q.device, B * KVH)
+    else:
+        part = ml = cnt = out
+    _decode_attention_kernel[(B * KVH, ns)](
+        q, k, v, bias, out, part, ml, cnt, S, chunk, scale, KVH, G, ns, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), k.stride(2), bias.stride(0), out.stride(0), out.stride(1),
+        D=D, BD=BD, BG=BG, BS=BS, DOT=use_dot, PREC=prec, PV_PREC="ieee" if exact else prec, STAGES=stages,
+        NSP=triton.next_power_of_2(ns), num_warps=warps)
+    return out

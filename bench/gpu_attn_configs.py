@@ -1,0 +1,83 @@
+"""The Triton decode attention's launch choices, measured (fused_triton.decode_attention's keywords): columns a
+loop step, tensor-core products for one query head a KV head (padded to 16 rows) or not, warps, software pipeline
+stages, programs an SM. Each configuration on each shape: one layer's attention, bf16, [B, H, 1, 128] against H_kv
+heads of a capacity (a quarter masked), 50 calls captured in one CUDA graph, median of 10 replays divided by 50,
+µs and GB/s of K and V read; checked against SDPA within the kernel's bound first.
+
+    python bench/gpu_attn_configs.py --out DIR       # DIR/gpu-attn-configs.json"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from bmc.attention.dense import dense_attention
+from bmc.models.fused_triton import decode_attention
+
+SHAPES = [(1, 32, 32, 384), (1, 32, 32, 4096), (32, 32, 32, 384), (32, 32, 32, 4096),
+          (1, 32, 8, 4096), (32, 32, 8, 1024), (1, 16, 2, 4096), (32, 16, 2, 1024)]  # B, H, H_kv, capacity
+
+
+def time_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/out/gpu-attn-configs")
+    args = ap.parse_args()
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for B, H, KVH, S in SHAPES:
+        q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, KVH, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        bias = torch.zeros(B, 1, 1, S, device="cuda", dtype=torch.bfloat16)
+        bias[..., S * 3 // 4:] = torch.finfo(torch.bfloat16).min
+        want = dense_attention(q, k, v, bias, 128**-0.5)
+        tol = torch.finfo(torch.bfloat16).eps * v.float().abs().max()
+        gbytes = 2 * k.numel() * 2 / 1e9
+        rows = []
+        dots = [False, True] if H == KVH else [True]
+        for dot, block, warps, stages, per_sm in itertools.product(dots, (32, 64, 128), (4, 8), (1, 3), (2, 4, 8)):
+            kw = dict(dot=dot, block=block, warps=warps, stages=stages, per_sm=per_sm)
+            try:
+                got = decode_attention(q, k, v, bias, 128**-0.5, **kw)
+                ok = bool((got.float() - want.float()).abs().max() <= tol)
+                us = time_us(lambda: decode_attention(q, k, v, bias, 128**-0.5, **kw)) if ok else float("nan")
+            except Exception as e:  # a configuration the compiler refuses (shared memory, registers)
+                ok, us = False, float("nan")
+                kw["error"] = str(e).splitlines()[0][:120]
+            rows.append({**kw, "ok": ok, "us": us, "GB/s": gbytes / us * 1e6 if ok else None})
+        sdpa = time_us(lambda: dense_attention(q, k, v, bias, 128**-0.5))
+        rows.sort(key=lambda r: (not r["ok"], r["us"]))
+        name = f"B{B}-H{H}-KV{KVH}-cap{S}"
+        report["shapes"][name] = {"sdpa_us": sdpa, "configs": rows}
+        best = rows[0]
+        print(f"{name}: sdpa {sdpa:.1f} us; best {best['us']:.1f} us ({best['GB/s']:.0f} GB/s) "
+              f"{ {k: best[k] for k in ('dot', 'block', 'warps', 'stages', 'per_sm')} }; next "
+              + "; ".join(f"{r['us']:.1f} {r['dot']:d}/{r['block']}/{r['warps']}/{r['stages']}/{r['per_sm']}"
+                          for r in rows[1:6]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-attn-configs.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
