@@ -3,9 +3,9 @@ small kernels (fused_triton.py) instead of ~30 (issue 48, item 3; measured in do
 step on CUDA").
 
 A layer runs: add_rms_norm (the residual add of the previous sublayer and this one's norm, one kernel), the QKV
-GEMM, rope_write (RoPE of q and k, k and v into the cache at the step's column), the attention (the step's own
-backend, on the cache's views), the o GEMM, add_rms_norm, the gate|up GEMM, silu_mul, the down GEMM; the last
-layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
+GEMM, rope_write (RoPE of q and k, k and v into the cache at the step's column), the attention (dense attention as
+fused_triton.decode_attention, any other the step's own, on the cache's views), the o GEMM, add_rms_norm, the
+gate|up GEMM, silu_mul, the down GEMM; the last layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
 replay the eager step's tokens.
 
 MODE picks the glue: "triton" (default), "compile" (the same torch ops as the plain path, each piece through
