@@ -423,9 +423,10 @@ def test_the_build_is_named_by_what_it_reads(tmp_path, monkeypatch):
 @pytest.mark.parametrize("t", [1, 3])
 def test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_threads(kv_dtype, t):
     """Decode and verify rows split their capacity into spans of a fixed size (simd.h's SPAN_CHUNKS) counted from
-    their first key, merged in order: a row attended alone (its capacity just past its length) gives the same bits as in a batch whose longer
-    rows raise the capacity (its extra keys masked), at 1 or 2 threads, planned for 16. Before, the split was
-    chosen per step from the batch and threads (batch 1 split, larger batches not)."""
+    their first key, merged in order: a row attended alone (its capacity just past its length, a multiple of 16
+    or not) gives the same bits as in a batch whose longer rows raise the capacity (its extra keys masked), at 1 or
+    2 threads, planned for 16. Before, the split was chosen per step from the batch and threads (batch 1 split,
+    larger batches not). Also run on the AVX2 build (test_the_avx2_build_compiles_and_computes)."""
     require_native()
     mod = native_module()
     h, kvh, hd, length = 9, 3, 64, 700
@@ -440,10 +441,10 @@ def test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_th
             bias[b, :, i, n - t + i + 1 : n] = torch.finfo(torch.float32).min
     attn = mod.Attention(h, kvh, hd, hd**-0.5)
     batch = attn.attention_step(q, kv, 0, bias, [], [], [])
-    alone_cap = (length + 15) // 16 * 16
-    alone = attn.attention_step(q[1:2].contiguous(), kv[:, :, 1:2, :, :alone_cap].contiguous(), 0,
-                                bias[1:2, :, :, :alone_cap].contiguous(), [], [], [])
-    assert torch.equal(alone[0], batch[1])
+    for alone_cap in (length + 3, (length + 15) // 16 * 16):  # a last chunk of 63 keys (a SIMD tail) and of 64
+        alone = attn.attention_step(q[1:2].contiguous(), kv[:, :, 1:2, :, :alone_cap].contiguous(), 0,
+                                    bias[1:2, :, :, :alone_cap].contiguous(), [], [], [])
+        assert torch.equal(alone[0], batch[1]), alone_cap
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -516,13 +517,21 @@ lin = bmc.models.ops.Linear(qw)
 for m in (1, 3, 9):
     xs = torch.randn(m, 64)
     torch.testing.assert_close(lin(xs), xs @ qw.dequantize().t(), rtol=1e-5, atol=1e-5)
+# a row's attention the same bits alone and in a batch (its last chunk a SIMD tail alone), and a prompt chunked
+from tests.test_native import (test_a_decode_rows_attention_is_the_same_bits_alone_in_a_batch_and_at_any_threads
+                               as decode_rows, test_a_prompt_rows_attention_is_the_same_bits_however_the_prompt_is_chunked
+                               as prompt_rows)
+decode_rows(torch.float32, 1)
+decode_rows(torch.bfloat16, 3)
+prompt_rows(torch.float32)
 print("avx2 ok")
 """
 
 
 def test_the_avx2_build_compiles_and_computes():
     """The kernel built without AVX-512 (`BMC_KERNEL_CFLAGS=-mno-avx512f`: what an AVX2-only CPU builds) compiles,
-    and its float GEMM, attention and quantized GEMM agree with their references. A session once used an
+    its float GEMM, attention and quantized GEMM agree with their references, and a decode row's attention is the
+    same bits alone and in a batch (the AVX2 score tail summed apart from its blocks until session 41). A session once used an
     AVX-512-only name in a shared header and the AVX2 build failed, leaving such CPUs on the slow PyTorch path;
     nothing else here builds it."""
     import os

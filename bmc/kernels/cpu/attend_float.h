@@ -117,29 +117,31 @@ static void scores(const float* q, const float* K, int64_t n, const float* bias,
                    Lines next) {
 #ifndef __AVX512F__
   // AVX2: sixteen 16-wide partials are 32 registers of 16 (the block spilled to the stack): 8 keys at a time,
-  // each an 8-wide partial over its d/8 products, reduced by sum8
+  // each an 8-wide partial over its d/8 products (pinned FMAs), reduced by sum8; the last keys as a block of 8
+  // whose missing keys' partials are zero, so a key's score does not depend on where its chunk ends
   v8 q8[2 * NV];
   for (int j = 0; j < 2 * NV; ++j) q8[j] = load8(q + 8 * j) * scale;
   Prefetch pf(next.first, next.second, n / 8);
+  auto partial = [&](const float* k) {
+    v8 a = q8[0] * load8(k);
+    for (int j = 1; j < 2 * NV; ++j) a = fma8(q8[j], load8(k + 8 * j), a);
+    return a;
+  };
   int64_t s8 = 0;
   for (; s8 + 8 <= n; s8 += 8) {
     pf.advance();
     v8 part[8];
-    for (int kk = 0; kk < 8; ++kk) {
-      const float* k = K + (s8 + kk) * P * NV;
-      part[kk] = q8[0] * load8(k);
-      for (int j = 1; j < 2 * NV; ++j) part[kk] += q8[j] * load8(k + 8 * j);
-    }
-    const v8 r = sum8(part) + load8(bias + s8);
+    for (int kk = 0; kk < 8; ++kk) part[kk] = partial(K + (s8 + kk) * P * NV);
+    const v8 r = add8(sum8(part), load8(bias + s8));
     std::memcpy(out + s8, &r, 32);
   }
-  for (; s8 < n; ++s8) {
-    const float* k = K + s8 * P * NV;
-    v8 a = q8[0] * load8(k);
-    for (int j = 1; j < 2 * NV; ++j) a += q8[j] * load8(k + 8 * j);
-    float t = 0.0f;
-    for (int i = 0; i < 8; ++i) t += a[i];
-    out[s8] = t + bias[s8];
+  if (s8 < n) {
+    v8 part[8];
+    for (int kk = 0; kk < 8; ++kk) part[kk] = s8 + kk < n ? partial(K + (s8 + kk) * P * NV) : v8{};
+    v8 b{};
+    std::memcpy(&b, bias + s8, (n - s8) * sizeof(float));
+    const v8 r = add8(sum8(part), b);
+    std::memcpy(out + s8, &r, (n - s8) * sizeof(float));
   }
 #else
   v16 qr[NV];

@@ -93,10 +93,12 @@ inline v16 bcast16(const float* p) {  // *p in every lane (a memory operand of t
 inline float hsum(v16 v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.0f;
-  for (int i = 0; i < P; ++i) s += v[i];
-  return s;
+#else  // a pinned tree (a scalar loop is -ffast-math's to re-associate, differently where it is inlined)
+  const __m256 a = _mm256_add_ps((__m256)v.lo, (__m256)v.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
 #endif
 }
 // Two-source lane shuffles for sum16 and transpose16: with h = 1, 2, 4, 8, pick_a<h> takes lane groups of width h
@@ -128,8 +130,16 @@ template <int h> inline v16 pick_b(v16 a, v16 b) {
   if constexpr (h == 8) return {a.hi, b.hi}; else return {pick_b8<h>(a.lo, b.lo), pick_b8<h>(a.hi, b.hi)};
 }
 inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, 32); return v; }
+inline v8 fma8(v8 a, v8 b, v8 c) {  // c + a * b rounded once (fma16's half)
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return c + a * b;
+#endif
+}
+inline v8 add8(v8 a, v8 b) { return (v8)_mm256_add_ps((__m256)a, (__m256)b); }
 // Eight 8-wide dot-product partials (one per key) -> the eight sums in key order (as sum16, three levels)
-template <int h> inline v8 fold8(v8 a, v8 b) { return pick_a8<h>(a, b) + pick_b8<h>(a, b); }
+template <int h> inline v8 fold8(v8 a, v8 b) { return add8(pick_a8<h>(a, b), pick_b8<h>(a, b)); }
 inline v8 sum8(const v8* v) {
   const v8 c0 = fold8<1>(v[0], v[1]), c1 = fold8<1>(v[2], v[3]), c2 = fold8<1>(v[4], v[5]), c3 = fold8<1>(v[6], v[7]);
   return fold8<4>(fold8<2>(c0, c1), fold8<2>(c2, c3));
