@@ -401,8 +401,10 @@ class NativeDecoder {
         write_kv(q, nq, kc, vc, part.lay, part.B, part.t, part.slab, part.start);
         clock.lap(0);
         const torch::Tensor& bias = part.bias_of(L);
-        attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B, part.t,
-                  part.segs, ap + row * h_ * hd_, part.prompt);
+        const bool window = L.local && part.local_bias.numel() > 0;  // its grid from the full layers' bias
+        attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B,
+                        part.t, part.segs, ap + row * h_ * hd_, part.prompt,
+                        window ? part.bias.data_ptr<float>() : nullptr);
         clock.lap(1);
         row += rows;
       }

@@ -105,9 +105,11 @@ class Attention {
   // (decode, a verify tree) score each row by dot products, whatever their count, so that a verify step's row is
   // the bits of the same token decoded alone (the two sum in other orders), and speculation gives plain decoding's
   // tokens in every arithmetic.
+  // grid_bias: where given (a window layer's call, with the full layers' bias, shaped as bias), each row's grid
+  // origin is taken from it rather than from bias (see origin below).
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
                  int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
-                 const std::vector<Segment>& segs, float* out, bool prompt) const {
+                 const std::vector<Segment>& segs, float* out, bool prompt, const float* grid_bias = nullptr) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -133,14 +135,16 @@ class Attention {
     const int64_t pairs = B * kvh_, threads = split_threads();
     // Each row's grid of spans and chunks starts at its first key (the first its first query's bias does not
     // mask): the batch cache left-pads a shorter row, so its keys sit at other columns than alone, and a grid from
-    // column 0 would fall on other keys
+    // column 0 would fall on other keys. A window layer's first open key is its first query's window start, which
+    // moves with the prompt's chunking: there the full layers' bias gives the row's first key (grid_bias), and the
+    // spans before a query's window are masked whole (skipped) or in part (their masked keys add exactly nothing)
     constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
     static thread_local std::vector<int64_t> origin_buf;  // the calling thread's: no allocation a layer
     if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
     for (int64_t b = 0; b < B; ++b) {
-      const float* row = bias + b * bias_rows * cap;
+      const float* row = (grid_bias != nullptr ? grid_bias : bias) + b * bias_rows * cap;
       int64_t j = 0;
       while (j < cap && !(row[j] > -FLT_MAX)) ++j;
       origin[b] = j < cap ? j : 0;
