@@ -209,6 +209,54 @@ def test_attention_step_equals_brute_force(hd, t):
         dec.attention_step(q, own, 0, bias, [segs[1][0]], [segs[1][1]], [torch.tensor([0, 1, 2, 0, 1])])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("t", [1, 40])
+def test_a_rows_cached_segments_give_the_bits_of_the_same_keys_in_its_own_cache(kv_dtype, t):
+    """A row that alone reads cached segments (a 250- and a 115-token node: chunks and 256-key spans cross their
+    ends and the start of its own columns) gets the bits it gets with the same keys in its own cache, as a decode
+    row (and beside another row that reads no segment, in a batch with left padding) and as a prompt chunk; in
+    float32, bfloat16 and int8 KV. A segment two decode rows read goes the shared way (Hydragen), as before."""
+    require_native()
+    mod = native_module()
+    h, kvh, hd, lens, tail = 6, 2, 64, (250, 115), 90
+    g = torch.Generator().manual_seed(t)
+    total = sum(lens) + tail
+    keys = torch.randn(1, 2, 1, kvh, total, hd, generator=g)
+    if kv_dtype == torch.int8:  # rows as the cache stores them: int8 values and a float32 scale a row
+        from bmc.kv.formats import KV_FORMATS
+
+        keys = KV_FORMATS["int8"].encode(keys)
+    else:
+        keys = keys.to(kv_dtype)
+    q = torch.randn(2, t, h * hd, generator=g)
+    fmin = torch.finfo(torch.float32).min
+    causal = torch.zeros(t, total)
+    causal[:, total - t:] = torch.full((t, t), fmin).triu(1)  # the prompt chunk's own last t keys, causally
+    whole_bias = causal[None, None].clone()
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)
+    prompt = t > 1
+    alone = dec.attention_step(q[:1].contiguous(), keys, 0, whole_bias, [], [], [], prompt=prompt)
+    cut = [0, lens[0], sum(lens)]
+    segs = [(keys[..., a:a + n, :].contiguous(), torch.zeros(1, 1, 1, n), torch.tensor([0, -1]))
+            for a, n in zip(cut, lens)]
+    # row 0 reads the segments and its own last keys; row 1 (no segments) its own 200 keys, left-padded to fit
+    cap = max(tail, 200)
+    own = torch.zeros(1, 2, 2, kvh, cap, keys.shape[-1], dtype=keys.dtype)
+    own[:, :, 0, :, cap - tail:] = keys[:, :, 0, :, sum(lens):]
+    own[:, :, 1, :, cap - 200:] = keys[:, :, 0, :, :200]
+    bias = torch.full((2, 1, t, cap), fmin)
+    bias[0, 0, :, cap - tail:] = causal[:, sum(lens):]
+    bias[1, 0, :, cap - 200:] = 0
+    got = dec.attention_step(q, own, 0, bias, [s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],
+                             prompt=prompt)
+    assert torch.equal(got[0], alone[0])
+    if t == 1:  # both rows read the segments: the shared path, within the usual tolerance
+        shared = [(s[0], s[1], torch.tensor([0, 0])) for s in segs]
+        both = dec.attention_step(q, own, 0, bias, [s[0] for s in shared], [s[1] for s in shared],
+                                  [s[2] for s in shared])
+        torch.testing.assert_close(both[0], alone[0], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kvh", [1, 2, 6])
 @pytest.mark.parametrize("hd,t", [(64, 1), (64, 5), (24, 5)])
 def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):

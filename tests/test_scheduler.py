@@ -367,10 +367,12 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
     ("none", "bfloat16", "auto"), ("q4_0", "float", "int8"), ("none", "float", "bfloat16")])
 def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activations, kv_dtype):
     """Requests served together (joining at different steps, their prompts prefilled in chunks of a 40-token
-    budget beside the others' decode rows, rows of other lengths left-padded in the batch cache) get each run
-    alone's log-probabilities bit for bit, not only its tokens: every GEMM sums a row alike at any row count, and
-    attention counts each row's span and chunk grid from its own first key, so a row's keys meet the same grid
-    at any column of any capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2. In float32
+    budget beside the others' decode rows, rows of other lengths left-padded in the batch cache, with bmc-serve's
+    prefix cache: a 600-token prompt read in place from its cached blocks, and a later request's 400-token hit of
+    it read in place) get each run alone's log-probabilities bit for bit, not only its tokens: every GEMM
+    sums a row alike at any row count, and attention counts each row's span and chunk grid from its own first key,
+    reading cached blocks as the row's first keys, so a row's keys meet the same grid at any column of any
+    capacity. Alone runs at 1 thread with prompts prefilled whole; served at 2. In float32
     arithmetic, with int8 activations (VNNI) and with bfloat16 prompts (each row's rounding its own); over float32,
     int8 and bfloat16 KV."""
     from bmc.kernels.native import native_module
@@ -379,7 +381,8 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
         pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
     model = _tiny_long(tmp_path, quant, activations)
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 23, 150, 77)]
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (600, 23, 150, 77)]
+    prompts.append(prompts[0][:400] + torch.randint(3, 320, (50,), generator=g).tolist())  # a hit of 400 tokens
 
     def run(sched: Scheduler, arrivals: dict[int, list[int]]) -> list[LogprobCollector]:
         cols = [LogprobCollector() for _ in prompts]
@@ -395,8 +398,15 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
                  for i in range(len(prompts))]
     finally:
         torch.set_num_threads(threads)
-    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40, kv_dtype=kv_dtype)
-    served = run(sched, {0: [0], 2: [1], 5: [2, 3]})
+    # with bmc-serve's prefix cache on: a 600-token prompt is past the length from which the CPU once read a
+    # single request's own prompt in place (as a segment, which sums in its own order)
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40, kv_dtype=kv_dtype, prefix_cache_bytes=1 << 26)
+    in_place, step = [], sched.step
+    sched.step = lambda: (step(), in_place.append(sched.shared_prefix_rows))[0]  # type: ignore[method-assign]
+    served = run(sched, {0: [0], 2: [1], 5: [2, 3], 10: [4]})  # 4 takes 0's slot when it leaves
+    assert sched.counters.cached_prompt_tokens >= 400  # the last request's hit, read in place
+    assert max(in_place) == 1  # a row read cached blocks in place (600-token prompt, then the hit), no other
+    # with them (cached blocks that several rows read are Hydragen's: read once for all, summed in their order)
     if kv_dtype != "auto":
         assert sched.cache.format.name == kv_dtype
     for one, many in zip(alone, served):

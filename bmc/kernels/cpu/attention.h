@@ -115,11 +115,41 @@ class Attention {
     const bool prior = !segs.empty();
     TORCH_CHECK(!prior || softcap_ == 0.0, "soft-capped attention reads no shared segments");
     std::vector<float> run_m, run_s;
+    // Rows whose segments are read as their first keys by the walk below (inline), on the grid a row alone has
+    // over the same keys in its own cache: the same bits as that row alone. That is every row whose segments no
+    // other decode row reads (a request's own long prompt, a hit no running row shares) and a prompt chunk's. A
+    // segment several rows read goes through attend_segment (Hydragen: each chunk read once for all of them; its
+    // sums in their own order), as does a row reading one stored in another layout. pre[b]: the keys of row b's
+    // inline segments.
+    static thread_local std::vector<int64_t> pre_buf;
+    static thread_local std::vector<char> inline_buf;
+    pre_buf.assign(B, 0);
+    inline_buf.assign(B, 0);
+    int64_t* pre = pre_buf.data();
+    char* inline_row = inline_buf.data();
     if (prior) {
+      std::vector<char> shared(segs.size());
+      for (size_t n = 0; n < segs.size(); ++n) {
+        int64_t members = 0;
+        for (int64_t b = 0; b < B; ++b) members += segs[n].group[b] >= 0;
+        shared[n] = !prompt && members > 1;  // read inline, each row would read the segment again
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        bool reads = false, exact = true;
+        int64_t keys = 0;
+        for (size_t n = 0; n < segs.size(); ++n) {
+          if (segs[n].group[b] < 0) continue;
+          reads = true;
+          exact = exact && !shared[n] && segs[n].lay.kind == lay.kind && segs[n].lay.row_bytes == lay.row_bytes;
+          keys += segs[n].len;
+        }
+        if (reads && exact) inline_row[b] = 1, pre[b] = keys;
+      }
       run_m.assign(B * t * h_, -FLT_MAX);
       run_s.assign(B * t * h_, 0.0f);
       std::fill(out, out + B * t * h_ * hd_, 0.0f);
-      for (const Segment& sg : segs) attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out);
+      for (const Segment& sg : segs)
+        attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out, inline_row);
     }
     // Every row's capacity is attended in spans of SPAN_CHUNKS chunks, whatever the batch, capacity or threads
     // (flash-decoding's split-K): each span into a fresh state, the spans folded in order, exactly by their maxima
@@ -148,7 +178,7 @@ class Attention {
       int64_t j = 0;
       while (j < cap && !(row[j] > -FLT_MAX)) ++j;
       origin[b] = j < cap ? j : 0;
-      spans = std::max(spans, (cap - origin[b] + span_keys - 1) / span_keys);
+      spans = std::max(spans, (pre[b] + cap - origin[b] + span_keys - 1) / span_keys);
     }
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
     const int64_t span_tasks = split ? spans : 1;
@@ -179,16 +209,21 @@ class Attention {
       I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
 #endif
       std::unique_ptr<Bf16Chunk> bc(bf16 ? new Bf16Chunk(Rmax, hd_) : nullptr);
+      std::vector<int64_t> seg_of;  // the task row's inline segments, in path order
+      std::vector<uint8_t> kraw, vraw;  // a chunk across a segment's end, gathered
+      std::vector<float> braw;          // and its bias, [Rmax][OWN_KEYS]
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / (qblocks * span_tasks), qbk = task / span_tasks % qblocks;
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t sp0 = split ? task % span_tasks : 0, sp1 = split ? sp0 + 1 : spans;
-        const int64_t kend = std::min(cap, origin[b] + sp1 * span_keys);  // where this task's reading ends
+        // the row's keys: its inline segments' (pre[b]), then its own columns from its first; v indexes them
+        const int64_t preb = pre[b], total = preb + cap - origin[b];
+        const int64_t kend = std::min(total, sp1 * span_keys);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
-        const int64_t next_pair = (task + 1) / (qblocks * span_tasks);
-        const int64_t next_k0 = origin[next_pair % B] + (split ? (task + 1) % span_tasks * span_keys : 0);
-        const int64_t next_task = task + 1 < end && next_k0 < cap  // a row index
-                                      ? (next_pair % B * kvh_ + next_pair / B) * slab + next_k0
+        const int64_t next_pair = (task + 1) / (qblocks * span_tasks), next_b = next_pair % B;
+        const int64_t next_k0 = origin[next_b] + (split ? (task + 1) % span_tasks * span_keys : 0);
+        const int64_t next_task = task + 1 < end && next_k0 < cap && pre[next_b] == 0  // a row index
+                                      ? (next_b * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
         for (int64_t rr = 0; rr < Rb; ++rr) {  // row r = g * t + i: query i of the KV head's g-th query head
           const int64_t i = i0 + rr % nt, r = rr / nt * t + i, state = state_of(b, kh, r);
@@ -208,13 +243,89 @@ class Attention {
 #endif
         if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
+        const int64_t rb = lay.row_bytes;
+        seg_of.clear();
+        if (preb > 0)
+          for (size_t n = 0; n < segs.size(); ++n)
+            if (segs[n].group[b] >= 0) seg_of.push_back(static_cast<int64_t>(n));
+        auto own_col = [&](int64_t v) { return origin[b] + v - preb; };
+        // segment si's key row `off` (K and V) and its bias there, for this task's KV head
+        auto seg_at = [&](int64_t si, int64_t off, const uint8_t*& kp, const uint8_t*& vp, const float*& bp) {
+          const Segment& sg = segs[si];
+          const int64_t grp = sg.group[b], head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, slab, d]
+          const int64_t k_row = (head + grp * kvh_ + kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
+          kp = sg.kv + (k_row + off) * rb;
+          vp = sg.kv + (v_row + off) * rb;
+          bp = sg.bias + grp * sg.len + off;
+        };
+        // the rows of keys [v0, v0 + n): own columns (col >= 0, bias bias0[rr] + col), one segment's (its bias
+        // `shared` for every query row), or, across a segment's end, gathered into kraw / vraw and braw
+        struct ChunkAt {
+          const uint8_t *k, *v;
+          int64_t col;
+          const float *shared, *per_row;
+        };
+        auto locate = [&](int64_t v0, int64_t n) -> ChunkAt {
+          if (v0 >= preb) {
+            const int64_t c = own_col(v0);
+            return {kc + (own + c) * rb, vc + (own + c) * rb, c, nullptr, nullptr};
+          }
+          int64_t at = 0;
+          for (int64_t si : seg_of) {
+            const int64_t len = segs[si].len;
+            if (v0 < at + len) {
+              if (v0 + n > at + len) break;
+              ChunkAt ch{nullptr, nullptr, -1, nullptr, nullptr};
+              seg_at(si, v0 - at, ch.k, ch.v, ch.shared);
+              return ch;
+            }
+            at += len;
+          }
+          kraw.resize(OWN_KEYS * rb);
+          vraw.resize(OWN_KEYS * rb);
+          braw.resize(Rmax * OWN_KEYS);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t v = v0 + j;
+            const uint8_t *kp = nullptr, *vp = nullptr;
+            if (v >= preb) {
+              const int64_t c = own_col(v);
+              kp = kc + (own + c) * rb, vp = vc + (own + c) * rb;
+              for (int64_t rr = 0; rr < Rb; ++rr) braw[rr * OWN_KEYS + j] = bias0[rr][c];
+            } else {
+              int64_t a = 0;
+              for (int64_t si : seg_of) {
+                if (v < a + segs[si].len) {
+                  const float* bp = nullptr;
+                  seg_at(si, v - a, kp, vp, bp);
+                  for (int64_t rr = 0; rr < Rb; ++rr) braw[rr * OWN_KEYS + j] = *bp;
+                  break;
+                }
+                a += segs[si].len;
+              }
+            }
+            std::memcpy(kraw.data() + j * rb, kp, rb);
+            std::memcpy(vraw.data() + j * rb, vp, rb);
+          }
+          return {kraw.data(), vraw.data(), -1, nullptr, braw.data()};
+        };
+        auto bias_of = [&](const ChunkAt& ch, int64_t rr) -> const float* {
+          return ch.col >= 0 ? bias0[rr] + ch.col : ch.shared != nullptr ? ch.shared : ch.per_row + rr * OWN_KEYS;
+        };
         for (int64_t sp = sp0; sp < sp1; ++sp) {
-          const int64_t k0 = origin[b] + sp * span_keys, k1 = std::min(cap, k0 + span_keys);
+          const int64_t k0 = sp * span_keys, k1 = std::min(total, k0 + span_keys);
           bool open_span = false;  // whether a row has a key of the span its bias does not mask
           for (int64_t rr = 0; rr < Rb && !open_span; ++rr) {
             if (rr > 0 && bias0[rr] == bias0[rr - 1]) continue;
             float top = -FLT_MAX;
-            for (int64_t j = k0; j < k1; ++j) top = std::max(top, bias0[rr][j]);
+            int64_t at = 0;
+            for (int64_t si : seg_of) {  // the span's keys in segments, then in the row's own columns
+              const int64_t lo = std::max(k0, at), hi = std::min(k1, at + segs[si].len);
+              const float* bp = segs[si].bias + segs[si].group[b] * segs[si].len;
+              for (int64_t j = lo; j < hi; ++j) top = std::max(top, bp[j - at]);
+              at += segs[si].len;
+            }
+            const int64_t c1 = own_col(k1);
+            for (int64_t j = own_col(std::max(k0, preb)); j < c1; ++j) top = std::max(top, bias0[rr][j]);
             open_span = top > -FLT_MAX;
           }
           if (!open_span) {  // every row masks the whole span (past a shorter row's length): it adds nothing
@@ -232,13 +343,14 @@ class Attention {
           bool started = false;  // the rows' state holds keys (else the first chunk starts it)
           for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {  // chunks: K/V come from DRAM once, then from L1/L2
             const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
+            const ChunkAt ch = locate(c0, nc);
             // skip: every row of the block masks the whole chunk and has met an unmasked key before it, so the
             // chunk's weights would be exp_fast(masked - max) = 0 and its max would leave the state scaled by
             // exp_fast(0) = 1: nothing changes, not a bit (a causal prompt's upper triangle; the padding past a
             // decode row's length)
             bool skip = started;
             for (int64_t rr = 0; rr < Rb; ++rr) {
-              const float* bb = bias0[rr] + c0;
+              const float* bb = bias_of(ch, rr);
               float top = -FLT_MAX;  // a max reduction vectorizes; `open |= bb[j] > -FLT_MAX` ran a compare a key
               for (int64_t j = 0; j < nc; ++j) top = std::max(top, bb[j]);
               const bool open = top > -FLT_MAX;
@@ -246,55 +358,57 @@ class Attention {
               seen[rr] |= open;
             }
             if (skip) continue;
-            for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bias0[rr] + c0;
+            for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bias_of(ch, rr);
             // the next chunk is prefetched while this one is attended, spread over the passes (see Prefetch): on
             // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md,
             // "Figures behind the code's choices")
-            const int64_t next = c0 + OWN_KEYS < kend ? own + c0 + OWN_KEYS : next_task;
+            const int64_t next = c0 + OWN_KEYS >= kend ? next_task
+                                 : c0 + OWN_KEYS >= preb ? own + own_col(c0 + OWN_KEYS) : -1;
             const bool more = started;
             started = true;
             if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
-              const uint8_t* v_at = vc + (own + c0) * lay.row_bytes;
+              const uint8_t* v_at = ch.v;
               if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
                 // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
                 // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to
                 // the hardware prefetcher
                 constexpr int64_t D = I8_AHEAD;
-                const int64_t ahead = c0 + D * OWN_KEYS < k1 ? own + c0 + D * OWN_KEYS : -1;
-                if (c0 == k0) {  // the chunks before the first `ahead` one, at once
+                const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb
+                                          ? own + own_col(c0 + D * OWN_KEYS) : -1;
+                if (c0 == k0 && ch.col >= 0) {  // the chunks before the first `ahead` one, at once
                   const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
-                  const LinePrefetch pk{kc + (own + c0 + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
-                  const LinePrefetch pv{vc + (own + c0 + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
+                  const LinePrefetch pk{kc + (own + ch.col + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
+                  const LinePrefetch pv{vc + (own + ch.col + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
                   if (n > 0) pk.share(0), pv.share(0);
                 }
 #if HAVE_I8_KV_DOTS
                 if (dots) {
-                  attend_i8(rows, Rb, i8, kc + (own + c0) * lay.row_bytes, v_at, lay.row_bytes, nc, p.data(),
+                  attend_i8(rows, Rb, i8, ch.k, v_at, lay.row_bytes, nc, p.data(),
                             OWN_KEYS, more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                             ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
                   continue;
                 }
 #endif
-                widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
+                widen_rows(lay, ch.k, nc, hd_, kbuf.data(),
                            ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
                            ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
                 attend_keys(rows, Rb, prompt, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr,
                             nullptr, v_at, lay.row_bytes);
                 continue;
               }
-              widen_rows(lay, kc + (own + c0) * lay.row_bytes, nc, hd_, kbuf.data(),
-                         next >= 0 ? kc + next * lay.row_bytes : nullptr);
+              widen_rows(lay, ch.k, nc, hd_, kbuf.data(), next >= 0 ? kc + next * lay.row_bytes : nullptr);
               widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
               if (bf16)
                 attend_keys_bf16(rows, Rb, *bc, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
               else
                 attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
             } else if (bf16) {
-              attend_keys_bf16(rows, Rb, *bc, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
-                               OWN_KEYS, more);
+              attend_keys_bf16(rows, Rb, *bc, reinterpret_cast<const float*>(ch.k),
+                               reinterpret_cast<const float*>(ch.v), nc, scale, p.data(), OWN_KEYS, more);
             } else {
-              attend_keys(rows, Rb, prompt, kf + (own + c0) * hd_, vf + (own + c0) * hd_, nc, scale, p.data(),
-                          OWN_KEYS, more, next >= 0 ? kf + next * hd_ : nullptr, next >= 0 ? vf + next * hd_ : nullptr);
+              attend_keys(rows, Rb, prompt, reinterpret_cast<const float*>(ch.k), reinterpret_cast<const float*>(ch.v),
+                          nc, scale, p.data(), OWN_KEYS, more, next >= 0 ? kf + next * hd_ : nullptr,
+                          next >= 0 ? vf + next * hd_ : nullptr);
             }
           }
           for (int64_t rr = 0; rr < Rb; ++rr) {  // a row that met no key it does not mask leaves an empty state
@@ -351,11 +465,11 @@ class Attention {
   // the rows of a slice read each chunk of their span once, and with few (KV head, group, slice) triples the
   // segment is split into spans so every thread has work; spans are merged by fold_state.
   void attend_segment(int64_t l, const float* qkv, int64_t nq, int64_t B, int64_t t, const Segment& sg, float scale,
-                      float* run_m, float* run_s, float* out) const {
+                      float* run_m, float* run_s, float* out, const char* inline_row) const {
     const int64_t G = h_ / kvh_;
     std::vector<std::vector<int64_t>> members(sg.groups);
     for (int64_t b = 0; b < B; ++b)
-      if (sg.group[b] >= 0) members[sg.group[b]].push_back(b);
+      if (sg.group[b] >= 0 && !inline_row[b]) members[sg.group[b]].push_back(b);  // inline rows: attention()
     const int64_t slice = std::max<int64_t>(1, SEG_QUERY_ROWS / (G * t)), rmax = slice * G * t;
     const int64_t rpad = (rmax + P - 1) / P * P;
     struct Task { int64_t kh, grp, first, count; };
