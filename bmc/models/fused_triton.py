@@ -223,7 +223,8 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
     """The merge counters, zero between calls (each call's last split puts them back): one buffer a device,
-    made outside a CUDA graph's capture so every graph shares it."""
+    made outside a CUDA graph's capture so every graph shares it. Calls on a device must run one after another
+    (bmc's steps, graphs and their warm-ups are ordered on one stream): two at once would share counters."""
     have = _counters.get(device)
     if have is None or have.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
