@@ -10,34 +10,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from bmc.attention.dense import dense_attention
+from bmc.bench.engines import graph_call_us
 from bmc.models.fused_triton import decode_attention
 
 SHAPES = [(1, 32, 32, 384), (1, 32, 32, 4096), (32, 32, 32, 384), (32, 32, 32, 4096),
           (1, 32, 8, 4096), (32, 32, 8, 1024), (1, 16, 2, 4096), (32, 16, 2, 1024)]  # B, H, H_kv, capacity
-
-
-def time_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -60,12 +42,14 @@ def main() -> None:
             try:
                 got = decode_attention(q, k, v, bias, 128**-0.5, **kw)
                 ok = bool((got.float() - want.float()).abs().max() <= tol)
-                us = time_us(lambda: decode_attention(q, k, v, bias, 128**-0.5, **kw)) if ok else float("nan")
+                us = float("nan")
+                if ok:
+                    us = graph_call_us(lambda: decode_attention(q, k, v, bias, 128**-0.5, **kw), replays=10)
             except Exception as e:  # a configuration the compiler refuses (shared memory, registers)
                 ok, us = False, float("nan")
                 kw["error"] = str(e).splitlines()[0][:120]
             rows.append({**kw, "ok": ok, "us": us, "GB/s": gbytes / us * 1e6 if ok else None})
-        sdpa = time_us(lambda: dense_attention(q, k, v, bias, 128**-0.5))
+        sdpa = graph_call_us(lambda: dense_attention(q, k, v, bias, 128**-0.5), replays=10)
         rows.sort(key=lambda r: (not r["ok"], r["us"]))
         name = f"B{B}-H{H}-KV{KVH}-cap{S}"
         report["shapes"][name] = {"sdpa_us": sdpa, "configs": rows}

@@ -24,6 +24,7 @@ ORDERS = {"triton (default)": ("triton", False), "sdpa no-cudnn": ("sdpa", False
 
 
 def attention_us(B: int, H: int, KVH: int, cap: int) -> dict[str, float]:
+    from bmc.bench.engines import graph_call_us
     from bmc.models.fused_triton import decode_attention
 
     q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -34,23 +35,7 @@ def attention_us(B: int, H: int, KVH: int, cap: int) -> dict[str, float]:
     for name, (kind, order) in ORDERS.items():
         dense.CUDNN_FIRST = order
         fn = decode_attention if kind == "triton" else dense.dense_attention
-        for _ in range(3):
-            fn(q, k, v, bias, 128**-0.5)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(50):
-                fn(q, k, v, bias, 128**-0.5)
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / 50)
-        out[name] = statistics.median(times)
-        del graph
+        out[name] = graph_call_us(lambda: fn(q, k, v, bias, 128**-0.5))
     return out
 
 

@@ -308,27 +308,10 @@ def test_window_layers_give_a_prompt_the_same_logprobs_chunked_or_whole(tmp_path
     layers do, not from where its chunk's first query's window starts (which moves with the chunking): a 300-token
     prompt, past a window of 100, prefilled in chunks of a 40-token budget at 2 threads gets bit for bit the
     log-probabilities of the same prompt prefilled whole at 1 thread."""
-    from bmc.engine import GenerationConfig
-    from bmc.scheduler import Request, Scheduler
-
-    from .test_scheduler import LogprobCollector, drive
+    from .test_scheduler import assert_chunked_equals_whole
 
     path = make_gemma(tmp_path / "g3", "gemma3", head_dim=64, sliding_window=100, max_position_embeddings=1024)
     model = bmc.load(str(path))
     assert model.net.native_decoder() is not None  # the native step, whose kernels this is about
     prompt = torch.randint(3, 320, (300,), generator=torch.Generator().manual_seed(4)).tolist()
-    runs = []
-    for budget, threads in ((512, 1), (40, 2)):
-        col = LogprobCollector()
-        req = Request(list(prompt), GenerationConfig(max_new_tokens=8, ignore_eos=True), col, logprobs=1)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(threads)
-            drive(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=budget), {0: [req]}, collectors=[col])
-        finally:
-            torch.set_num_threads(before)
-        assert col.error is None and len(col.logprobs) == 8
-        runs.append(col)
-    whole, chunked = runs
-    assert chunked.tokens == whole.tokens
-    assert chunked.logprobs == whole.logprobs  # floats compared exactly
+    assert_chunked_equals_whole(model, prompt, 8)

@@ -343,23 +343,27 @@ def test_a_prompt_chunked_or_whole_gives_the_same_logprobs_bit_for_bit(tmp_path,
     model = _tiny_long(tmp_path, quant)
     g = torch.Generator().manual_seed(11)
     for n in (283, 121):  # last chunks of 3 and 1 tokens: 6 and 2 rows a KV head
-        prompt = torch.randint(3, 320, (n,), generator=g).tolist()
-        runs = []
-        for budget, threads in ((512, 1), (40, 2)):
-            col = LogprobCollector()
-            req = Request(list(prompt), GenerationConfig(max_new_tokens=12, ignore_eos=True), col, logprobs=1)
-            before = torch.get_num_threads()
-            try:
-                torch.set_num_threads(threads)
-                sched = Scheduler(model, max_num_seqs=1, max_num_batched_tokens=budget)
-                drive(sched, {0: [req]}, collectors=[col])
-            finally:
-                torch.set_num_threads(before)
-            assert col.error is None and len(col.logprobs) == 12
-            runs.append(col)
-        whole, chunked = runs
-        assert chunked.tokens == whole.tokens
-        assert chunked.logprobs == whole.logprobs  # floats compared exactly
+        assert_chunked_equals_whole(model, torch.randint(3, 320, (n,), generator=g).tolist(), 12)
+
+
+def assert_chunked_equals_whole(model, prompt: list[int], tokens: int) -> None:
+    """The prompt prefilled whole at 1 thread, then in chunks of a 40-token budget at 2: the same tokens and
+    log-probabilities, compared exactly as floats."""
+    runs = []
+    for budget, threads in ((512, 1), (40, 2)):
+        col = LogprobCollector()
+        req = Request(list(prompt), GenerationConfig(max_new_tokens=tokens, ignore_eos=True), col, logprobs=1)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            drive(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=budget), {0: [req]}, collectors=[col])
+        finally:
+            torch.set_num_threads(before)
+        assert col.error is None and len(col.logprobs) == tokens
+        runs.append(col)
+    whole, chunked = runs
+    assert chunked.tokens == whole.tokens
+    assert chunked.logprobs == whole.logprobs  # floats compared exactly
 
 
 @pytest.mark.parametrize("quant,activations,kv_dtype", [

@@ -242,3 +242,18 @@ def random_llama_7b(layers: int = 32, device: str = "cuda", dtype: torch.dtype =
     if device == "cuda":
         torch.cuda.empty_cache()
     return model
+
+
+def graph_call_us(fn: Any, calls: int = 50, replays: int = 20) -> float:
+    """µs a call of fn() on CUDA: `calls` calls captured in one CUDA graph (after a few eager warm-up calls),
+    the median of `replays` replays divided by `calls`: the kernels' time without the host's launches."""
+    from ..graphs import replay_median_ms
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return replay_median_ms(graph, replays) * 1e3 / calls
