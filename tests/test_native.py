@@ -572,14 +572,23 @@ from tests.test_native import (test_a_decode_rows_attention_is_the_same_bits_alo
 decode_rows(torch.float32, 1)
 decode_rows(torch.bfloat16, 3)
 prompt_rows(torch.float32)
+# and a row's GEMM output the same bits at any row count (the tests' AVX-512 guard lifted: AVX2 dequantizes a
+# group of panels once for all rows, then one float chain per output)
+import tests.test_quant as tq
+tq._factored_q4 = lambda: True
+for kind in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k"):
+    tq.test_quantized_gemms_give_a_row_the_same_bits_at_any_row_count(kind, "float")
+for kind in ("f32", "f16", "bf16"):
+    tq.test_float_panels_give_a_row_the_same_bits_at_any_row_count(kind)
 print("avx2 ok")
 """
 
 
 def test_the_avx2_build_compiles_and_computes():
     """The kernel built without AVX-512 (`BMC_KERNEL_CFLAGS=-mno-avx512f`: what an AVX2-only CPU builds) compiles,
-    its float GEMM, attention and quantized GEMM agree with their references, and a decode row's attention is the
-    same bits alone and in a batch (the AVX2 score tail summed apart from its blocks until session 41). A session once used an
+    its float GEMM, attention and quantized GEMM agree with their references, a decode row's attention is the
+    same bits alone and in a batch (the AVX2 score tail summed apart from its blocks until session 41), and a
+    row's GEMM output is the same bits at any row count, quantized and float panels. A session once used an
     AVX-512-only name in a shared header and the AVX2 build failed, leaving such CPUs on the slow PyTorch path;
     nothing else here builds it."""
     import os
