@@ -232,13 +232,14 @@ def test_a_rows_cached_segments_give_the_bits_of_the_same_keys_in_its_own_cache(
     fmin = torch.finfo(torch.float32).min
     causal = torch.zeros(t, total)
     causal[:, total - t:] = torch.full((t, t), fmin).triu(1)  # the prompt chunk's own last t keys, causally
+    causal[:, 3:7] = fmin  # a few masked keys inside the first node (its bias masks them)
     whole_bias = causal[None, None].clone()
     dec = mod.Attention(h, kvh, hd, hd**-0.5)
     prompt = t > 1
     alone = dec.attention_step(q[:1].contiguous(), keys, 0, whole_bias, [], [], [], prompt=prompt)
     cut = [0, lens[0], sum(lens)]
-    segs = [(keys[..., a:a + n, :].contiguous(), torch.zeros(1, 1, 1, n), torch.tensor([0, -1]))
-            for a, n in zip(cut, lens)]
+    segs = [(keys[..., a:a + n, :].contiguous(), causal[:1, a:a + n].reshape(1, 1, 1, n).clone(),
+             torch.tensor([0, -1])) for a, n in zip(cut, lens)]
     # row 0 reads the segments and its own last keys; row 1 (no segments) its own 200 keys, left-padded to fit
     cap = max(tail, 200)
     own = torch.zeros(1, 2, 2, kvh, cap, keys.shape[-1], dtype=keys.dtype)
