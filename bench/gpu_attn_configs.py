@@ -4,7 +4,8 @@ stages, programs an SM. Each configuration on each shape: one layer's attention,
 heads of a capacity (a quarter masked), 50 calls captured in one CUDA graph, median of 10 replays divided by 50,
 µs and GB/s of K and V read; checked against SDPA within the kernel's bound first.
 
-    python bench/gpu_attn_configs.py --out DIR       # DIR/gpu-attn-configs.json"""
+    python bench/gpu_attn_configs.py --out DIR       # DIR/gpu-attn-configs.json and .png
+    python bench/gpu_attn_configs.py --plot DIR/gpu-attn-configs.json   # the PNG again from a run's JSON"""
 from __future__ import annotations
 
 import argparse
@@ -16,16 +17,50 @@ import torch
 
 from bmc.attention.dense import dense_attention
 from bmc.bench.engines import graph_call_us
-from bmc.models.fused_triton import decode_attention
 
 SHAPES = [(1, 32, 32, 384), (1, 32, 32, 4096), (32, 32, 32, 384), (32, 32, 32, 4096),
           (1, 32, 8, 4096), (32, 32, 8, 1024), (1, 16, 2, 4096), (32, 16, 2, 1024)]  # B, H, H_kv, capacity
 
 
+def plot(report: dict, path: Path) -> None:
+    """Per shape: SDPA (without cuDNN), the best configuration, and the rule the code took from these runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bmc.bench.plots import engine_bars, save_titled
+
+    rows = {}
+    for name, sh in report["shapes"].items():
+        ok = [c for c in sh["configs"] if c["ok"]]
+        B, _, kvh, _ = (int(part.lstrip("BHKVcap")) for part in name.split("-"))
+        many = B * kvh >= 132  # rows x KV heads fill the H200's SMs: 32 columns a block, else 64
+        rule = [c for c in ok if c["dot"] and c["block"] == (32 if many else 64) and c["warps"] == 4
+                and c["stages"] == 3 and c["per_sm"] == 2]
+        rows[name.replace("-cap", "\ncap ")] = {"SDPA without cuDNN": {"us": sh["sdpa_us"]},
+                                                "best configuration": {"us": ok[0]["us"]},
+                                                "the rule (32/64 columns, 3 stages)": {"us": rule[0]["us"] if rule else 0}}
+    fig, ax = plt.subplots(figsize=(13, 4.5))
+    engine_bars(ax, rows, list(rows), "us", "one layer's decode attention alone (µs, lower is better)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_yscale("log")  # 8 to 950 µs: small shapes stay readable
+    ax.legend(fontsize=7)
+    save_titled(fig, f"decode attention launch choices (a sweep before the splits were folded in one pass), "
+                f"{report['device']}, torch {report['torch']}, bf16, head_dim "
+                "128, a quarter of the capacity masked", str(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/out/gpu-attn-configs")
+    ap.add_argument("--plot", help="only write the PNG of this JSON (beside it)")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
+    from bmc.models.fused_triton import decode_attention
+
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for B, H, KVH, S in SHAPES:
         q = torch.randn(B, H, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -61,6 +96,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-attn-configs.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "gpu-attn-configs.png")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ with the backends bmc allows (flash, memory-efficient, math) and SDPA with cuDNN
 order; cuDNN is not deterministic run to run, bench/gpu_determinism.py). One process, one Llama-2-7B-shaped bf16
 model (random weights); per batch the bmc engine decodes with each, interleaved, graphs captured again for each.
 
-    python bench/gpu_sdpa.py --out DIR             # JSON under DIR
+    python bench/gpu_sdpa.py --out DIR             # JSON and PNG under DIR
+    python bench/gpu_sdpa.py --plot DIR/gpu-sdpa.json   # the PNG again from a run's JSON
 
 Also one layer's decode attention alone, [B, H, 1, 128] against H_kv heads of a capacity of `--caps` (a quarter
 of it masked), µs a call: 50 calls captured in one CUDA graph, median of 20 replays, divided by 50."""
@@ -39,6 +40,28 @@ def attention_us(B: int, H: int, KVH: int, cap: int) -> dict[str, float]:
     return out
 
 
+def plot(report: dict, path: Path) -> None:
+    """Decode tok/s by batch (each attention, over cuDNN's) and one layer's attention alone, µs by shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bmc.bench.plots import engine_bars, save_titled
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 2.4]})
+    decode = {k: {name: {"tok/s": v} for name, v in r["median"].items()} for k, r in report["decode"].items()}
+    engine_bars(a, decode, list(decode), "tok/s", f"decode, {report['layers']}-layer 7B shape (tok/s)")
+    a.legend(fontsize=7)
+    alone = {k.replace("-cap", "\ncap "): {name: {"us": v} for name, v in r.items()}
+             for k, r in report["attention_us"].items()}
+    engine_bars(b, alone, list(alone), "us", "one layer's decode attention alone (µs, lower is better)")
+    b.tick_params(axis="x", labelsize=6)
+    b.set_yscale("log")  # 7 to 1000 µs: small shapes stay readable
+    save_titled(fig, f"{report['device']}, torch {report['torch']}, {report['dtype']}, prompt {report['prompt']}, "
+                f"{report['gen']} generated", str(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/out/gpu-sdpa")
@@ -49,7 +72,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--plot", help="only write the PNG of this JSON (beside it)")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     from bmc.bench.engines import random_llama_7b, run_bmc
     from bmc.graphs import graph_store
 
@@ -82,6 +109,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-sdpa.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "gpu-sdpa.png")
 
 
 if __name__ == "__main__":
