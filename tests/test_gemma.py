@@ -322,32 +322,13 @@ def test_window_model_served_together_gives_each_request_its_alone_logprobs(tmp_
     60-token one joining two steps later, prefilled in chunks of a 40-token budget beside each other's decode
     rows at 2 threads, with bmc-serve's prefix cache, get each request's alone log-probabilities (whole prefill,
     1 thread) bit for bit."""
-    from bmc.engine import GenerationConfig
-    from bmc.scheduler import Request, Scheduler
+    from bmc.scheduler import Scheduler
 
-    from .test_scheduler import LogprobCollector, drive
+    from .test_scheduler import assert_served_equals_alone
 
     model = bmc.load(str(make_gemma(tmp_path / "g3", "gemma3", head_dim=64, sliding_window=100,
                                     max_position_embeddings=1024)))
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 60)]
-
-    def run(sched: Scheduler, arrivals: dict[int, list[int]]) -> list[LogprobCollector]:
-        cols = [LogprobCollector() for _ in prompts]
-        reqs = [Request(list(p), GenerationConfig(max_new_tokens=10, ignore_eos=True), c, logprobs=1)
-                for p, c in zip(prompts, cols)]
-        drive(sched, {step: [reqs[i] for i in ids] for step, ids in arrivals.items()}, collectors=cols)
-        return cols
-
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512), {0: [i]})[i] for i in (0, 1)]
-    finally:
-        torch.set_num_threads(threads)
-    served = run(Scheduler(model, max_num_seqs=2, max_num_batched_tokens=40, prefix_cache_bytes=1 << 26),
-                 {0: [0], 2: [1]})
-    for one, many in zip(alone, served):
-        assert many.error is None and len(many.logprobs) == 10
-        assert many.tokens == one.tokens
-        assert many.logprobs == one.logprobs  # floats compared exactly
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=40, prefix_cache_bytes=1 << 26)
+    assert_served_equals_alone(model, prompts, sched, {0: [0], 2: [1]}, 10)

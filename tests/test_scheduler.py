@@ -388,9 +388,28 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (600, 23, 150, 77)]
     prompts.append(prompts[0][:400] + torch.randint(3, 320, (50,), generator=g).tolist())  # a hit of 400 tokens
 
+    # with bmc-serve's prefix cache on: a 600-token prompt is past the length from which the CPU once read a
+    # single request's own prompt in place (as a segment, which sums in its own order)
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40, kv_dtype=kv_dtype, prefix_cache_bytes=1 << 26)
+    in_place, step = [], sched.step
+    sched.step = lambda: (step(), in_place.append(sched.shared_prefix_rows))[0]  # type: ignore[method-assign]
+    # 4 takes 0's slot when it leaves
+    assert_served_equals_alone(model, prompts, sched, {0: [0], 2: [1], 5: [2, 3], 10: [4]}, 16, kv_dtype=kv_dtype)
+    assert sched.counters.cached_prompt_tokens >= 400  # the last request's hit, read in place
+    assert max(in_place) == 1  # a row read cached blocks in place (600-token prompt, then the hit), no other
+    # with them (cached blocks that several rows read are Hydragen's: read once for all, summed in their order)
+    if kv_dtype != "auto":
+        assert sched.cache.format.name == kv_dtype
+
+
+def assert_served_equals_alone(model, prompts: list[list[int]], sched: Scheduler, arrivals: dict[int, list[int]],
+                               tokens: int, **alone: object) -> None:
+    """Each prompt run alone (its own scheduler with `alone`'s options, prefilled whole, 1 thread), then all served
+    by `sched` as `arrivals` ({step: prompt indices}) says: each request the same tokens and log-probabilities,
+    compared exactly as floats."""
     def run(sched: Scheduler, arrivals: dict[int, list[int]]) -> list[LogprobCollector]:
         cols = [LogprobCollector() for _ in prompts]
-        reqs = [Request(list(p), GenerationConfig(max_new_tokens=16, ignore_eos=True), c, logprobs=1)
+        reqs = [Request(list(p), GenerationConfig(max_new_tokens=tokens, ignore_eos=True), c, logprobs=1)
                 for p, c in zip(prompts, cols)]
         drive(sched, {step: [reqs[i] for i in ids] for step, ids in arrivals.items()}, collectors=cols)
         return cols
@@ -398,23 +417,12 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512, kv_dtype=kv_dtype), {0: [i]})[i]
-                 for i in range(len(prompts))]
+        alone_runs = [run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512, **alone), {0: [i]})[i]
+                      for i in range(len(prompts))]
     finally:
         torch.set_num_threads(threads)
-    # with bmc-serve's prefix cache on: a 600-token prompt is past the length from which the CPU once read a
-    # single request's own prompt in place (as a segment, which sums in its own order)
-    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=40, kv_dtype=kv_dtype, prefix_cache_bytes=1 << 26)
-    in_place, step = [], sched.step
-    sched.step = lambda: (step(), in_place.append(sched.shared_prefix_rows))[0]  # type: ignore[method-assign]
-    served = run(sched, {0: [0], 2: [1], 5: [2, 3], 10: [4]})  # 4 takes 0's slot when it leaves
-    assert sched.counters.cached_prompt_tokens >= 400  # the last request's hit, read in place
-    assert max(in_place) == 1  # a row read cached blocks in place (600-token prompt, then the hit), no other
-    # with them (cached blocks that several rows read are Hydragen's: read once for all, summed in their order)
-    if kv_dtype != "auto":
-        assert sched.cache.format.name == kv_dtype
-    for one, many in zip(alone, served):
-        assert many.error is None and len(many.logprobs) == 16
+    for one, many in zip(alone_runs, run(sched, arrivals)):
+        assert many.error is None and len(many.logprobs) == tokens
         assert many.tokens == one.tokens
         assert many.logprobs == one.logprobs  # floats compared exactly
 
