@@ -10,6 +10,8 @@
 #   bash bench/device_one.sh gpu-attn     # the Triton decode attention's tests, bench/gpu_sdpa.py (it, SDPA, cuDNN)
 #   bash bench/device_one.sh gpu-attn-configs  # bench/gpu_attn_configs.py: the decode attention's launch choices
 #   bash bench/device_one.sh gpu-b1       # bench/gpu.py, 7B shape batch 1 (HF in the run), then --quant none,q8_0,q4_0
+#   bash bench/device_one.sh gpu-gemv     # bench/gpu_quant.py at M = 1 (the GEMVs' block shapes), the quantized tests
+#   bash bench/device_one.sh gpu-tests    # tests/test_gpu.py and tests/test_graph_arena.py, whole
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -53,6 +55,14 @@ for stage in "$@"; do
       timeout ${T_Q:-200} python3 bench/gpu.py --quant none,q8_0,q4_0 --batch 1 --total 384 --prompt 128 \
         --repeats 2 --graph-warmup --no-hf --engines bmc --no-iterative --out "$OUT/quant" 2>&1 | grep -v Warning \
         | tail -25 | tee "$OUT/gpu-quant.log" ;;
+    gpu-gemv)
+      timeout ${T_GEMV:-330} python3 bench/gpu_quant.py --Ms 1 --quick --out "$OUT/gpu-quant" 2>&1 | grep -v Warning \
+        | tee "$OUT/gpu-quant-m1.log"
+      timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+        -k "quantized or triton or int4 or int8 or gguf" 2>&1 | tee "$OUT/quant-tests.log" | tail -5 ;;
+    gpu-tests)
+      timeout ${T_TESTS:-400} python3 -m pytest -q -p no:cacheprovider -rs -x tests/test_gpu.py tests/test_graph_arena.py \
+        2>&1 | tee "$OUT/gpu-tests.log" | tail -8 ;;
   esac
   echo "== stage $stage: $(( $(date +%s) - t0 )) s"
 done
