@@ -98,17 +98,19 @@ void quant_int8x_kernel(const int8_t* xq, const float* dx, int64_t ldq, const ui
       // The epilogue's roundings pinned, each product apart from the sum it joins (the empty asm): written as plain
       // vector arithmetic, -ffast-math fused products and sums differently in different row counts' kernels (Q4_K:
       // the second of 3 rows 1 ulp from the same row alone), so a row's result depended on the rows beside it.
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1));  // rows 16-31's
       __m512 part;
       if (has_scale_hi(KIND)) {
-        __m512 p1 = _mm512_mul_ps((__m512)d1, hi);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0));  // rows 0-15's exact sum
+        __m512 p1 = _mm512_mul_ps((__m512)d1, _mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1)));  // rows 16-31's
         asm("" : "+v"(p1));
         part = _mm512_fmadd_ps((__m512)d0, lo, p1);
-      } else if (HIGH16) {
-        part = _mm512_fmadd_ps(hi, _mm512_set1_ps(0.0625f), lo);  // hi / 16 exact, then lo + hi rounded once
       } else {
-        part = _mm512_add_ps(lo, hi);
+        // one scale a block: the two halves' integer sums added as integers and converted once. Each half is below
+        // 2^18 in magnitude (16 products of |q| <= 128 and |qx| <= 127 a lane), so the float sum of the two
+        // converted halves, which this was, is exact too: the same bits, one conversion and the float add fewer
+        // (HIGH16: the high half is 16 times its sum, an exact arithmetic shift)
+        const __m512i hi = HIGH16 ? _mm512_srai_epi32(s1, 4) : _mm512_sub_epi32(s1, c1);
+        part = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(s0, c0), hi));
       }
       asm("" : "+v"(part));
       part = _mm512_mul_ps(part, _mm512_set1_ps(dx[i * nblk + b]));
