@@ -56,7 +56,7 @@ for stage in "$@"; do
         --repeats 2 --graph-warmup --no-hf --engines bmc --no-iterative --out "$OUT/quant" 2>&1 | grep -v Warning \
         | tail -25 | tee "$OUT/gpu-quant.log" ;;
     gpu-gemv)
-      timeout ${T_GEMV:-330} python3 bench/gpu_quant.py --Ms 1 --quick --out "$OUT/gpu-quant" 2>&1 | grep -v Warning \
+      timeout ${T_GEMV:-330} python3 bench/gpu_quant.py --Ms ${GEMV_MS:-1} --quick --out "$OUT/gpu-quant" 2>&1 | grep -v Warning \
         | tee "$OUT/gpu-quant-m1.log"
       timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
         -k "quantized or triton or int4 or int8 or gguf" 2>&1 | tee "$OUT/quant-tests.log" | tail -5 ;;

@@ -152,6 +152,125 @@ def _store(y_ptr, acc, r: tl.constexpr, row0, M, n, N, stride_ym):
 
 
 @triton.jit
+def _nibble_pairs(words, d2, m2, SH: tl.constexpr, HAS_M: tl.constexpr):
+    """The nibbles at bits SH and 16 + SH of each word as bfloat16 weights, two an instruction (bf16x2): a nibble
+    OR-ed into the mantissa of 128 is 128 + q exactly, 128 + 8 (or 128) taken off exactly, then times d (or times d
+    plus m) rounded once, d and m as bfloat16 (d2, m2: each's bits twice in an int32)."""
+    if HAS_M:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t, one, c;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 c, 0xC300C300;
+            shr.b32 t, $2, {SH};
+            lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+            fma.rn.bf16x2 t, t, one, c;
+            fma.rn.bf16x2 t, t, $3, $4;
+            mov.b32 {{$0, $1}}, t;
+            }}""",
+            constraints="=h,=h,r,r,r", args=[words, d2, m2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        asm=f"""{{
+        .reg .b32 t, one, c;
+        mov.b32 one, 0x3F803F80;
+        mov.b32 c, 0xC308C308;
+        shr.b32 t, $2, {SH};
+        lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+        fma.rn.bf16x2 t, t, one, c;
+        mul.rn.bf16x2 t, t, $3;
+        mov.b32 {{$0, $1}}, t;
+        }}""",
+        constraints="=h,=h,r,r", args=[words, d2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibble_ops(words, d, m, SH: tl.constexpr, HAS_M: tl.constexpr):
+    """_nibble_pairs' weights for the nibble at bits SH, by float32 ops (q d and q - 8 exact there; with m, q d + m
+    rounded to float32 first, so it may part from the bf16x2 fma's one rounding by one bfloat16 ulp)."""
+    q = ((words >> SH) & 15).to(tl.float32)
+    db = d.to(tl.bfloat16).to(tl.float32)
+    if HAS_M:
+        return (q * db + m.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    return ((q - 8.0) * db).to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_pair(v):
+    """A 16-bit float tensor as bfloat16 (rounded), its bits twice in an int32 (bf16x2's operand)."""
+    b = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _gemv_tc_kernel(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KB, stride_xm, stride_ym, stride_qn,
+                    HAS_M: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MP: tl.constexpr,
+                    SPLIT: tl.constexpr, SPLITP: tl.constexpr, PER: tl.constexpr, EVEN: tl.constexpr,
+                    ASM: tl.constexpr):
+    """Q4 words (4 a block) times up to MP rows of 16-bit x on tensor cores: each tile's weights made in registers
+    as bfloat16 pairs (_nibble_pairs), then tl.dot with float32 sums. A tile's k order is (block, word j, half h):
+    value 32 blk + 4 (s + 4 h) + j for slot pair s, so each word's two halves are neighbours in k, and x is read
+    in that order. SPLIT > 1: programs (n tile, split) each take PER blocks of K; the split that finishes last
+    (a counter a tile) sums the SPLIT partial tiles in one fixed tree and resets the counter."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 4)
+    r = tl.arange(0, MP)
+    kj = tl.arange(0, NB * 8)
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    kb0 = split * PER
+    kb1 = tl.minimum(kb0 + PER, KB)
+    rmask = (r < M)[None, :]
+    for k0 in tl.range(kb0, kb1, NB):
+        blk = k0 + b
+        woff = n[:, None, None] * stride_qn + blk[None, :, None] * 4 + j[None, None, :]
+        soff = n[:, None, None] * KB + blk[None, :, None] + 0 * j[None, None, :]
+        xk = (k0 + kj // 8) * 32 + (kj // 2) % 4 + 16 * (kj % 2)
+        if EVEN:
+            words = tl.load(q_ptr + woff)
+            d = tl.load(d_ptr + soff)
+            m = tl.load(m_ptr + soff) if HAS_M else d
+        else:
+            wmask = (n < N)[:, None, None] & (blk < kb1)[None, :, None]
+            words = tl.load(q_ptr + woff, mask=wmask, other=0)
+            d = tl.load(d_ptr + soff, mask=wmask, other=0)
+            m = tl.load(m_ptr + soff, mask=wmask, other=0) if HAS_M else d
+        if ASM:
+            d2 = _bf16_pair(d)
+            m2 = _bf16_pair(m)
+        xmask = rmask if EVEN else rmask & ((k0 + kj // 8) < kb1)[:, None]
+        for s in tl.static_range(4):
+            if ASM:
+                lo, hi = _nibble_pairs(words, d2, m2, 4 * s, HAS_M)
+            else:  # the same weights by float32 ops (the interpreter has no inline PTX): q d exact, one rounding
+                lo = _nibble_ops(words, d, m, 4 * s, HAS_M)
+                hi = _nibble_ops(words, d, m, 4 * s + 16, HAS_M)
+            w = tl.reshape(tl.join(lo, hi), (BN, NB * 8))
+            xv = tl.load(x_ptr + r[None, :] * stride_xm + (xk + 4 * s)[:, None], mask=xmask, other=0.0)
+            if ASM:
+                acc = tl.dot(w, xv, acc)
+            else:  # (the interpreter's tl.dot takes bfloat16 operands for their bits as integers)
+                acc = tl.dot(w.to(tl.float32), xv.to(tl.float32), acc, input_precision="ieee")
+    nn = n[:, None] + 0 * r[None, :]
+    omask = rmask & (nn < N)
+    if SPLIT == 1:
+        tl.store(y_ptr + r[None, :] * stride_ym + nn, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        t = tl.arange(0, BN)[:, None] * MP + r[None, :]
+        tl.store(part_ptr + (pid * SPLIT + split) * (BN * MP) + t, acc)
+        tl.debug_barrier()  # every thread's stores before the release below
+        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            sp = tl.arange(0, SPLITP)
+            parts = tl.load(part_ptr + (pid * SPLIT + sp)[:, None, None] * (BN * MP) + t[None, :, :],
+                            mask=(sp < SPLIT)[:, None, None], other=0, cache_modifier=".cg")
+            tl.store(y_ptr + r[None, :] * stride_ym + nn, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty),
+                     mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (or graph replay)
+
+
+@triton.jit
 def _dequantize_kernel(q_ptr, d_ptr, m_ptr, w_ptr, N, KB, stride_qn, stride_wn,
                        NIBBLES: tl.constexpr, SHIFT: tl.constexpr, HAS_M: tl.constexpr,
                        BN: tl.constexpr, NB: tl.constexpr):
@@ -191,6 +310,30 @@ def gemv(x: torch.Tensor, words: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
         x, words, d, d if m is None else m, y, M, N, K // QK, x.stride(0), y.stride(0), words.stride(0),
         NIBBLES=nibbles, SHIFT=shift, HAS_M=m is not None, BN=bn, NB=nb, MB=mb, EVEN=even, STAGES=stages,
         num_warps=warps)
+    return y
+
+
+def gemv_tc(x: torch.Tensor, words: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, N: int, K: int,
+            bn: int = 64, nb: int = 16, warps: int = 4, split: int = 1, stages: int = 3) -> torch.Tensor:
+    """x [M <= 16, K] in bfloat16 @ w.T for Q4 words (w = d (q - 8), or q d + m where m is given) on tensor cores:
+    the weights rounded to bfloat16 as the stated bound in quant_torch.py says, float32 sums, out in bfloat16."""
+    from .fused_triton import _counter
+
+    M = x.shape[0]
+    assert M <= 16 and x.dtype == torch.bfloat16
+    KB = K // QK
+    nb = min(nb, triton.next_power_of_2(KB))
+    per = triton.cdiv(triton.cdiv(KB, split), nb) * nb  # blocks a split, whole loop steps
+    split = triton.cdiv(KB, per)
+    tiles = triton.cdiv(N, bn)
+    y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+    part = torch.empty((tiles * split * bn * 16,) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    cnt = _counter(x.device, tiles) if split > 1 else part
+    even = N % bn == 0 and KB % per == 0 and per % nb == 0
+    _gemv_tc_kernel[(tiles, split)](x, words, d, d if m is None else m, y, part, cnt, M, N, KB, x.stride(0),
+                                    y.stride(0), words.stride(0), HAS_M=m is not None, BN=bn, NB=nb, MP=16,
+                                    SPLIT=split, SPLITP=triton.next_power_of_2(split), PER=per, EVEN=even, ASM=x.is_cuda, num_warps=warps,
+                                    num_stages=stages)
     return y
 
 
