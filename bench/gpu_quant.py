@@ -40,10 +40,6 @@ ROTATE_BYTES = 400 << 20
 GEMV_CONFIGS = [(8, 32, 2, 1, 1), (4, 32, 2, 1, 1), (8, 16, 2, 1, 1), (4, 16, 1, 1, 1), (8, 64, 4, 1, 1),
                 (4, 16, 2, 1, 2), (4, 16, 2, 1, 3), (8, 16, 2, 1, 3), (4, 8, 2, 1, 4), (8, 8, 2, 1, 4),
                 (4, 32, 2, 1, 2), (8, 16, 4, 1, 3), (16, 8, 4, 1, 4)]  # the last: software-pipelining depth
-# gemv_tc (Q4 words on tensor cores, M <= 16): (BN, NB, warps, split, stages)
-TC_CONFIGS = [(64, 16, 4, 1, 3), (64, 16, 4, 2, 3), (64, 16, 4, 4, 3), (128, 16, 4, 1, 3), (128, 16, 4, 2, 3),
-              (128, 16, 4, 4, 3), (64, 16, 4, 2, 2), (64, 8, 4, 2, 3), (128, 16, 8, 2, 3), (64, 16, 4, 8, 3),
-              (128, 8, 4, 4, 3)]
 GEMV_CONFIGS_M4 = [(4, 16, 1, 4), (4, 32, 2, 4), (8, 16, 2, 4), (2, 32, 1, 4)]
 GEMV_CONFIGS_M8 = [(4, 16, 1, 8), (2, 32, 1, 8), (4, 16, 1, 4), (8, 16, 2, 4), (2, 16, 1, 8)]
 DEQ_CONFIGS = [(16, 8, 4), (32, 4, 4), (8, 16, 4)]  # the dequantizing kernel's (BN, NB, warps)
@@ -111,17 +107,6 @@ def dense_of(kind: str, t: tuple) -> torch.Tensor:
     v = torch.cat([b & 15, b >> 4], -1).float()
     w = (v - 8) * d.float()[..., None] if m is None else v * d.float()[..., None] + m.float()[..., None]
     return w.view(N, K)
-
-
-def tc_weights(kind: str, t: tuple) -> torch.Tensor:
-    """gemv_tc's weights: q - 8 times d (Q4_0), or fma(q, d, m), with d and m rounded to bf16, rounded once."""
-    nib, d, m = t
-    N, K = nib.shape[0], nib.shape[1] * 2
-    b = nib.view(N, K // 32, 16)
-    v = torch.cat([b & 15, b >> 4], -1).double()
-    db = d.bfloat16().double()[..., None]
-    w = (v - 8) * db if m is None else v * db + m.bfloat16().double()[..., None]
-    return w.bfloat16().float().view(N, K)
 
 
 def attempt(res: dict[str, Any], what: str, fn: Callable[[], Any]) -> Any:
@@ -276,18 +261,6 @@ def bench_shape(name: str, N: int, K: int, Ms: list[int], quick: bool) -> dict[s
 
             if M >= 8:
                 sweep("triton dequant+cuBLAS", M, DEQ_CONFIGS[:1], dq)
-            if nib and M <= 16:
-                def tc(bn: int, nb: int, warps: int, split: int, stages: int, x=x) -> Callable[[tuple], torch.Tensor]:
-                    return lambda s: qt.gemv_tc(x, s[0], s[1], s[2], N, K, bn=bn, nb=nb, warps=warps, split=split,
-                                                stages=stages)
-
-                best = sweep("triton tc", M, TC_CONFIGS[:2] if kind == "q4_1" else TC_CONFIGS, tc)
-                if best is not None:  # against its own stated arithmetic: bf16 weights, float32 sums
-                    y = tc(*best)((words, d, m))
-                    ref = exact_x[M] @ tc_weights(kind, t).double().t()
-                    scale = exact_x[M].abs() @ tc_weights(kind, t).double().abs().t()
-                    res["methods"][f"{kind} triton tc (best)"][str(M)]["bound_ratio"] = (
-                        ((y.double() - ref).abs() - 2 ** -8 * ref.abs()) / (K * 2 ** -23 * scale)).max().item()
         del sets, exact, words
     torch.cuda.empty_cache()
     return res
