@@ -402,6 +402,25 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
         assert sched.cache.format.name == kv_dtype
 
 
+@pytest.mark.parametrize("quant,kv_dtype", [("none", "auto"), ("q4_0", "int8"), ("none", "bfloat16")])
+def test_rows_sharing_a_cached_prefix_get_their_alone_logprobs_bit_for_bit(tmp_path, quant, kv_dtype):
+    """Several decode rows reading the same cached blocks in one step (Hydragen: each chunk of the shared prefix
+    read once for all of them) still get each request's alone log-probabilities bit for bit: the rows' shared
+    keys go through the same spans, chunks and arithmetic as the same keys in a row's own cache. A 700-token prompt
+    is cached and three requests hit 640 of its tokens (past two whole spans of 256 keys and into a third) while
+    it still decodes, each with a suffix of its own."""
+    model = _tiny_long(tmp_path, quant)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 320, (700,), generator=g).tolist()
+    prompts = [first] + [first[:640] + torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 47, 12)]
+    sched = Scheduler(model, max_num_seqs=4, max_num_batched_tokens=64, kv_dtype=kv_dtype, prefix_cache_bytes=1 << 26)
+    sharing, step = [], sched.step
+    sched.step = lambda: (step(), sharing.append(sched.shared_prefix_rows))[0]  # type: ignore[method-assign]
+    assert_served_equals_alone(model, prompts, sched, {0: [0], 14: [1, 2, 3]}, 24, kv_dtype=kv_dtype)
+    assert sched.counters.cached_prompt_tokens >= 3 * 640
+    assert max(sharing) >= 3  # rows read the cached blocks together in one step
+
+
 def assert_served_equals_alone(model, prompts: list[list[int]], sched: Scheduler, arrivals: dict[int, list[int]],
                                tokens: int, **alone: object) -> None:
     """Each prompt run alone (its own scheduler with `alone`'s options, prefilled whole, 1 thread), then all served

@@ -94,12 +94,13 @@ class Attention {
 
   // softmax(q K^T * scale + bias) V for every query row, in two passes over one running softmax state per query
   // row (max m, sum s, and the unnormalised output, kept in the output row itself):
-  //  1. shared segments (Hydragen's prefixes, stored once per group): the query rows of a group and KV head walk
-  //     the segment together in chunks of SEG_KEYS keys, so a chunk comes from memory once per step for many rows
-  //     and from L1/L2 for the rest -- the matrix-matrix product the technique is about -- with an online softmax
-  //     across chunks;
-  //  2. the row's own cache over its whole capacity with the additive bias (padding rows cost compute, as in the
-  //     dense path), merged into the same state, then normalised: the exact softmax over all keys.
+  //  1. shared segments (Hydragen's prefixes, stored once per group) that several rows read: the whole spans of
+  //     them walked together (walk_shared_spans), so a chunk comes from memory once per step for many rows and
+  //     from L1/L2 for the rest, each row with its own walk's arithmetic; a row reading a segment stored in
+  //     another layout walks it in the segment's own order (attend_segment);
+  //  2. the row's own walk: its remaining segment keys as its first keys, then its own cache over its whole
+  //     capacity with the additive bias (padding rows cost compute, as in the dense path), merged into the same
+  //     state, then normalised: the exact softmax over all keys.
   // The G*t query rows of a KV head share each K/V row read (GQA/MQA never repeat KV heads).
   // prompt: the rows are a prompt's, whose scores of 8 or more rows a KV head are one matrix product. Other rows
   // (decode, a verify tree) score each row by dot products, whatever their count, so that a verify step's row is
@@ -121,35 +122,44 @@ class Attention {
     // segment several rows read goes through attend_segment (Hydragen: each chunk read once for all of them; its
     // sums in their own order), as does a row reading one stored in another layout. pre[b]: the keys of row b's
     // inline segments.
-    static thread_local std::vector<int64_t> pre_buf;
+    // A row that shares a segment with other decode rows of the step (Hydragen's case) has the whole spans of
+    // its segment keys (joint[b] of them) walked once for every row whose keys there are the same: each chunk read
+    // once for all of them, each row's arithmetic that of its own walk (walk_shared_spans); its walk below starts
+    // after them, from the state they leave.
+    constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
+    static thread_local std::vector<int64_t> pre_buf, joint_buf;
     static thread_local std::vector<char> inline_buf;
     pre_buf.assign(B, 0);
+    joint_buf.assign(B, 0);
     inline_buf.assign(B, 0);
     int64_t* pre = pre_buf.data();
+    int64_t* joint = joint_buf.data();
     char* inline_row = inline_buf.data();
     if (prior) {
       std::vector<char> shared(segs.size());
       for (size_t n = 0; n < segs.size(); ++n) {
         int64_t members = 0;
         for (int64_t b = 0; b < B; ++b) members += segs[n].group[b] >= 0;
-        shared[n] = !prompt && members > 1;  // read inline, each row would read the segment again
+        shared[n] = !prompt && members > 1;
       }
       for (int64_t b = 0; b < B; ++b) {
-        bool reads = false, exact = true;
+        bool reads = false, same_layout = true, shares = false;
         int64_t keys = 0;
         for (size_t n = 0; n < segs.size(); ++n) {
           if (segs[n].group[b] < 0) continue;
           reads = true;
-          exact = exact && !shared[n] && segs[n].lay.kind == lay.kind && segs[n].lay.row_bytes == lay.row_bytes;
+          shares = shares || shared[n];
+          same_layout = same_layout && segs[n].lay.kind == lay.kind && segs[n].lay.row_bytes == lay.row_bytes;
           keys += segs[n].len;
         }
-        if (reads && exact) inline_row[b] = 1, pre[b] = keys;
+        if (reads && same_layout) inline_row[b] = 1, pre[b] = keys, joint[b] = shares ? keys / span_keys : 0;
       }
       run_m.assign(B * t * h_, -FLT_MAX);
       run_s.assign(B * t * h_, 0.0f);
       std::fill(out, out + B * t * h_ * hd_, 0.0f);
       for (const Segment& sg : segs)
         attend_segment(l, qkv, nq, B, t, sg, scale, run_m.data(), run_s.data(), out, inline_row);
+      walk_shared_spans(l, qkv, nq, B, t, segs, lay, scale, joint, run_m.data(), run_s.data(), out);
     }
     // Every row's capacity is attended in spans of SPAN_CHUNKS chunks, whatever the batch, capacity or threads
     // (flash-decoding's split-K): each span into a fresh state, the spans folded in order, exactly by their maxima
@@ -168,7 +178,6 @@ class Attention {
     // column 0 would fall on other keys. A window layer's first open key is its first query's window start, which
     // moves with the prompt's chunking: there the full layers' bias gives the row's first key (grid_bias), and the
     // spans before a query's window are masked whole (skipped) or in part (their masked keys add exactly nothing)
-    constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
     static thread_local std::vector<int64_t> origin_buf;  // the calling thread's: no allocation a layer
     if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
@@ -215,7 +224,7 @@ class Attention {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t pair = task / (qblocks * span_tasks), qbk = task / span_tasks % qblocks;
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
-        const int64_t sp0 = split ? task % span_tasks : 0, sp1 = split ? sp0 + 1 : spans;
+        const int64_t sp0 = split ? task % span_tasks : joint[b], sp1 = split ? sp0 + 1 : spans;
         // the row's keys: its inline segments' (pre[b]), then its own columns from its first; v indexes them
         const int64_t preb = pre[b], total = preb + cap - origin[b];
         const int64_t kend = std::min(total, sp1 * span_keys);  // where this task's reading ends
@@ -313,6 +322,10 @@ class Attention {
         };
         for (int64_t sp = sp0; sp < sp1; ++sp) {
           const int64_t k0 = sp * span_keys, k1 = std::min(total, k0 + span_keys);
+          if (sp < joint[b]) {  // walked jointly (walk_shared_spans): already in the row's prior state
+            for (int64_t rr = 0; rr < Rb; ++rr) part_s[(pair * spans + sp) * R + row_of[rr]] = 0.0f;
+            continue;
+          }
           bool open_span = false;  // whether a row has a key of the span its bias does not mask
           for (int64_t rr = 0; rr < Rb && !open_span; ++rr) {
             if (rr > 0 && bias0[rr] == bias0[rr - 1]) continue;
@@ -459,6 +472,177 @@ class Attention {
     }
     const float inv = 1.0f / s;
     for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
+  }
+
+  // The first joint[b] spans of row b's keys (all in its segments) for every row at once: a task is (span, KV
+  // head, the rows whose keys up to the span's end are the same segments' groups), reading each chunk once for
+  // its rows. Each row's arithmetic is its own walk's over the same keys (attention(): the same 256-key spans from
+  // its first key, chunks of OWN_KEYS, a chunk across a segment's end gathered, the same masked-chunk skips, the
+  // same kernels, whose rows sum alike at any row count), and the spans' states are folded in order into the
+  // row's state (run_m, run_s, out: empty before), as its walk folds them: the bits the row gets alone.
+  void walk_shared_spans(int64_t l, const float* qkv, int64_t nq, int64_t B, int64_t t,
+                         const std::vector<Segment>& segs, const KVLayout& lay, float scale, const int64_t* joint,
+                         float* run_m, float* run_s, float* out) const {
+    constexpr int64_t span_keys = SPAN_CHUNKS * OWN_KEYS;
+    const int64_t G = h_ / kvh_, Gt = G * t;
+    int64_t nspan = 0;
+    for (int64_t b = 0; b < B; ++b) nspan = std::max(nspan, joint[b]);
+    if (nspan == 0) return;
+    std::vector<std::vector<int64_t>> seg_of(B);  // each row's segments in path order
+    for (int64_t b = 0; b < B; ++b)
+      for (size_t n = 0; n < segs.size(); ++n)
+        if (segs[n].group[b] >= 0) seg_of[b].push_back(static_cast<int64_t>(n));
+    auto same_keys = [&](int64_t a, int64_t b, int64_t end) {  // rows a and b read the same keys before `end`
+      int64_t at = 0;
+      for (size_t i = 0; at < end; ++i) {
+        if (i >= seg_of[a].size() || i >= seg_of[b].size()) return false;
+        const int64_t n = seg_of[a][i];
+        if (seg_of[b][i] != n || segs[n].group[a] != segs[n].group[b]) return false;
+        at += segs[n].len;
+      }
+      return true;
+    };
+    struct Task { int64_t span, kh; std::vector<int64_t> rows; };
+    std::vector<Task> tasks;
+    int64_t most = 1;  // rows of the largest task
+    for (int64_t sp = 0; sp < nspan; ++sp) {
+      std::vector<char> placed(B, 0);
+      for (int64_t b = 0; b < B; ++b) {
+        if (joint[b] <= sp || placed[b]) continue;
+        std::vector<int64_t> members{b};
+        for (int64_t c = b + 1; c < B; ++c)
+          if (joint[c] > sp && !placed[c] && same_keys(b, c, (sp + 1) * span_keys)) members.push_back(c), placed[c] = 1;
+        most = std::max<int64_t>(most, static_cast<int64_t>(members.size()));
+        for (int64_t kh = 0; kh < kvh_; ++kh) tasks.push_back({sp, kh, members});
+      }
+    }
+    const int64_t Rmax = most * Gt, states = B * t * h_, rb = lay.row_bytes;
+    // each (row state, span)'s state: [state][span] (and [.., d])
+    std::vector<float> span_m(states * nspan), span_s(states * nspan, 0.0f), span_o(states * nspan * hd_);
+    auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
+    const bool narrow = lay.kind != KVKind::F32;
+    const bool dots = integer_dots(lay);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Rows rows(Rmax, OWN_KEYS * hd_);
+      std::vector<float> p(Rmax * OWN_KEYS);
+      std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
+      std::vector<char> seen(Rmax);
+      std::vector<int64_t> state(Rmax);
+      std::vector<uint8_t> kraw(OWN_KEYS * rb), vraw(OWN_KEYS * rb);
+      std::vector<float> braw(OWN_KEYS);
+#if HAVE_I8_KV_DOTS
+      I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
+#endif
+      for (int64_t ti = begin; ti < end; ++ti) {
+        const Task& task = tasks[ti];
+        const int64_t Rb = static_cast<int64_t>(task.rows.size()) * Gt, b0 = task.rows[0], kh = task.kh;
+        const int64_t k0 = task.span * span_keys, k1 = k0 + span_keys;
+        for (int64_t rr = 0; rr < Rb; ++rr) {
+          const int64_t b = task.rows[rr / Gt], r = rr % Gt;
+          state[rr] = state_of(b, kh, r);
+          rows.q[rr] = qkv + (b * t + r % t) * nq + (kh * G + r / t) * hd_;
+          rows.o[rr] = span_o.data() + (state[rr] * nspan + task.span) * hd_;
+          rows.m[rr] = -FLT_MAX;
+          rows.s[rr] = 0.0f;
+          seen[rr] = 0;
+        }
+        // the segment keys [v0, v0 + n) of row b0 (every row of the task's): K, V and bias rows in place, or
+        // gathered key by key where they cross a segment's end
+        auto key_at = [&](int64_t v, const uint8_t*& kp, const uint8_t*& vp, const float*& bp) {
+          int64_t at = 0;
+          for (int64_t si : seg_of[b0]) {
+            const Segment& sg = segs[si];
+            if (v < at + sg.len) {
+              const int64_t grp = sg.group[b0], head = (sg.groups * 2 * l) * kvh_, off = v - at;  // [L, 2, groups, H, slab, d]
+              const int64_t k_row = (head + grp * kvh_ + kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
+              kp = sg.kv + (k_row + off) * rb, vp = sg.kv + (v_row + off) * rb, bp = sg.bias + grp * sg.len + off;
+              return sg.len - off;  // keys left in this segment from v
+            }
+            at += sg.len;
+          }
+          TORCH_CHECK(false, "walk_shared_spans: a joint span past the row's segments");
+          return int64_t{0};
+        };
+        auto locate = [&](int64_t v0, int64_t n, const uint8_t*& kp, const uint8_t*& vp, const float*& bp) {
+          if (key_at(v0, kp, vp, bp) >= n) return;
+          for (int64_t j = 0; j < n; ++j) {
+            const uint8_t *kj = nullptr, *vj = nullptr;
+            const float* bj = nullptr;
+            key_at(v0 + j, kj, vj, bj);
+            std::memcpy(kraw.data() + j * rb, kj, rb);
+            std::memcpy(vraw.data() + j * rb, vj, rb);
+            braw[j] = *bj;
+          }
+          kp = kraw.data(), vp = vraw.data(), bp = braw.data();
+        };
+#if HAVE_I8_KV_DOTS
+        if (dots)
+          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
+#endif
+        float top = -FLT_MAX;  // the span's keys all masked (for every row alike): it adds nothing
+        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {
+          const uint8_t *kp = nullptr, *vp = nullptr;
+          const float* bp = nullptr;
+          locate(c0, std::min<int64_t>(OWN_KEYS, k1 - c0), kp, vp, bp);
+          for (int64_t j = 0; j < std::min<int64_t>(OWN_KEYS, k1 - c0); ++j) top = std::max(top, bp[j]);
+        }
+        if (!(top > -FLT_MAX)) continue;  // span_s stays 0: an empty state
+        bool started = false;
+        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {
+          const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
+          const uint8_t *kp = nullptr, *vp = nullptr;
+          const float* bp = nullptr;
+          locate(c0, nc, kp, vp, bp);
+          float ctop = -FLT_MAX;  // as the own walk's skip: the same bias for every row here
+          for (int64_t j = 0; j < nc; ++j) ctop = std::max(ctop, bp[j]);
+          const bool open = ctop > -FLT_MAX;
+          bool skip = started;
+          for (int64_t rr = 0; rr < Rb; ++rr) {
+            skip = skip && !open && seen[rr];
+            seen[rr] |= open;
+          }
+          if (skip) continue;
+          for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bp;
+          const bool more = started;
+          started = true;
+          if (narrow) {
+            if (weighs_int8(lay)) {
+#if HAVE_I8_KV_DOTS
+              if (dots) {
+                attend_i8(rows, Rb, i8, kp, vp, rb, nc, p.data(), OWN_KEYS, more, nullptr, nullptr);
+                continue;
+              }
+#endif
+              widen_rows(lay, kp, nc, hd_, kbuf.data());
+              attend_keys(rows, Rb, false, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr,
+                          nullptr, vp, rb);
+              continue;
+            }
+            widen_rows(lay, kp, nc, hd_, kbuf.data());
+            widen_rows(lay, vp, nc, hd_, vbuf.data());
+            attend_keys(rows, Rb, false, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
+          } else {
+            attend_keys(rows, Rb, false, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
+                        nc, scale, p.data(), OWN_KEYS, more);
+          }
+        }
+        for (int64_t rr = 0; rr < Rb; ++rr) {
+          const int64_t at = state[rr] * nspan + task.span;
+          span_m[at] = rows.m[rr];
+          span_s[at] = seen[rr] ? rows.s[rr] : 0.0f;
+        }
+      }
+    });
+    at::parallel_for(0, states, 16, [&](int64_t begin, int64_t end) {  // the spans folded in order
+      for (int64_t st = begin; st < end; ++st) {
+        const int64_t b = st / h_ / t;
+        for (int64_t sp = 0; sp < joint[b]; ++sp) {
+          const int64_t at = st * nspan + sp;
+          if (span_s[at] > 0.0f)
+            fold_or_copy(run_m[st], run_s[st], out + st * hd_, span_m[at], span_s[at], span_o.data() + at * hd_);
+        }
+      }
+    });
   }
 
   // Tasks are (KV head, group, a slice of up to SEG_QUERY_ROWS of the group's query rows, a span of the segment):
