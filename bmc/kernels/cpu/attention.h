@@ -517,8 +517,10 @@ class Attention {
       }
     }
     const int64_t Rmax = most * Gt, states = B * t * h_, rb = lay.row_bytes;
-    // each (row state, span)'s state: [state][span] (and [.., d])
-    std::vector<float> span_m(states * nspan), span_s(states * nspan, 0.0f), span_o(states * nspan * hd_);
+    // each (row state, span)'s state: [state][span] (and [.., d]); a span's m and o are written before they are
+    // read (its first chunk starts them), s stays 0 for a span that holds no key of the row
+    std::unique_ptr<float[]> span_m(new float[states * nspan]), span_o(new float[states * nspan * hd_]);
+    std::vector<float> span_s(states * nspan, 0.0f);
     auto state_of = [&](int64_t b, int64_t kh, int64_t r) { return (b * t + r % t) * h_ + kh * G + r / t; };
     const bool narrow = lay.kind != KVKind::F32;
     const bool dots = integer_dots(lay);
@@ -541,7 +543,7 @@ class Attention {
           const int64_t b = task.rows[rr / Gt], r = rr % Gt;
           state[rr] = state_of(b, kh, r);
           rows.q[rr] = qkv + (b * t + r % t) * nq + (kh * G + r / t) * hd_;
-          rows.o[rr] = span_o.data() + (state[rr] * nspan + task.span) * hd_;
+          rows.o[rr] = span_o.get() + (state[rr] * nspan + task.span) * hd_;
           rows.m[rr] = -FLT_MAX;
           rows.s[rr] = 0.0f;
           seen[rr] = 0;
@@ -639,7 +641,7 @@ class Attention {
         for (int64_t sp = 0; sp < joint[b]; ++sp) {
           const int64_t at = st * nspan + sp;
           if (span_s[at] > 0.0f)
-            fold_or_copy(run_m[st], run_s[st], out + st * hd_, span_m[at], span_s[at], span_o.data() + at * hd_);
+            fold_or_copy(run_m[st], run_s[st], out + st * hd_, span_m[at], span_s[at], span_o.get() + at * hd_);
         }
       }
     });
