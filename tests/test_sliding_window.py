@@ -184,3 +184,28 @@ def test_quantized_window_model_native_equals_eager(tmp_path):
             mp.setenv("BMC_NATIVE", "0")
             eager = [c.token_ids for c in bmc.generate(model, PROMPTS, max_new_tokens=16, ignore_eos=True, kv=kv)]
         assert native == eager, kv
+
+
+def test_window_on_every_layer_gives_served_requests_their_alone_logprobs_bit_for_bit(tmp_path):
+    """A window on every layer (Mistral, Phi-3): the cache drops the columns that left every row's window, so a row's
+    first key can be gone, and each query's first open key is its own window's start; the attention counts a row's
+    span and chunk grid from its position 0 all the same (dropped keys read as masked ones). A 300-token prompt
+    past a window of 100 and a 60-token one joining two steps later, prefilled in chunks of a 40-token budget beside
+    each other's decode rows at 2 threads, decode 40 tokens each with the log-probabilities of each run alone (whole
+    prefill, 1 thread), bit for bit; and the long prompt chunked alone gives its whole prefill's."""
+    from bmc.scheduler import Scheduler
+
+    from .test_scheduler import assert_chunked_equals_whole, assert_served_equals_alone
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                     max_position_embeddings=1024, sliding_window=100, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)
+    model = bmc.load(str(save_tiny(tmp_path / "m", transformers.MistralForCausalLM(cfg).eval(), 320)))
+    assert model.net.native_decoder() is not None and model.config.sliding_window == 100
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 60)]
+    assert_chunked_equals_whole(model, prompts[0], 40)
+    assert_served_equals_alone(model, prompts, Scheduler(model, max_num_seqs=2, max_num_batched_tokens=40),
+                               {0: [0], 2: [1]}, 40)

@@ -240,7 +240,8 @@ class NativeDecoder {
   // [B, t or 1, vocab].
   // Shared segments (optional): seg_kv[i] [L, 2, groups, H_kv, len, d], seg_bias[i] [groups, 1, 1, len],
   // seg_group[i] [B] int64, the group each row reads. local: empty, or the window layers' (set_local) bias (empty:
-  // the main one), cos and sin, shaped as the main ones.
+  // the main one), cos and sin, shaped as the main ones, and optionally each row's grid origin ([B] int64, see
+  // Attention::attention).
   torch::Tensor forward(torch::Tensor x, torch::Tensor kv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
                         std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group,
@@ -295,6 +296,7 @@ class NativeDecoder {
     KVLayout lay;  // how the cache stores its rows
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
+    torch::Tensor grid_origin;  // [B] int64: each row's column of its position 0 (a window on every layer), or empty
     std::vector<Segment> segs;
     bool prompt = false;  // a prompt's rows (set_bf16_prompts)
     const torch::Tensor& bias_of(const Layer& L) const {
@@ -323,7 +325,11 @@ class NativeDecoder {
     Part part{B, t, cap, start, slab, lay, kv, bias.to(torch::kFloat).contiguous(),
               cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin};
     if (!local.empty()) {
-      TORCH_CHECK(local.size() == 3, "local: [bias, cos, sin] of the window layers");
+      TORCH_CHECK(local.size() == 3 || local.size() == 4, "local: [bias, cos, sin] of the window layers[, grid origin]");
+      if (local.size() == 4 && local[3].numel() > 0) {
+        TORCH_CHECK(local[3].numel() == B, "local grid origin: one column a row");
+        part.grid_origin = local[3].to(torch::kLong).contiguous();
+      }
       if (local[0].numel() > 0) {
         TORCH_CHECK(local[0].sizes() == bias.sizes(), "local bias: shaped as the bias");
         part.local_bias = local[0].to(torch::kFloat).contiguous();
@@ -404,7 +410,8 @@ class NativeDecoder {
         const bool window = L.local && part.local_bias.numel() > 0;  // its grid from the full layers' bias
         attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B,
                         part.t, part.segs, ap + row * h_ * hd_, part.prompt,
-                        window ? part.bias.data_ptr<float>() : nullptr);
+                        window ? part.bias.data_ptr<float>() : nullptr,
+                        part.grid_origin.numel() > 0 ? part.grid_origin.data_ptr<int64_t>() : nullptr);
         clock.lap(1);
         row += rows;
       }

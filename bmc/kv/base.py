@@ -448,6 +448,19 @@ class KVCache(ABC):
         left = self.col_pos[:, None, None, :] <= (positions.to(self.device) - self.window)[:, None, :, None]
         return bias.masked_fill(left, self.min_value)
 
+    def grid_origin(self) -> torch.Tensor | None:
+        """[B] int64 on the CPU, for a forward whose new columns are reserved: each row's column of its position 0,
+        where a window on every layer lets the cache drop the columns that left every row's window (negative once
+        its first keys are dropped); None otherwise.
+        The native attention counts a row's spans and chunks from there (the keys before its first column read as
+        masked), so a row's arithmetic does not depend on when its cache dropped columns, nor on where its prompt's
+        chunks began (each query's window start moves with them)."""
+        if self.col_pos is None or not self.window_every_layer or self.capacity == 0:
+            return None
+        # the forward's first new column (reserved: its position is written), where every row writes
+        c = min(self.length, self.capacity - 1)
+        return (c - self.col_pos[:, c]).cpu()
+
     def _recount_holes(self) -> None:
         """After a crop or reorder that may have removed every hole: look again (only while the flag is set, so
         the plain decode path never pays this host sync), so integrity keeps its strict check and SparQ drops

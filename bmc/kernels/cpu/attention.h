@@ -107,10 +107,13 @@ class Attention {
   // the bits of the same token decoded alone (the two sum in other orders), and speculation gives plain decoding's
   // tokens in every arithmetic.
   // grid_bias: where given (a window layer's call, with the full layers' bias, shaped as bias), each row's grid
-  // origin is taken from it rather than from bias (see origin below).
+  // origin is taken from it rather than from bias (see origin below). grid_origin: where given ([B]; a window on
+  // every layer), each row's origin column itself, that of its position 0: negative where the cache has dropped
+  // the row's first keys (columns below 0 are read as masked keys).
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
                  int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
-                 const std::vector<Segment>& segs, float* out, bool prompt, const float* grid_bias = nullptr) const {
+                 const std::vector<Segment>& segs, float* out, bool prompt, const float* grid_bias = nullptr,
+                 const int64_t* grid_origin = nullptr) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -183,10 +186,14 @@ class Attention {
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
     for (int64_t b = 0; b < B; ++b) {
-      const float* row = (grid_bias != nullptr ? grid_bias : bias) + b * bias_rows * cap;
-      int64_t j = 0;
-      while (j < cap && !(row[j] > -FLT_MAX)) ++j;
-      origin[b] = j < cap ? j : 0;
+      if (grid_origin != nullptr) {
+        origin[b] = std::min(grid_origin[b], cap);
+      } else {
+        const float* row = (grid_bias != nullptr ? grid_bias : bias) + b * bias_rows * cap;
+        int64_t j = 0;
+        while (j < cap && !(row[j] > -FLT_MAX)) ++j;
+        origin[b] = j < cap ? j : 0;
+      }
       spans = std::max(spans, (pre[b] + cap - origin[b] + span_keys - 1) / span_keys);
     }
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
@@ -231,7 +238,7 @@ class Attention {
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / (qblocks * span_tasks), next_b = next_pair % B;
         const int64_t next_k0 = origin[next_b] + (split ? (task + 1) % span_tasks * span_keys : 0);
-        const int64_t next_task = task + 1 < end && next_k0 < cap && pre[next_b] == 0  // a row index
+        const int64_t next_task = task + 1 < end && next_k0 >= 0 && next_k0 < cap && pre[next_b] == 0  // a row index
                                       ? (next_b * kvh_ + next_pair / B) * slab + next_k0
                                       : -1;
         for (int64_t rr = 0; rr < Rb; ++rr) {  // row r = g * t + i: query i of the KV head's g-th query head
@@ -275,7 +282,7 @@ class Attention {
           const float *shared, *per_row;
         };
         auto locate = [&](int64_t v0, int64_t n) -> ChunkAt {
-          if (v0 >= preb) {
+          if (v0 >= preb && own_col(v0) >= 0) {
             const int64_t c = own_col(v0);
             return {kc + (own + c) * rb, vc + (own + c) * rb, c, nullptr, nullptr};
           }
@@ -296,6 +303,12 @@ class Attention {
           for (int64_t j = 0; j < n; ++j) {
             const int64_t v = v0 + j;
             const uint8_t *kp = nullptr, *vp = nullptr;
+            if (v >= preb && own_col(v) < 0) {  // a key the cache dropped (before column 0): masked, zero rows
+              std::memset(kraw.data() + j * rb, 0, rb);
+              std::memset(vraw.data() + j * rb, 0, rb);
+              for (int64_t rr = 0; rr < Rb; ++rr) braw[rr * OWN_KEYS + j] = -FLT_MAX;
+              continue;
+            }
             if (v >= preb) {
               const int64_t c = own_col(v);
               kp = kc + (own + c) * rb, vp = vc + (own + c) * rb;
@@ -337,8 +350,9 @@ class Attention {
               for (int64_t j = lo; j < hi; ++j) top = std::max(top, bp[j - at]);
               at += segs[si].len;
             }
-            const int64_t c1 = own_col(k1);
-            for (int64_t j = own_col(std::max(k0, preb)); j < c1; ++j) top = std::max(top, bias0[rr][j]);
+            const int64_t c1 = own_col(k1);  // (columns below 0: dropped keys, masked)
+            for (int64_t j = std::max<int64_t>(0, own_col(std::max(k0, preb))); j < c1; ++j)
+              top = std::max(top, bias0[rr][j]);
             open_span = top > -FLT_MAX;
           }
           if (!open_span) {  // every row masks the whole span (past a shorter row's length): it adds nothing
@@ -376,7 +390,8 @@ class Attention {
             // the hardware prefetcher alone the KV stream ran well below the weights' (docs/performance.md,
             // "Figures behind the code's choices")
             const int64_t next = c0 + OWN_KEYS >= kend ? next_task
-                                 : c0 + OWN_KEYS >= preb ? own + own_col(c0 + OWN_KEYS) : -1;
+                                 : c0 + OWN_KEYS >= preb && own_col(c0 + OWN_KEYS) >= 0 ? own + own_col(c0 + OWN_KEYS)
+                                 : -1;
             const bool more = started;
             started = true;
             if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
@@ -386,7 +401,8 @@ class Attention {
                 // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to
                 // the hardware prefetcher
                 constexpr int64_t D = I8_AHEAD;
-                const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb
+                const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb &&
+                                              own_col(c0 + D * OWN_KEYS) >= 0
                                           ? own + own_col(c0 + D * OWN_KEYS) : -1;
                 if (c0 == k0 && ch.col >= 0) {  // the chunks before the first `ahead` one, at once
                   const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
