@@ -186,13 +186,15 @@ def test_quantized_window_model_native_equals_eager(tmp_path):
         assert native == eager, kv
 
 
-def test_window_on_every_layer_gives_served_requests_their_alone_logprobs_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16"])
+def test_window_on_every_layer_gives_served_requests_their_alone_logprobs_bit_for_bit(tmp_path, kv_dtype):
     """A window on every layer (Mistral, Phi-3): the cache drops the columns that left every row's window, so a row's
     first key can be gone, and each query's first open key is its own window's start; the attention counts a row's
     span and chunk grid from its position 0 all the same (dropped keys read as masked ones). A 300-token prompt
     past a window of 100 and a 60-token one joining two steps later, prefilled in chunks of a 40-token budget beside
     each other's decode rows at 2 threads, decode 40 tokens each with the log-probabilities of each run alone (whole
-    prefill, 1 thread), bit for bit; and the long prompt chunked alone gives its whole prefill's."""
+    prefill, 1 thread), bit for bit, over float32, int8 and bfloat16 KV; and the long prompt chunked alone gives its
+    whole prefill's."""
     from bmc.scheduler import Scheduler
 
     from .test_scheduler import assert_chunked_equals_whole, assert_served_equals_alone
@@ -206,6 +208,7 @@ def test_window_on_every_layer_gives_served_requests_their_alone_logprobs_bit_fo
     assert model.net.native_decoder() is not None and model.config.sliding_window == 100
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 60)]
-    assert_chunked_equals_whole(model, prompts[0], 40)
-    assert_served_equals_alone(model, prompts, Scheduler(model, max_num_seqs=2, max_num_batched_tokens=40),
-                               {0: [0], 2: [1]}, 40)
+    if kv_dtype == "auto":
+        assert_chunked_equals_whole(model, prompts[0], 40)
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=40, kv_dtype=kv_dtype)
+    assert_served_equals_alone(model, prompts, sched, {0: [0], 2: [1]}, 40, kv_dtype=kv_dtype)
