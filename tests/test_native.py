@@ -259,6 +259,36 @@ def test_a_rows_cached_segments_give_the_bits_of_the_same_keys_in_its_own_cache(
         assert torch.equal(both[0], alone[0])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_row_with_holes_gets_the_bits_of_its_keys_without_them(kv_dtype):
+    """Masked columns inside a decode row (holes: where rows accepted different counts of a verify step), with
+    `holes` set, are left out of the row's key numbering: the same bits as the keys alone, at holes before, across
+    and after chunk and span boundaries (the hole columns hold NaN, so a hole read would show)."""
+    require_native()
+    mod = native_module()
+    h, kvh, hd, fmin = 6, 2, 64, torch.finfo(torch.float32).min
+    g = torch.Generator().manual_seed(9)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        if kv_dtype == torch.int8:
+            from bmc.kv.formats import KV_FORMATS
+
+            return KV_FORMATS["int8"].encode(x)
+        return x.to(kv_dtype)
+
+    for n, at, holes in ((100, 10, 1), (200, 64, 5), (300, 70, 64), (300, 250, 9), (300, 280, 3)):
+        keys = torch.randn(1, 2, 1, kvh, n, hd, generator=g)
+        q = torch.randn(1, 1, h * hd, generator=g)
+        alone = dec.attention_step(q, stored(keys), 0, torch.zeros(1, 1, 1, n), [], [], [])
+        filler = torch.full((1, 2, 1, kvh, holes, hd), float("nan") if kv_dtype != torch.int8 else 1e4)
+        kv = torch.cat([keys[..., :at, :], filler, keys[..., at:, :]], dim=4)
+        bias = torch.zeros(1, 1, 1, n + holes)
+        bias[..., at:at + holes] = fmin
+        got = dec.attention_step(q, stored(kv), 0, bias, [], [], [], holes=True)
+        assert torch.equal(got, alone), (n, at, holes)
+
+
 @pytest.mark.parametrize("kvh", [1, 2, 6])
 @pytest.mark.parametrize("hd,t", [(64, 1), (64, 5), (24, 5)])
 def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):

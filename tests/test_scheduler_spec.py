@@ -4,6 +4,7 @@ cancelled around the verify steps."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import bmc
 from bmc.attention import ATTENTION_BACKENDS, AttentionOptions, SparQOptions
@@ -170,3 +171,36 @@ def test_a_failing_drafter_costs_drafts_not_requests(gqa_dir, monkeypatch):
         assert col.error is None and col.tokens == {0: alone(model, p, n)}
     assert sched.counters.draft_failures > 0 and sched.spec.stats.verify_steps > 0
     assert_idle(sched)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_row_beside_speculating_rows_gets_its_alone_logprobs_bit_for_bit(tmp_path, kv_dtype):
+    """Rows that accept different counts in a verify step leave the shorter ones masked columns (holes: every row
+    writes at the same column); attention numbers a decode row's keys without them, so a row that reports
+    logprobs (and so never speculates) served beside a greedy row speculating on a repetitive prompt gets the
+    log-probabilities of its run alone, bit for bit."""
+    from .test_scheduler import LogprobCollector, _tiny_long, drive
+
+    model = _tiny_long(tmp_path, "none")
+    g = torch.Generator().manual_seed(3)
+    copy = torch.randint(3, 320, (20,), generator=g).tolist() * 8  # ngram drafts accepted, several a step
+    own = torch.randint(3, 320, (50,), generator=g).tolist()
+
+    def run(sched: Scheduler, prompts: list[list[int]], threads: int) -> LogprobCollector:
+        cols = [LogprobCollector() for _ in prompts]
+        reqs = [Request(list(p), GenerationConfig(max_new_tokens=60, ignore_eos=True), c, logprobs=1 if p is own
+                        else None) for p, c in zip(prompts, cols)]
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            drive(sched, {0: reqs}, collectors=cols)
+        finally:
+            torch.set_num_threads(before)
+        return cols[-1]
+
+    alone = run(Scheduler(model, max_num_seqs=1, max_num_batched_tokens=512, kv_dtype=kv_dtype), [own], 1)
+    sched = Scheduler(model, max_num_seqs=2, max_num_batched_tokens=64, speculative="ngram", kv_dtype=kv_dtype)
+    served = run(sched, [copy, own], 2)
+    assert sched.spec.stats.accepted > 0  # the neighbour speculated and accepted drafts, leaving holes
+    assert served.error is None and served.tokens == alone.tokens
+    assert served.logprobs == alone.logprobs  # floats compared exactly

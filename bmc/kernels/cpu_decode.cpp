@@ -241,7 +241,7 @@ class NativeDecoder {
   // Shared segments (optional): seg_kv[i] [L, 2, groups, H_kv, len, d], seg_bias[i] [groups, 1, 1, len],
   // seg_group[i] [B] int64, the group each row reads. local: empty, or the window layers' (set_local) bias (empty:
   // the main one), cos and sin, shaped as the main ones, and optionally each row's grid origin ([B] int64, see
-  // Attention::attention).
+  // Attention::attention) and a non-empty tensor where the cache has holes.
   torch::Tensor forward(torch::Tensor x, torch::Tensor kv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                         int64_t start, bool all_logits, std::vector<torch::Tensor> seg_kv,
                         std::vector<torch::Tensor> seg_bias, std::vector<torch::Tensor> seg_group,
@@ -297,6 +297,7 @@ class NativeDecoder {
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     torch::Tensor grid_origin;  // [B] int64: each row's column of its position 0 (a window on every layer), or empty
+    bool holes = false;         // the cache has masked columns inside rows (speculation's)
     std::vector<Segment> segs;
     bool prompt = false;  // a prompt's rows (set_bf16_prompts)
     const torch::Tensor& bias_of(const Layer& L) const {
@@ -325,11 +326,13 @@ class NativeDecoder {
     Part part{B, t, cap, start, slab, lay, kv, bias.to(torch::kFloat).contiguous(),
               cos.numel() > 0 ? cos.contiguous() : cos, sin.numel() > 0 ? sin.contiguous() : sin};
     if (!local.empty()) {
-      TORCH_CHECK(local.size() == 3 || local.size() == 4, "local: [bias, cos, sin] of the window layers[, grid origin]");
-      if (local.size() == 4 && local[3].numel() > 0) {
+      TORCH_CHECK(local.size() >= 3 && local.size() <= 5,
+                  "local: [bias, cos, sin] of the window layers[, grid origin[, holes]]");
+      if (local.size() >= 4 && local[3].numel() > 0) {
         TORCH_CHECK(local[3].numel() == B, "local grid origin: one column a row");
         part.grid_origin = local[3].to(torch::kLong).contiguous();
       }
+      part.holes = local.size() == 5 && local[4].numel() > 0;
       if (local[0].numel() > 0) {
         TORCH_CHECK(local[0].sizes() == bias.sizes(), "local bias: shaped as the bias");
         part.local_bias = local[0].to(torch::kFloat).contiguous();
@@ -411,7 +414,7 @@ class NativeDecoder {
         attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B,
                         part.t, part.segs, ap + row * h_ * hd_, part.prompt,
                         window ? part.bias.data_ptr<float>() : nullptr,
-                        part.grid_origin.numel() > 0 ? part.grid_origin.data_ptr<int64_t>() : nullptr);
+                        part.grid_origin.numel() > 0 ? part.grid_origin.data_ptr<int64_t>() : nullptr, part.holes);
         clock.lap(1);
         row += rows;
       }
@@ -657,5 +660,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("int8_kv_dots", &Attention::int8_kv_dots)
       .def("attention_step", &Attention::attention_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
            py::arg("q"), py::arg("kv"), py::arg("layer"), py::arg("bias"), py::arg("seg_kv"), py::arg("seg_bias"),
-           py::arg("seg_group"), py::arg("prompt") = false);
+           py::arg("seg_group"), py::arg("prompt") = false, py::arg("holes") = false);
 }

@@ -277,12 +277,17 @@ class LlamaModel:
     def native_local(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor,
                      dtype: torch.dtype) -> list[torch.Tensor]:
         """The native step's `local` argument: [] where every layer reads the main bias and RoPE, else the window
-        layers' [bias (empty: the main one), cos, sin]; with a window on every layer, [empty x 3, each row's grid
-        origin] (KVCache.grid_origin)."""
-        local_bias = self.window_bias(cache, bias, positions)
+        layers' [bias (empty: the main one), cos, sin], then, where the cache has either, each row's grid origin
+        (a window on every layer: KVCache.grid_origin) and a flag that rows hold masked holes (speculation's)."""
+        local = self._window_local(cache, bias, positions, dtype)
         origin = cache.grid_origin()
-        if origin is not None:  # a window on every layer: the rows' grid from their position 0
-            return [torch.empty(0), torch.empty(0), torch.empty(0), origin]
+        if origin is None and not cache.holes:
+            return local
+        return (local or [torch.empty(0)] * 3) + [or_empty(origin), torch.ones(1) if cache.holes else torch.empty(0)]
+
+    def _window_local(self, cache: KVCache, bias: torch.Tensor, positions: torch.Tensor,
+                      dtype: torch.dtype) -> list[torch.Tensor]:
+        local_bias = self.window_bias(cache, bias, positions)
         if local_bias is None and self.local_inv_freq is None:
             return []
         if self.local_inv_freq is None:  # empty tables: the main ones

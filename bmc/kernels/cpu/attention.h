@@ -45,7 +45,7 @@ class Attention {
   // binding's default is a decode or verify step's). Returns [B, t, H*d].
   torch::Tensor attention_step(torch::Tensor q, torch::Tensor kv, int64_t layer, torch::Tensor bias,
                                std::vector<torch::Tensor> seg_kv, std::vector<torch::Tensor> seg_bias,
-                               std::vector<torch::Tensor> seg_group, bool prompt) const {
+                               std::vector<torch::Tensor> seg_group, bool prompt, bool holes = false) const {
     TORCH_CHECK(q.scalar_type() == torch::kFloat, "q: float32");
     TORCH_CHECK(q.dim() == 3 && q.size(2) == h_ * hd_, "q: [B, t, heads * head_dim]");
     const int64_t slab = slab_rows(kv, "kv");
@@ -61,7 +61,7 @@ class Attention {
     const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
     const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
     attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
-              bias.size(2), B, t, segs, out.data_ptr<float>(), prompt);
+              bias.size(2), B, t, segs, out.data_ptr<float>(), prompt, nullptr, nullptr, holes);
     return out;
   }
 
@@ -109,11 +109,12 @@ class Attention {
   // grid_bias: where given (a window layer's call, with the full layers' bias, shaped as bias), each row's grid
   // origin is taken from it rather than from bias (see origin below). grid_origin: where given ([B]; a window on
   // every layer), each row's origin column itself, that of its position 0: negative where the cache has dropped
-  // the row's first keys (columns below 0 are read as masked keys).
+  // the row's first keys (columns below 0 are read as masked keys). holes: the cache has rows with masked columns
+  // inside (speculation's, see below).
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
                  int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
                  const std::vector<Segment>& segs, float* out, bool prompt, const float* grid_bias = nullptr,
-                 const int64_t* grid_origin = nullptr) const {
+                 const int64_t* grid_origin = nullptr, bool holes = false) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -185,6 +186,15 @@ class Attention {
     if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
+    // A decode or verify row's holes: columns its bias masks between its first key and its first query's own
+    // column, left where rows accepted different counts of a verify step (every row writes at the same column).
+    // The row's keys are numbered without them, so its grid falls on the keys it has alone. (Prompt rows have
+    // none. With a window on every layer, grid_origin, the masked columns inside are also keys that left the
+    // window, which alone it has too: there holes still count, a gap design.md names.)
+    static thread_local std::vector<int64_t> hole_at, hole_len, hole_first;  // runs, each row's from hole_first[b]
+    hole_at.clear();
+    hole_len.clear();
+    hole_first.assign(B + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
       if (grid_origin != nullptr) {
         origin[b] = std::min(grid_origin[b], cap);
@@ -194,8 +204,38 @@ class Attention {
         while (j < cap && !(row[j] > -FLT_MAX)) ++j;
         origin[b] = j < cap ? j : 0;
       }
-      spans = std::max(spans, (pre[b] + cap - origin[b] + span_keys - 1) / span_keys);
+      int64_t hole_keys = 0;
+      if (holes && !prompt && grid_origin == nullptr) {
+        // the row's first query's bias (a window layer's: the full layers', whose masked columns inside are holes)
+        const float* row = (grid_bias != nullptr ? grid_bias : bias) + b * bias_rows * cap;
+        int64_t last = cap - 1;
+        while (last > origin[b] && !(row[last] > -FLT_MAX)) --last;
+        for (int64_t c = origin[b] + 1; c < last;) {
+          if (c + P <= last) {  // a block of 16 columns none of which is masked (a min reduction vectorizes)
+            float lo = FLT_MAX;
+            for (int64_t k = 0; k < P; ++k) lo = std::min(lo, row[c + k]);
+            if (lo > -FLT_MAX) {
+              c += P;
+              continue;
+            }
+          }
+          if (row[c] > -FLT_MAX) {
+            ++c;
+            continue;
+          }
+          int64_t e = c;
+          while (e < last && !(row[e] > -FLT_MAX)) ++e;
+          hole_at.push_back(c);
+          hole_len.push_back(e - c);
+          hole_keys += e - c;
+          c = e;
+        }
+      }
+      hole_first[b + 1] = static_cast<int64_t>(hole_at.size());
+      spans = std::max(spans, (pre[b] + cap - origin[b] - hole_keys + span_keys - 1) / span_keys);
     }
+    // taken here: inside the workers the names would be their own threads' buffers
+    const int64_t *holes_at = hole_at.data(), *holes_len = hole_len.data(), *holes_from = hole_first.data();
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
     const int64_t span_tasks = split ? spans : 1;
     const bool walks = !split && (spans > 1 || prior);  // a task folds each span's state into the output row
@@ -233,7 +273,9 @@ class Attention {
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t sp0 = split ? task % span_tasks : joint[b], sp1 = split ? sp0 + 1 : spans;
         // the row's keys: its inline segments' (pre[b]), then its own columns from its first; v indexes them
-        const int64_t preb = pre[b], total = preb + cap - origin[b];
+        int64_t holes_b = 0;
+        for (int64_t h = holes_from[b]; h < holes_from[b + 1]; ++h) holes_b += holes_len[h];
+        const int64_t preb = pre[b], total = preb + cap - origin[b] - holes_b;
         const int64_t kend = std::min(total, sp1 * span_keys);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / (qblocks * span_tasks), next_b = next_pair % B;
@@ -264,7 +306,11 @@ class Attention {
         if (preb > 0)
           for (size_t n = 0; n < segs.size(); ++n)
             if (segs[n].group[b] >= 0) seg_of.push_back(static_cast<int64_t>(n));
-        auto own_col = [&](int64_t v) { return origin[b] + v - preb; };
+        auto own_col = [&](int64_t v) {  // own key v's column: past the row's holes before it
+          int64_t c = origin[b] + v - preb;
+          for (int64_t h = holes_from[b]; h < holes_from[b + 1] && c >= holes_at[h]; ++h) c += holes_len[h];
+          return c;
+        };
         // segment si's key row `off` (K and V) and its bias there, for this task's KV head
         auto seg_at = [&](int64_t si, int64_t off, const uint8_t*& kp, const uint8_t*& vp, const float*& bp) {
           const Segment& sg = segs[si];
@@ -282,7 +328,8 @@ class Attention {
           const float *shared, *per_row;
         };
         auto locate = [&](int64_t v0, int64_t n) -> ChunkAt {
-          if (v0 >= preb && own_col(v0) >= 0) {
+          // (own keys in one run of columns: no hole among them)
+          if (v0 >= preb && own_col(v0) >= 0 && own_col(v0 + n - 1) - own_col(v0) == n - 1) {
             const int64_t c = own_col(v0);
             return {kc + (own + c) * rb, vc + (own + c) * rb, c, nullptr, nullptr};
           }
