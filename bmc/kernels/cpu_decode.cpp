@@ -297,7 +297,8 @@ class NativeDecoder {
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     torch::Tensor grid_origin;  // [B] int64: each row's column of its position 0 (a window on every layer), or empty
-    bool holes = false;         // the cache has masked columns inside rows (speculation's)
+    Holes holes;                // the rows' holes (speculation's), found once a step where the cache has them
+    bool holed = false;
     std::vector<Segment> segs;
     bool prompt = false;  // a prompt's rows (set_bf16_prompts)
     const torch::Tensor& bias_of(const Layer& L) const {
@@ -332,7 +333,10 @@ class NativeDecoder {
         TORCH_CHECK(local[3].numel() == B, "local grid origin: one column a row");
         part.grid_origin = local[3].to(torch::kLong).contiguous();
       }
-      part.holes = local.size() == 5 && local[4].numel() > 0;
+      if (local.size() == 5 && local[4].numel() > 0) {
+        part.holed = true;
+        part.holes = Holes::find(part.bias.data_ptr<float>(), part.bias.size(2), cap, B);
+      }
       if (local[0].numel() > 0) {
         TORCH_CHECK(local[0].sizes() == bias.sizes(), "local bias: shaped as the bias");
         part.local_bias = local[0].to(torch::kFloat).contiguous();
@@ -414,7 +418,8 @@ class NativeDecoder {
         attn_.attention(l, q, nq, kc, vc, part.lay, part.cap, part.slab, bias.data_ptr<float>(), bias.size(2), part.B,
                         part.t, part.segs, ap + row * h_ * hd_, part.prompt,
                         window ? part.bias.data_ptr<float>() : nullptr,
-                        part.grid_origin.numel() > 0 ? part.grid_origin.data_ptr<int64_t>() : nullptr, part.holes);
+                        part.grid_origin.numel() > 0 ? part.grid_origin.data_ptr<int64_t>() : nullptr,
+                        part.holed ? &part.holes : nullptr);
         clock.lap(1);
         row += rows;
       }

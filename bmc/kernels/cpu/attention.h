@@ -15,6 +15,55 @@ struct Segment {  // a shared prefix: KV of `groups` groups, each row reading gr
   int64_t slab;  // rows per (group, KV head) slab: len, or more for a view of a longer segment (the prefix cache)
 };
 
+#if !HAVE_I8_KV_DOTS
+struct I8Buffers {};  // no integer int8 KV attention in this build: attend_chunk's i8 is always null
+#endif
+
+// A step's holes: columns a decode or verify row's bias masks between its first key and its first query's own
+// column, left where rows accepted different counts of a verify step (every row writes at the same column). The
+// attention numbers a row's keys without them, so its grid falls on the keys it has alone. Found once a step from
+// the full layers' bias (the same for every layer); row b's runs [at, at + len) are from first[b] to first[b + 1].
+struct Holes {
+  std::vector<int64_t> at, len, first;
+  int64_t keys(int64_t b) const {
+    int64_t n = 0;
+    for (int64_t h = first[b]; h < first[b + 1]; ++h) n += len[h];
+    return n;
+  }
+  // bias [B, 1, bias_rows, cap]: each row's first query's
+  static Holes find(const float* bias, int64_t bias_rows, int64_t cap, int64_t B) {
+    Holes out;
+    out.first.assign(B + 1, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = bias + b * bias_rows * cap;
+      int64_t origin = 0, last = cap - 1;
+      while (origin < cap && !(row[origin] > -FLT_MAX)) ++origin;
+      while (last > origin && !(row[last] > -FLT_MAX)) --last;
+      for (int64_t c = origin + 1; c < last;) {
+        if (c + P <= last) {  // a block of 16 columns none of which is masked (a min reduction vectorizes)
+          float lo = FLT_MAX;
+          for (int64_t k = 0; k < P; ++k) lo = std::min(lo, row[c + k]);
+          if (lo > -FLT_MAX) {
+            c += P;
+            continue;
+          }
+        }
+        if (row[c] > -FLT_MAX) {
+          ++c;
+          continue;
+        }
+        int64_t e = c;
+        while (e < last && !(row[e] > -FLT_MAX)) ++e;
+        out.at.push_back(c);
+        out.len.push_back(e - c);
+        c = e;
+      }
+      out.first[b + 1] = static_cast<int64_t>(out.at.size());
+    }
+    return out;
+  }
+};
+
 class Attention {
  public:
   Attention(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
@@ -60,8 +109,9 @@ class Attention {
     auto out = torch::empty_like(q);
     const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
     const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
+    const Holes found = holes ? Holes::find(bias.data_ptr<float>(), bias.size(2), cap, B) : Holes{};
     attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
-              bias.size(2), B, t, segs, out.data_ptr<float>(), prompt, nullptr, nullptr, holes);
+              bias.size(2), B, t, segs, out.data_ptr<float>(), prompt, nullptr, nullptr, holes ? &found : nullptr);
     return out;
   }
 
@@ -109,12 +159,12 @@ class Attention {
   // grid_bias: where given (a window layer's call, with the full layers' bias, shaped as bias), each row's grid
   // origin is taken from it rather than from bias (see origin below). grid_origin: where given ([B]; a window on
   // every layer), each row's origin column itself, that of its position 0: negative where the cache has dropped
-  // the row's first keys (columns below 0 are read as masked keys). holes: the cache has rows with masked columns
-  // inside (speculation's, see below).
+  // the row's first keys (columns below 0 are read as masked keys). holes: where given (the cache has them), the
+  // rows' holes (Holes), left out of a decode or verify row's key numbering.
   void attention(int64_t l, const float* qkv, int64_t nq, const uint8_t* kc, const uint8_t* vc, const KVLayout& lay,
                  int64_t cap, int64_t slab, const float* bias, int64_t bias_rows, int64_t B, int64_t t,
                  const std::vector<Segment>& segs, float* out, bool prompt, const float* grid_bias = nullptr,
-                 const int64_t* grid_origin = nullptr, bool holes = false) const {
+                 const int64_t* grid_origin = nullptr, const Holes* holes = nullptr) const {
     const int64_t G = h_ / kvh_, R = G * t;
     const float scale = static_cast<float>(scale_);
     const bool prior = !segs.empty();
@@ -186,15 +236,9 @@ class Attention {
     if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
-    // A decode or verify row's holes: columns its bias masks between its first key and its first query's own
-    // column, left where rows accepted different counts of a verify step (every row writes at the same column).
-    // The row's keys are numbered without them, so its grid falls on the keys it has alone. (Prompt rows have
-    // none. With a window on every layer, grid_origin, the masked columns inside are also keys that left the
-    // window, which alone it has too: there holes still count, a gap design.md names.)
-    static thread_local std::vector<int64_t> hole_at, hole_len, hole_first;  // runs, each row's from hole_first[b]
-    hole_at.clear();
-    hole_len.clear();
-    hole_first.assign(B + 1, 0);
+    // (with a window on every layer, grid_origin, the masked columns inside a row are also keys that left the
+    // window, which alone it has too: there holes are not left out, a gap design.md names)
+    const bool holed = holes != nullptr && !prompt && grid_origin == nullptr;
     for (int64_t b = 0; b < B; ++b) {
       if (grid_origin != nullptr) {
         origin[b] = std::min(grid_origin[b], cap);
@@ -204,38 +248,9 @@ class Attention {
         while (j < cap && !(row[j] > -FLT_MAX)) ++j;
         origin[b] = j < cap ? j : 0;
       }
-      int64_t hole_keys = 0;
-      if (holes && !prompt && grid_origin == nullptr) {
-        // the row's first query's bias (a window layer's: the full layers', whose masked columns inside are holes)
-        const float* row = (grid_bias != nullptr ? grid_bias : bias) + b * bias_rows * cap;
-        int64_t last = cap - 1;
-        while (last > origin[b] && !(row[last] > -FLT_MAX)) --last;
-        for (int64_t c = origin[b] + 1; c < last;) {
-          if (c + P <= last) {  // a block of 16 columns none of which is masked (a min reduction vectorizes)
-            float lo = FLT_MAX;
-            for (int64_t k = 0; k < P; ++k) lo = std::min(lo, row[c + k]);
-            if (lo > -FLT_MAX) {
-              c += P;
-              continue;
-            }
-          }
-          if (row[c] > -FLT_MAX) {
-            ++c;
-            continue;
-          }
-          int64_t e = c;
-          while (e < last && !(row[e] > -FLT_MAX)) ++e;
-          hole_at.push_back(c);
-          hole_len.push_back(e - c);
-          hole_keys += e - c;
-          c = e;
-        }
-      }
-      hole_first[b + 1] = static_cast<int64_t>(hole_at.size());
+      const int64_t hole_keys = holed ? holes->keys(b) : 0;
       spans = std::max(spans, (pre[b] + cap - origin[b] - hole_keys + span_keys - 1) / span_keys);
     }
-    // taken here: inside the workers the names would be their own threads' buffers
-    const int64_t *holes_at = hole_at.data(), *holes_len = hole_len.data(), *holes_from = hole_first.data();
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
     const int64_t span_tasks = split ? spans : 1;
     const bool walks = !split && (spans > 1 || prior);  // a task folds each span's state into the output row
@@ -249,8 +264,6 @@ class Attention {
     const bool narrow = lay.kind != KVKind::F32;  // rows widened a chunk at a time into kbuf / vbuf
     const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
     const bool bf16 = prompt && bf16_chunks(lay);  // a prompt's chunks in bfloat16 arithmetic (attend_keys_bf16)
-    const float* kf = reinterpret_cast<const float*>(kc);
-    const float* vf = reinterpret_cast<const float*>(vc);
     at::parallel_for(0, pairs * qblocks * span_tasks, 1, [&](int64_t begin, int64_t end) {
       Rows rows(Rmax, OWN_KEYS * hd_);
       std::vector<float> p(Rmax * OWN_KEYS);
@@ -263,6 +276,9 @@ class Attention {
       std::vector<float> span_o(walks ? Rmax * hd_ : 0), acc_m(walks ? Rmax : 0), acc_s(walks ? Rmax : 0);
 #if HAVE_I8_KV_DOTS
       I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
+      I8Buffers* i8p = &i8;
+#else
+      I8Buffers* i8p = nullptr;
 #endif
       std::unique_ptr<Bf16Chunk> bc(bf16 ? new Bf16Chunk(Rmax, hd_) : nullptr);
       std::vector<int64_t> seg_of;  // the task row's inline segments, in path order
@@ -273,9 +289,7 @@ class Attention {
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t sp0 = split ? task % span_tasks : joint[b], sp1 = split ? sp0 + 1 : spans;
         // the row's keys: its inline segments' (pre[b]), then its own columns from its first; v indexes them
-        int64_t holes_b = 0;
-        for (int64_t h = holes_from[b]; h < holes_from[b + 1]; ++h) holes_b += holes_len[h];
-        const int64_t preb = pre[b], total = preb + cap - origin[b] - holes_b;
+        const int64_t preb = pre[b], total = preb + cap - origin[b] - (holed ? holes->keys(b) : 0);
         const int64_t kend = std::min(total, sp1 * span_keys);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / (qblocks * span_tasks), next_b = next_pair % B;
@@ -308,7 +322,8 @@ class Attention {
             if (segs[n].group[b] >= 0) seg_of.push_back(static_cast<int64_t>(n));
         auto own_col = [&](int64_t v) {  // own key v's column: past the row's holes before it
           int64_t c = origin[b] + v - preb;
-          for (int64_t h = holes_from[b]; h < holes_from[b + 1] && c >= holes_at[h]; ++h) c += holes_len[h];
+          if (holed)
+            for (int64_t h = holes->first[b]; h < holes->first[b + 1] && c >= holes->at[h]; ++h) c += holes->len[h];
           return c;
         };
         // segment si's key row `off` (K and V) and its bias there, for this task's KV head
@@ -441,51 +456,27 @@ class Attention {
                                  : -1;
             const bool more = started;
             started = true;
-            if (narrow) {  // widened into L1-sized buffers, the next chunk's stored rows prefetched meanwhile
-              const uint8_t* v_at = ch.v;
-              if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
-                // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
-                // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to
-                // the hardware prefetcher
-                constexpr int64_t D = I8_AHEAD;
-                const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb &&
-                                              own_col(c0 + D * OWN_KEYS) >= 0
-                                          ? own + own_col(c0 + D * OWN_KEYS) : -1;
-                if (c0 == k0 && ch.col >= 0) {  // the chunks before the first `ahead` one, at once
-                  const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
-                  const LinePrefetch pk{kc + (own + ch.col + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
-                  const LinePrefetch pv{vc + (own + ch.col + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
-                  if (n > 0) pk.share(0), pv.share(0);
-                }
-#if HAVE_I8_KV_DOTS
-                if (dots) {
-                  attend_i8(rows, Rb, i8, ch.k, v_at, lay.row_bytes, nc, p.data(),
-                            OWN_KEYS, more, ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
-                            ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
-                  continue;
-                }
-#endif
-                widen_rows(lay, ch.k, nc, hd_, kbuf.data(),
-                           ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr,
-                           ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr);
-                attend_keys(rows, Rb, prompt, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr,
-                            nullptr, v_at, lay.row_bytes);
-                continue;
+            const uint8_t *next_k = next >= 0 ? kc + next * lay.row_bytes : nullptr,
+                          *next_v = next >= 0 ? vc + next * lay.row_bytes : nullptr;
+            if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
+              // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
+              // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to the
+              // hardware prefetcher
+              constexpr int64_t D = I8_AHEAD;
+              const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb &&
+                                            own_col(c0 + D * OWN_KEYS) >= 0
+                                        ? own + own_col(c0 + D * OWN_KEYS) : -1;
+              if (c0 == k0 && ch.col >= 0) {  // the chunks before the first `ahead` one, at once
+                const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
+                const LinePrefetch pk{kc + (own + ch.col + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
+                const LinePrefetch pv{vc + (own + ch.col + OWN_KEYS) * lay.row_bytes, pk.lines, 1};
+                if (n > 0) pk.share(0), pv.share(0);
               }
-              widen_rows(lay, ch.k, nc, hd_, kbuf.data(), next >= 0 ? kc + next * lay.row_bytes : nullptr);
-              widen_rows(lay, v_at, nc, hd_, vbuf.data(), next >= 0 ? vc + next * lay.row_bytes : nullptr);
-              if (bf16)
-                attend_keys_bf16(rows, Rb, *bc, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
-              else
-                attend_keys(rows, Rb, prompt, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
-            } else if (bf16) {
-              attend_keys_bf16(rows, Rb, *bc, reinterpret_cast<const float*>(ch.k),
-                               reinterpret_cast<const float*>(ch.v), nc, scale, p.data(), OWN_KEYS, more);
-            } else {
-              attend_keys(rows, Rb, prompt, reinterpret_cast<const float*>(ch.k), reinterpret_cast<const float*>(ch.v),
-                          nc, scale, p.data(), OWN_KEYS, more, next >= 0 ? kf + next * hd_ : nullptr,
-                          next >= 0 ? vf + next * hd_ : nullptr);
+              next_k = ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr;
+              next_v = ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr;
             }
+            attend_chunk(rows, Rb, lay, ch.k, ch.v, nc, scale, prompt, more, p.data(), kbuf.data(), vbuf.data(),
+                         dots ? i8p : nullptr, bf16 ? bc.get() : nullptr, next_k, next_v);
           }
           for (int64_t rr = 0; rr < Rb; ++rr) {  // a row that met no key it does not mask leaves an empty state
             if (!seen[rr]) rows.s[rr] = 0.0f;
@@ -535,6 +526,42 @@ class Attention {
     }
     const float inv = 1.0f / s;
     for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
+  }
+
+  // One chunk of n stored keys and values (rows at k and v, in layout lay) merged into the running state of R
+  // query rows: the one dispatch both walks use, so a row's arithmetic is the same in each. i8: the rows' query
+  // digits where int8 KV is attended in integers, else null; bc: a prompt's bfloat16 chunk buffers, else null.
+  // next_k / next_v: stored rows prefetched meanwhile (null: none).
+  void attend_chunk(Rows& rows, int64_t R, const KVLayout& lay, const uint8_t* k, const uint8_t* v, int64_t n,
+                    float scale, bool prompt, bool more, float* p, float* kbuf, float* vbuf, I8Buffers* i8,
+                    Bf16Chunk* bc, const uint8_t* next_k, const uint8_t* next_v) const {
+    if (lay.kind == KVKind::F32) {
+      const float *K = reinterpret_cast<const float*>(k), *V = reinterpret_cast<const float*>(v);
+      if (bc != nullptr)
+        attend_keys_bf16(rows, R, *bc, K, V, n, scale, p, OWN_KEYS, more);
+      else
+        attend_keys(rows, R, prompt, K, V, n, scale, p, OWN_KEYS, more, reinterpret_cast<const float*>(next_k),
+                    reinterpret_cast<const float*>(next_v));
+      return;
+    }
+    // narrower rows: widened into L1-sized buffers, the next rows prefetched meanwhile
+    if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
+#if HAVE_I8_KV_DOTS
+      if (i8 != nullptr) {
+        attend_i8(rows, R, *i8, k, v, lay.row_bytes, n, p, OWN_KEYS, more, next_k, next_v);
+        return;
+      }
+#endif
+      widen_rows(lay, k, n, hd_, kbuf, next_k, next_v);
+      attend_keys(rows, R, prompt, kbuf, nullptr, n, scale, p, OWN_KEYS, more, nullptr, nullptr, v, lay.row_bytes);
+      return;
+    }
+    widen_rows(lay, k, n, hd_, kbuf, next_k);
+    widen_rows(lay, v, n, hd_, vbuf, next_v);
+    if (bc != nullptr)
+      attend_keys_bf16(rows, R, *bc, kbuf, vbuf, n, scale, p, OWN_KEYS, more);
+    else
+      attend_keys(rows, R, prompt, kbuf, vbuf, n, scale, p, OWN_KEYS, more);
   }
 
   // The first joint[b] spans of row b's keys (all in its segments) for every row at once: a task is (span, KV
@@ -597,6 +624,9 @@ class Attention {
       std::vector<float> braw(OWN_KEYS);
 #if HAVE_I8_KV_DOTS
       I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
+      I8Buffers* i8p = &i8;
+#else
+      I8Buffers* i8p = nullptr;
 #endif
       for (int64_t ti = begin; ti < end; ++ti) {
         const Task& task = tasks[ti];
@@ -644,14 +674,6 @@ class Attention {
         if (dots)
           for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
 #endif
-        float top = -FLT_MAX;  // the span's keys all masked (for every row alike): it adds nothing
-        for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {
-          const uint8_t *kp = nullptr, *vp = nullptr;
-          const float* bp = nullptr;
-          locate(c0, std::min<int64_t>(OWN_KEYS, k1 - c0), kp, vp, bp);
-          for (int64_t j = 0; j < std::min<int64_t>(OWN_KEYS, k1 - c0); ++j) top = std::max(top, bp[j]);
-        }
-        if (!(top > -FLT_MAX)) continue;  // span_s stays 0: an empty state
         bool started = false;
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {
           const int64_t nc = std::min<int64_t>(OWN_KEYS, k1 - c0);
@@ -670,27 +692,10 @@ class Attention {
           for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bp;
           const bool more = started;
           started = true;
-          if (narrow) {
-            if (weighs_int8(lay)) {
-#if HAVE_I8_KV_DOTS
-              if (dots) {
-                attend_i8(rows, Rb, i8, kp, vp, rb, nc, p.data(), OWN_KEYS, more, nullptr, nullptr);
-                continue;
-              }
-#endif
-              widen_rows(lay, kp, nc, hd_, kbuf.data());
-              attend_keys(rows, Rb, false, kbuf.data(), nullptr, nc, scale, p.data(), OWN_KEYS, more, nullptr,
-                          nullptr, vp, rb);
-              continue;
-            }
-            widen_rows(lay, kp, nc, hd_, kbuf.data());
-            widen_rows(lay, vp, nc, hd_, vbuf.data());
-            attend_keys(rows, Rb, false, kbuf.data(), vbuf.data(), nc, scale, p.data(), OWN_KEYS, more);
-          } else {
-            attend_keys(rows, Rb, false, reinterpret_cast<const float*>(kp), reinterpret_cast<const float*>(vp),
-                        nc, scale, p.data(), OWN_KEYS, more);
-          }
+          attend_chunk(rows, Rb, lay, kp, vp, nc, scale, false, more, p.data(), kbuf.data(), vbuf.data(),
+                       dots ? i8p : nullptr, nullptr, nullptr, nullptr);
         }
+        // (a row that met no key its bias does not mask keeps an empty state, as a span its own walk skips)
         for (int64_t rr = 0; rr < Rb; ++rr) {
           const int64_t at = state[rr] * nspan + task.span;
           span_m[at] = rows.m[rr];
