@@ -328,12 +328,7 @@ class Attention {
         };
         // segment si's key row `off` (K and V) and its bias there, for this task's KV head
         auto seg_at = [&](int64_t si, int64_t off, const uint8_t*& kp, const uint8_t*& vp, const float*& bp) {
-          const Segment& sg = segs[si];
-          const int64_t grp = sg.group[b], head = (sg.groups * 2 * l) * kvh_;  // [L, 2, groups, H, slab, d]
-          const int64_t k_row = (head + grp * kvh_ + kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
-          kp = sg.kv + (k_row + off) * rb;
-          vp = sg.kv + (v_row + off) * rb;
-          bp = sg.bias + grp * sg.len + off;
+          segment_row(segs[si], l, segs[si].group[b], kh, off, kp, vp, bp);
         };
         // the rows of keys [v0, v0 + n): own columns (col >= 0, bias bias0[rr] + col), one segment's (its bias
         // `shared` for every query row), or, across a segment's end, gathered into kraw / vraw and braw
@@ -528,6 +523,17 @@ class Attention {
     for (int64_t e = 0; e < hd_; ++e) o[e] *= inv;
   }
 
+  // Segment sg's key row `off` of group grp, KV head kh, layer l ([L, 2, groups, H, slab, d]): its K and V rows
+  // (as stored) and its bias there
+  void segment_row(const Segment& sg, int64_t l, int64_t grp, int64_t kh, int64_t off, const uint8_t*& kp,
+                   const uint8_t*& vp, const float*& bp) const {
+    const int64_t k_row = ((sg.groups * 2 * l) * kvh_ + grp * kvh_ + kh) * sg.slab;
+    const int64_t v_row = k_row + sg.groups * kvh_ * sg.slab;
+    kp = sg.kv + (k_row + off) * sg.lay.row_bytes;
+    vp = sg.kv + (v_row + off) * sg.lay.row_bytes;
+    bp = sg.bias + grp * sg.len + off;
+  }
+
   // One chunk of n stored keys and values (rows at k and v, in layout lay) merged into the running state of R
   // query rows: the one dispatch both walks use, so a row's arithmetic is the same in each. i8: the rows' query
   // digits where int8 KV is attended in integers, else null; bc: a prompt's bfloat16 chunk buffers, else null.
@@ -648,10 +654,8 @@ class Attention {
           for (int64_t si : seg_of[b0]) {
             const Segment& sg = segs[si];
             if (v < at + sg.len) {
-              const int64_t grp = sg.group[b0], head = (sg.groups * 2 * l) * kvh_, off = v - at;  // [L, 2, groups, H, slab, d]
-              const int64_t k_row = (head + grp * kvh_ + kh) * sg.slab, v_row = k_row + sg.groups * kvh_ * sg.slab;
-              kp = sg.kv + (k_row + off) * rb, vp = sg.kv + (v_row + off) * rb, bp = sg.bias + grp * sg.len + off;
-              return sg.len - off;  // keys left in this segment from v
+              segment_row(sg, l, sg.group[b0], kh, v - at, kp, vp, bp);
+              return sg.len - (v - at);  // keys left in this segment from v
             }
             at += sg.len;
           }
