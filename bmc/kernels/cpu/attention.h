@@ -64,6 +64,31 @@ struct Holes {
   }
 };
 
+// A worker's buffers for Attention::attend_chunk over up to rmax query rows
+struct ChunkScratch {
+  Rows rows;
+  std::vector<float> p, kbuf, vbuf;  // the rows' chunk weights; narrower rows widened
+#if HAVE_I8_KV_DOTS
+  I8Buffers i8;  // the rows' query digits, where int8 KV is attended in integers
+#endif
+  bool dots;
+  ChunkScratch(int64_t rmax, int64_t hd, bool narrow, bool dots_)
+      : rows(rmax, OWN_KEYS * hd), p(rmax * OWN_KEYS), kbuf(narrow ? OWN_KEYS * hd : 0),
+        vbuf(narrow ? OWN_KEYS * hd : 0),
+#if HAVE_I8_KV_DOTS
+        i8(dots_ ? rmax : 0, hd / 64),
+#endif
+        dots(dots_) {
+  }
+  I8Buffers* integer_rows() {
+#if HAVE_I8_KV_DOTS
+    return dots ? &i8 : nullptr;
+#else
+    return nullptr;
+#endif
+  }
+};
+
 class Attention {
  public:
   Attention(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
@@ -265,21 +290,14 @@ class Attention {
     const bool dots = integer_dots(lay);           // int8 rows attended in integers (attend_i8)
     const bool bf16 = prompt && bf16_chunks(lay);  // a prompt's chunks in bfloat16 arithmetic (attend_keys_bf16)
     at::parallel_for(0, pairs * qblocks * span_tasks, 1, [&](int64_t begin, int64_t end) {
-      Rows rows(Rmax, OWN_KEYS * hd_);
-      std::vector<float> p(Rmax * OWN_KEYS);
-      std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
+      ChunkScratch sc(Rmax, hd_, narrow, dots);
+      Rows& rows = sc.rows;
       std::vector<const float*> bias0(Rmax);
       std::vector<int64_t> row_of(Rmax);  // the block's rows, as rows r = g * t + i of the pair
       std::vector<char> seen(Rmax);       // whether row rr has met a key its bias does not mask
       std::vector<float*> out_row(Rmax);
       // walking: a span's state in span_o, the rows' folded state in acc_m, acc_s and their output rows
       std::vector<float> span_o(walks ? Rmax * hd_ : 0), acc_m(walks ? Rmax : 0), acc_s(walks ? Rmax : 0);
-#if HAVE_I8_KV_DOTS
-      I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
-      I8Buffers* i8p = &i8;
-#else
-      I8Buffers* i8p = nullptr;
-#endif
       std::unique_ptr<Bf16Chunk> bc(bf16 ? new Bf16Chunk(Rmax, hd_) : nullptr);
       std::vector<int64_t> seg_of;  // the task row's inline segments, in path order
       std::vector<uint8_t> kraw, vraw;  // a chunk across a segment's end, gathered
@@ -311,7 +329,7 @@ class Attention {
         }
 #if HAVE_I8_KV_DOTS
         if (dots)
-          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
+          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, sc.i8.q[rr]);
 #endif
         if (bf16) bc->set_queries(rows.q.data(), Rb);
         const int64_t own = (b * kvh_ + kh) * slab;  // the pair's first row
@@ -470,8 +488,7 @@ class Attention {
               next_k = ahead >= 0 ? kc + ahead * lay.row_bytes : nullptr;
               next_v = ahead >= 0 ? vc + ahead * lay.row_bytes : nullptr;
             }
-            attend_chunk(rows, Rb, lay, ch.k, ch.v, nc, scale, prompt, more, p.data(), kbuf.data(), vbuf.data(),
-                         dots ? i8p : nullptr, bf16 ? bc.get() : nullptr, next_k, next_v);
+            attend_chunk(sc, Rb, lay, ch.k, ch.v, nc, scale, prompt, more, bf16 ? bc.get() : nullptr, next_k, next_v);
           }
           for (int64_t rr = 0; rr < Rb; ++rr) {  // a row that met no key it does not mask leaves an empty state
             if (!seen[rr]) rows.s[rr] = 0.0f;
@@ -535,12 +552,14 @@ class Attention {
   }
 
   // One chunk of n stored keys and values (rows at k and v, in layout lay) merged into the running state of R
-  // query rows: the one dispatch both walks use, so a row's arithmetic is the same in each. i8: the rows' query
-  // digits where int8 KV is attended in integers, else null; bc: a prompt's bfloat16 chunk buffers, else null.
-  // next_k / next_v: stored rows prefetched meanwhile (null: none).
-  void attend_chunk(Rows& rows, int64_t R, const KVLayout& lay, const uint8_t* k, const uint8_t* v, int64_t n,
-                    float scale, bool prompt, bool more, float* p, float* kbuf, float* vbuf, I8Buffers* i8,
-                    Bf16Chunk* bc, const uint8_t* next_k, const uint8_t* next_v) const {
+  // query rows (sc.rows): the one dispatch both walks use, so a row's arithmetic is the same in each. bc: a
+  // prompt's bfloat16 chunk buffers, else null. next_k / next_v: stored rows prefetched meanwhile (null: none).
+  void attend_chunk(ChunkScratch& sc, int64_t R, const KVLayout& lay, const uint8_t* k, const uint8_t* v, int64_t n,
+                    float scale, bool prompt, bool more, Bf16Chunk* bc, const uint8_t* next_k,
+                    const uint8_t* next_v) const {
+    Rows& rows = sc.rows;
+    float *p = sc.p.data(), *kbuf = sc.kbuf.data(), *vbuf = sc.vbuf.data();
+    I8Buffers* i8 = sc.integer_rows();
     if (lay.kind == KVKind::F32) {
       const float *K = reinterpret_cast<const float*>(k), *V = reinterpret_cast<const float*>(v);
       if (bc != nullptr)
@@ -621,19 +640,12 @@ class Attention {
     const bool narrow = lay.kind != KVKind::F32;
     const bool dots = integer_dots(lay);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      Rows rows(Rmax, OWN_KEYS * hd_);
-      std::vector<float> p(Rmax * OWN_KEYS);
-      std::vector<float> kbuf(narrow ? OWN_KEYS * hd_ : 0), vbuf(narrow ? OWN_KEYS * hd_ : 0);
+      ChunkScratch sc(Rmax, hd_, narrow, dots);
+      Rows& rows = sc.rows;
       std::vector<char> seen(Rmax);
       std::vector<int64_t> state(Rmax);
       std::vector<uint8_t> kraw(OWN_KEYS * rb), vraw(OWN_KEYS * rb);
       std::vector<float> braw(OWN_KEYS);
-#if HAVE_I8_KV_DOTS
-      I8Buffers i8(dots ? Rmax : 0, hd_ / 64);
-      I8Buffers* i8p = &i8;
-#else
-      I8Buffers* i8p = nullptr;
-#endif
       for (int64_t ti = begin; ti < end; ++ti) {
         const Task& task = tasks[ti];
         const int64_t Rb = static_cast<int64_t>(task.rows.size()) * Gt, b0 = task.rows[0], kh = task.kh;
@@ -676,7 +688,7 @@ class Attention {
         };
 #if HAVE_I8_KV_DOTS
         if (dots)
-          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, i8.q[rr]);
+          for (int64_t rr = 0; rr < Rb; ++rr) split_query(rows.q[rr], hd_, scale, sc.i8.q[rr]);
 #endif
         bool started = false;
         for (int64_t c0 = k0; c0 < k1; c0 += OWN_KEYS) {
@@ -696,8 +708,7 @@ class Attention {
           for (int64_t rr = 0; rr < Rb; ++rr) rows.bias[rr] = bp;
           const bool more = started;
           started = true;
-          attend_chunk(rows, Rb, lay, kp, vp, nc, scale, false, more, p.data(), kbuf.data(), vbuf.data(),
-                       dots ? i8p : nullptr, nullptr, nullptr, nullptr);
+          attend_chunk(sc, Rb, lay, kp, vp, nc, scale, false, more, nullptr, nullptr, nullptr);
         }
         // (a row that met no key its bias does not mask keeps an empty state, as a span its own walk skips)
         for (int64_t rr = 0; rr < Rb; ++rr) {
