@@ -289,6 +289,56 @@ def test_a_row_with_holes_gets_the_bits_of_its_keys_without_them(kv_dtype):
         assert torch.equal(got, alone), (n, at, holes)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_branching_trees_nodes_get_the_bits_of_their_keys_decoded_alone(kv_dtype):
+    """A verify tree's node masks its siblings' columns, which sit among its ancestors' (a branching tree: a
+    dynamic tree's nodes in breadth-first order). Each node's query gets the bits of the same query decoded alone
+    over its keys: the cache's, its ancestors' and its own, one after another, so speculation with such a tree gives
+    plain decoding's tokens. With holes in the cache before the tree too; the masked columns hold NaN, so a read
+    would show. Contexts put the tree before, across and after chunk (64) and span (256) boundaries."""
+    require_native()
+    mod = native_module()
+    h, kvh, hd, fmin = 6, 2, 64, torch.finfo(torch.float32).min
+    g = torch.Generator().manual_seed(11)
+    dec = mod.Attention(h, kvh, hd, hd**-0.5)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        if kv_dtype == torch.int8:
+            from bmc.kv.formats import KV_FORMATS
+
+            return KV_FORMATS["int8"].encode(x)
+        return x.to(kv_dtype)
+
+    parent = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]  # breadth-first: node i's parent, node 0 the step's own token
+    t = len(parent)
+    for context, holes in ((40, 0), (60, 0), (250, 3), (300, 0), (500, 70)):
+        n = context + holes + t
+        kv = torch.randn(1, 2, 1, kvh, n, hd, generator=g)
+        filler = float("nan") if kv_dtype != torch.int8 else 1e4
+        bias = torch.zeros(1, 1, t, n)
+        if holes:  # a cache hole in the middle of the context
+            kv[..., context // 2:context // 2 + holes, :] = filler
+            bias[..., context // 2:context // 2 + holes] = fmin
+        tree0 = context + holes
+        ancestors = []
+        for i in range(t):
+            chain, a = [], i
+            while a >= 0:
+                chain.append(a)
+                a = parent[a]
+            ancestors.append(chain[::-1])
+            bias[0, 0, i, tree0:] = fmin
+            bias[0, 0, i, [tree0 + a for a in chain]] = 0.0
+        q = torch.randn(1, t, h * hd, generator=g)
+        got = dec.attention_step(q, stored(kv), 0, bias, [], [], [])
+        keep = [c for c in range(tree0) if bias[0, 0, 0, c] == 0]
+        for i in range(t):
+            cols = keep + [tree0 + a for a in ancestors[i]]
+            alone = dec.attention_step(q[:, i:i + 1], stored(kv[..., cols, :]), 0, torch.zeros(1, 1, 1, len(cols)),
+                                       [], [], [])
+            assert torch.equal(got[:, i:i + 1], alone), (context, holes, i)
+
+
 @pytest.mark.parametrize("kvh", [1, 2, 6])
 @pytest.mark.parametrize("hd,t", [(64, 1), (64, 5), (24, 5)])
 def test_attention_step_split_capacity_and_wide_scores(kvh, hd, t):

@@ -250,6 +250,7 @@ class NativeDecoder {
     const int64_t B = x.size(0), t = x.size(1);
     std::vector<Part> parts{make_part(kv, bias, cos, sin, start, B, t, local)};
     parts[0].prompt = prompt;
+    settle_holes(parts[0]);
     parts[0].segs = attn_.parse_segments(seg_kv, seg_bias, seg_group, B, num_layers());
     x = x.reshape({B * t, D_}).contiguous();
     auto logits = run(x, parts, all_logits);
@@ -281,6 +282,7 @@ class NativeDecoder {
                                 locals[i]));
       parts.back().segs = attn_.parse_segments(seg_kvs[i], seg_biases[i], seg_groups[i], xs[i].size(0), num_layers());
       parts.back().prompt = prompts[i];
+      settle_holes(parts.back());
       TORCH_CHECK((coss[i].numel() > 0) == (coss[0].numel() > 0), "forward_parts: RoPE on every part or none");
     }
     std::vector<torch::Tensor> flat;
@@ -297,8 +299,8 @@ class NativeDecoder {
     torch::Tensor kv, bias, cos, sin;  // bias made contiguous float32; cos / sin contiguous or empty
     torch::Tensor local_bias, local_cos, local_sin;  // the window layers' (set_local), or empty: the main ones
     torch::Tensor grid_origin;  // [B] int64: each row's column of its position 0 (a window on every layer), or empty
-    Holes holes;                // the rows' holes (speculation's), found once a step where the cache has them
-    bool holed = false;
+    Holes holes;                // the rows' holes, found once a step (settle_holes)
+    bool holed = false;         // the cache has holes (speculation's), or the step is a verify tree's
     std::vector<Segment> segs;
     bool prompt = false;  // a prompt's rows (set_bf16_prompts)
     const torch::Tensor& bias_of(const Layer& L) const {
@@ -311,6 +313,13 @@ class NativeDecoder {
       return (L.local && local_sin.numel() > 0 ? local_sin : sin).data_ptr<float>();
     }
   };
+
+  // A part's holes (see Holes), found once for every layer: where its cache has them, and in every verify step,
+  // whose tree's nodes mask their siblings' columns (a chain's hold none: nothing changes there).
+  static void settle_holes(Part& part) {
+    part.holed = part.holed || (!part.prompt && part.t > 1 && part.bias.size(2) == part.t);
+    if (part.holed) part.holes = Holes::find(part.bias.data_ptr<float>(), part.bias.size(2), part.cap, part.B);
+  }
 
   Part make_part(const torch::Tensor& kv, const torch::Tensor& bias, const torch::Tensor& cos,
                  const torch::Tensor& sin, int64_t start, int64_t B, int64_t t,
@@ -333,10 +342,7 @@ class NativeDecoder {
         TORCH_CHECK(local[3].numel() == B, "local grid origin: one column a row");
         part.grid_origin = local[3].to(torch::kLong).contiguous();
       }
-      if (local.size() == 5 && local[4].numel() > 0) {
-        part.holed = true;
-        part.holes = Holes::find(part.bias.data_ptr<float>(), part.bias.size(2), cap, B);
-      }
+      if (local.size() == 5 && local[4].numel() > 0) part.holed = true;  // found in settle_holes
       if (local[0].numel() > 0) {
         TORCH_CHECK(local[0].sizes() == bias.sizes(), "local bias: shaped as the bias");
         part.local_bias = local[0].to(torch::kFloat).contiguous();

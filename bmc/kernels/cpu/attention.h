@@ -19,46 +19,66 @@ struct Segment {  // a shared prefix: KV of `groups` groups, each row reading gr
 struct I8Buffers {};  // no integer int8 KV attention in this build: attend_chunk's i8 is always null
 #endif
 
-// A step's holes: columns a decode or verify row's bias masks between its first key and its first query's own
-// column, left where rows accepted different counts of a verify step (every row writes at the same column). The
-// attention numbers a row's keys without them, so its grid falls on the keys it has alone. Found once a step from
-// the full layers' bias (the same for every layer); row b's runs [at, at + len) are from first[b] to first[b + 1].
+// A step's holes: columns a decode or verify query's bias masks between its row's first key and the query's own
+// column. Speculation leaves them in the cache where rows accepted different counts of a verify step (every row
+// writes at the same column), and a branching verify tree has them inside itself: a node's query masks its
+// siblings' columns, which sit among its ancestors'. The attention numbers a query's keys without them, so its
+// grid falls on the keys it has alone, decoded one token at a time. Found once a step from the full layers' bias
+// (the same for every layer), one list for each of its rows' bias rows: query i of row b has the runs
+// [at, at + len) from first[list(b, i)] to first[list(b, i) + 1].
 struct Holes {
   std::vector<int64_t> at, len, first;
-  int64_t keys(int64_t b) const {
+  int64_t rows = 1;        // bias rows a batch row has lists for: 1, or t (a verify step's queries)
+  bool per_query = false;  // some query's holes are not its row's first query's (a branching tree's)
+  int64_t list(int64_t b, int64_t i) const { return b * rows + (per_query ? i : 0); }
+  int64_t keys(int64_t b, int64_t i) const {
     int64_t n = 0;
-    for (int64_t h = first[b]; h < first[b + 1]; ++h) n += len[h];
+    for (int64_t h = first[list(b, i)]; h < first[list(b, i) + 1]; ++h) n += len[h];
     return n;
   }
-  // bias [B, 1, bias_rows, cap]: each row's first query's
+  // bias [B, 1, bias_rows, cap]
   static Holes find(const float* bias, int64_t bias_rows, int64_t cap, int64_t B) {
     Holes out;
-    out.first.assign(B + 1, 0);
+    out.rows = bias_rows;
+    out.first.assign(B * bias_rows + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
-      const float* row = bias + b * bias_rows * cap;
-      int64_t origin = 0, last = cap - 1;
-      while (origin < cap && !(row[origin] > -FLT_MAX)) ++origin;
-      while (last > origin && !(row[last] > -FLT_MAX)) --last;
-      for (int64_t c = origin + 1; c < last;) {
-        if (c + P <= last) {  // a block of 16 columns none of which is masked (a min reduction vectorizes)
-          float lo = FLT_MAX;
-          for (int64_t k = 0; k < P; ++k) lo = std::min(lo, row[c + k]);
-          if (lo > -FLT_MAX) {
-            c += P;
+      const float* first_row = bias + b * bias_rows * cap;
+      int64_t origin = 0;  // the row's first key: its first query's first open column
+      while (origin < cap && !(first_row[origin] > -FLT_MAX)) ++origin;
+      for (int64_t i = 0; i < bias_rows; ++i) {
+        const float* row = first_row + i * cap;
+        int64_t last = cap - 1;
+        while (last > origin && !(row[last] > -FLT_MAX)) --last;
+        for (int64_t c = origin + 1; c < last;) {
+          if (c + P <= last) {  // a block of 16 columns none of which is masked (a min reduction vectorizes)
+            float lo = FLT_MAX;
+            for (int64_t k = 0; k < P; ++k) lo = std::min(lo, row[c + k]);
+            if (lo > -FLT_MAX) {
+              c += P;
+              continue;
+            }
+          }
+          if (row[c] > -FLT_MAX) {
+            ++c;
             continue;
           }
+          int64_t e = c;
+          while (e < last && !(row[e] > -FLT_MAX)) ++e;
+          out.at.push_back(c);
+          out.len.push_back(e - c);
+          c = e;
         }
-        if (row[c] > -FLT_MAX) {
-          ++c;
-          continue;
+        const int64_t n = b * bias_rows + i;
+        out.first[n + 1] = static_cast<int64_t>(out.at.size());
+        if (i > 0) {  // the same runs as the row's first query's?
+          const int64_t a0 = out.first[b * bias_rows], n0 = out.first[b * bias_rows + 1] - a0;
+          const int64_t ai = out.first[n], ni = out.first[n + 1] - ai;
+          bool same = ni == n0;
+          for (int64_t h = 0; same && h < ni; ++h)
+            same = out.at[ai + h] == out.at[a0 + h] && out.len[ai + h] == out.len[a0 + h];
+          out.per_query = out.per_query || !same;
         }
-        int64_t e = c;
-        while (e < last && !(row[e] > -FLT_MAX)) ++e;
-        out.at.push_back(c);
-        out.len.push_back(e - c);
-        c = e;
       }
-      out.first[b + 1] = static_cast<int64_t>(out.at.size());
     }
     return out;
   }
@@ -134,6 +154,7 @@ class Attention {
     auto out = torch::empty_like(q);
     const int64_t layer_bytes = 2 * B * kvh_ * slab * lay.row_bytes;
     const uint8_t* kc = static_cast<const uint8_t*>(kv.data_ptr()) + layer * layer_bytes;
+    holes = holes || (!prompt && t > 1 && bias.size(2) == t);  // as the step's parts (settle_holes)
     const Holes found = holes ? Holes::find(bias.data_ptr<float>(), bias.size(2), cap, B) : Holes{};
     attention(layer, q.data_ptr<float>(), h_ * hd_, kc, kc + layer_bytes / 2, lay, cap, slab, bias.data_ptr<float>(),
               bias.size(2), B, t, segs, out.data_ptr<float>(), prompt, nullptr, nullptr, holes ? &found : nullptr);
@@ -250,7 +271,12 @@ class Attention {
     // A prompt's query positions are taken QUERY_BLOCK at a time (each block a task of its own: a prompt of 512
     // tokens at batch 1 has only H_kv pairs), and a block skips the key chunks that every one of its rows has
     // masked once each row has seen a key: those add exactly nothing (see skip below).
-    const int64_t qb = std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
+    // (with a window on every layer, grid_origin, the masked columns inside a row are also keys that left the
+    // window, which alone it has too: there holes are not left out, a gap design.md names)
+    const bool holed = holes != nullptr && !prompt && grid_origin == nullptr;
+    // queries whose holes differ (a branching verify tree's nodes) number their keys apart: a task each
+    const bool per_query = holed && holes->per_query;
+    const int64_t qb = per_query ? 1 : std::min(t, QUERY_BLOCK), qblocks = (t + qb - 1) / qb, Rmax = G * qb;
     const int64_t pairs = B * kvh_, threads = split_threads();
     // Each row's grid of spans and chunks starts at its first key (the first its first query's bias does not
     // mask): the batch cache left-pads a shorter row, so its keys sit at other columns than alone, and a grid from
@@ -261,9 +287,6 @@ class Attention {
     if (static_cast<int64_t>(origin_buf.size()) < B) origin_buf.resize(B);
     int64_t* origin = origin_buf.data();  // taken here: inside the workers the name would be their own buffer
     int64_t spans = 1;
-    // (with a window on every layer, grid_origin, the masked columns inside a row are also keys that left the
-    // window, which alone it has too: there holes are not left out, a gap design.md names)
-    const bool holed = holes != nullptr && !prompt && grid_origin == nullptr;
     for (int64_t b = 0; b < B; ++b) {
       if (grid_origin != nullptr) {
         origin[b] = std::min(grid_origin[b], cap);
@@ -273,7 +296,8 @@ class Attention {
         while (j < cap && !(row[j] > -FLT_MAX)) ++j;
         origin[b] = j < cap ? j : 0;
       }
-      const int64_t hole_keys = holed ? holes->keys(b) : 0;
+      int64_t hole_keys = holed ? holes->keys(b, 0) : 0;  // the fewest of the row's queries
+      for (int64_t i = 1; per_query && i < t; ++i) hole_keys = std::min(hole_keys, holes->keys(b, i));
       spans = std::max(spans, (pre[b] + cap - origin[b] - hole_keys + span_keys - 1) / span_keys);
     }
     const bool split = spans > 1 && pairs * qblocks < 2 * threads;  // a task per span, partial states in part_*
@@ -307,7 +331,8 @@ class Attention {
         const int64_t kh = pair / B, b = pair % B, i0 = qbk * qb, nt = std::min(qb, t - i0), Rb = G * nt;
         const int64_t sp0 = split ? task % span_tasks : joint[b], sp1 = split ? sp0 + 1 : spans;
         // the row's keys: its inline segments' (pre[b]), then its own columns from its first; v indexes them
-        const int64_t preb = pre[b], total = preb + cap - origin[b] - (holed ? holes->keys(b) : 0);
+        const int64_t hl = holed ? holes->list(b, i0) : 0;  // the task's queries' holes (one query where per_query)
+        const int64_t preb = pre[b], total = preb + cap - origin[b] - (holed ? holes->keys(b, i0) : 0);
         const int64_t kend = std::min(total, sp1 * span_keys);  // where this task's reading ends
         // where this thread's next task starts reading (its first chunk is prefetched during this task's last)
         const int64_t next_pair = (task + 1) / (qblocks * span_tasks), next_b = next_pair % B;
@@ -341,7 +366,7 @@ class Attention {
         auto own_col = [&](int64_t v) {  // own key v's column: past the row's holes before it
           int64_t c = origin[b] + v - preb;
           if (holed)
-            for (int64_t h = holes->first[b]; h < holes->first[b + 1] && c >= holes->at[h]; ++h) c += holes->len[h];
+            for (int64_t h = holes->first[hl]; h < holes->first[hl + 1] && c >= holes->at[h]; ++h) c += holes->len[h];
           return c;
         };
         // segment si's key row `off` (K and V) and its bias there, for this task's KV head
