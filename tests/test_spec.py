@@ -218,6 +218,31 @@ def test_auto_picks_smaller_trees_when_verify_rows_are_dear():
     assert _auto_with(dear, 0.9).nodes(1, [0], 3) <= 3  # never past the token budget's cap
 
 
+def test_auto_does_not_promise_untried_nodes_more_than_a_tree_gives():
+    """Rows turned hot by right guesses alone (node 0 right 14 of 15 times, no deeper node tried yet), 8 of them, on
+    the step-cost curve measured for the default model (float, 2 threads: a row costs about 1.3 ms past 8 rows, a
+    plain step of 8 rows 14 ms): untried nodes are taken to be right as often as node 0 given their parents, and
+    another continuation's only where the first was wrong, so auto verifies at most the first continuation (9
+    rows a sequence; here none: 8 rows already make the step compute-bound), not the whole 32-node proposal (136 rows, 225 ms, for what one continuation can give: the
+    first verify step of a batch of 8 copying rows took that before). With the same evidence at every node
+    (counted, not assumed) the deep continuation is still verified."""
+    from bmc.spec.auto import AUTO_PROPOSAL, HOT, AutoTree, RowCosts
+
+    curve = RowCosts((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33, 48, 64),
+                     (0.0045, 0.0057, 0.0068, 0.0081, 0.0095, 0.0112, 0.0141, 0.0203, 0.0273, 0.0403, 0.0553,
+                      0.0783, 0.1027))
+    auto = AutoTree(curve)
+    auto.seen[HOT][0], auto.accepted[HOT][0] = 15, 14
+    rows = list(range(8))
+    for key in rows:
+        auto.state[key] = HOT
+    n = auto.nodes(8, rows, AUTO_PROPOSAL.size)
+    assert n <= AUTO_PROPOSAL.depth, n
+    assert auto.nodes(1, [0], AUTO_PROPOSAL.size) >= 4  # one row: its rows are cheap beside a step, it drafts deep
+    counted = _auto_with(curve, 0.99)
+    assert counted.nodes(1, [0], AUTO_PROPOSAL.size) >= AUTO_PROPOSAL.depth
+
+
 def test_auto_rows_turn_hot_and_cold_from_what_their_drafts_got():
     from bmc.spec.auto import COLD, HOT, AutoTree, RowCosts
 
