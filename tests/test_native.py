@@ -1,6 +1,8 @@
 """The native CPU decode step (bmc/kernels) against the eager PyTorch path and HF transformers."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -259,6 +261,15 @@ def test_a_rows_cached_segments_give_the_bits_of_the_same_keys_in_its_own_cache(
         assert torch.equal(both[0], alone[0])
 
 
+def _stored_as(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as a cache of kv_dtype stores them (int8: the int8 KV format's rows)."""
+    if kv_dtype == torch.int8:
+        from bmc.kv.formats import KV_FORMATS
+
+        return KV_FORMATS["int8"].encode(x)
+    return x.to(kv_dtype)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_row_with_holes_gets_the_bits_of_its_keys_without_them(kv_dtype):
     """Masked columns inside a decode row (holes: where rows accepted different counts of a verify step), with
@@ -270,12 +281,7 @@ def test_a_row_with_holes_gets_the_bits_of_its_keys_without_them(kv_dtype):
     g = torch.Generator().manual_seed(9)
     dec = mod.Attention(h, kvh, hd, hd**-0.5)
 
-    def stored(x: torch.Tensor) -> torch.Tensor:
-        if kv_dtype == torch.int8:
-            from bmc.kv.formats import KV_FORMATS
-
-            return KV_FORMATS["int8"].encode(x)
-        return x.to(kv_dtype)
+    stored = functools.partial(_stored_as, kv_dtype=kv_dtype)
 
     for n, at, holes in ((100, 10, 1), (200, 64, 5), (300, 70, 64), (300, 250, 9), (300, 280, 3)):
         keys = torch.randn(1, 2, 1, kvh, n, hd, generator=g)
@@ -302,12 +308,7 @@ def test_a_branching_trees_nodes_get_the_bits_of_their_keys_decoded_alone(kv_dty
     g = torch.Generator().manual_seed(11)
     dec = mod.Attention(h, kvh, hd, hd**-0.5)
 
-    def stored(x: torch.Tensor) -> torch.Tensor:
-        if kv_dtype == torch.int8:
-            from bmc.kv.formats import KV_FORMATS
-
-            return KV_FORMATS["int8"].encode(x)
-        return x.to(kv_dtype)
+    stored = functools.partial(_stored_as, kv_dtype=kv_dtype)
 
     parent = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]  # breadth-first: node i's parent, node 0 the step's own token
     t = len(parent)
