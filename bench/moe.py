@@ -8,7 +8,9 @@ place of OLMoE's 50304 or Qwen3's 151936.
 Decode tokens/s at batch 1 (llama.cpp: `llama-bench -p 0 -n N`) and batch B (`llama-batched-bench -npl B`), each
 engine on `--threads` threads, repeats interleaved (bmc, llama.cpp, bmc, ...), medians and ranges. For bmc also the
 bytes a decode step reads: the dense matrices, plus the experts its rows chose (counted by the native step's
-profile on a step of B rows of random tokens), and that as a share of the machine's read bandwidth (stream_read).
+profile on a step of B rows of random tokens), and that as a share of the machine's read bandwidth (stream_read):
+the kind's best, each round's, and each run's own (stream_read in the run's process just before and just after the
+timed generate() call; the PNG's label), since this VM's bandwidth moves between phases within minutes.
 
     python bench/moe.py --llama-bench PATH --batched-bench PATH [--kinds q4_0,q8_0] [--batches 1,8]
     python bench/moe.py --shape qwen3-30b-a3b --kinds q4_0 --vocab-from TOKENIZER.gguf --out DIR   # bmc alone
@@ -52,7 +54,12 @@ cfg = model.config
 g = torch.Generator().manual_seed(B)
 prompts = [torch.randint(3, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(B)]
 bmc.generate(model, prompts, max_new_tokens=8, ignore_eos=True)  # warm-up
+# the read bandwidth just before and just after the timed run: this VM's bandwidth moves between phases (35-61 GB/s
+# within an hour), so a run is measured against its own moment's roofline
+from bmc.bench.engines import stream_read_gbps
+read_before = stream_read_gbps(repeats=2)
 out = bmc.generate(model, prompts, max_new_tokens=n, ignore_eos=True)
+read_after = stream_read_gbps(repeats=2)
 # experts a decode step of B rows reads: one step of random tokens with the step's profile on
 dec = model.net.native_decoder()
 cache = KV_STRATEGIES["upfront"](num_layers=cfg.num_layers, batch_size=B, num_kv_heads=cfg.num_kv_heads,
@@ -69,7 +76,7 @@ per_expert = sum(model._bytes_of(lin) for lin in (L0.experts_gate_up, L0.experts
 experts = sum(model._bytes_of(lin) for L in model.net.layers for lin in (L.experts_gate_up, L.experts_down))
 step_bytes = model.weight_bytes - experts + runs * per_expert
 print(json.dumps({"tok_s": out.stats.decode_tokens_per_s, "experts_per_layer": runs / cfg.num_layers,
-                  "step_bytes": step_bytes}))
+                  "step_bytes": step_bytes, "read_before": read_before, "read_after": read_after}))
 """
 
 
@@ -229,6 +236,7 @@ def main() -> None:
                     got = run_bmc(path, B, args.tokens, args.threads, mode)
                     s[mode].append(got["tok_s"])
                     s["detail"].append(got)
+                    s.setdefault(f"{mode} runs", []).append(got)
                 if with_llama:
                     s["llama.cpp"].append(run_llama(args, path, B, args.tokens))
                 print(f"round {r} {kind} B={B}: " + ", ".join(f"bmc {m} {s[m][-1]:.1f}" for m in modes) +
@@ -245,11 +253,16 @@ def main() -> None:
             gb_s = med / B * d["step_bytes"] / 1e9
             # each round's share of the bandwidth measured just before it (its runs beside their own roofline)
             shares = [t / B * d["step_bytes"] / 1e9 / rr for t, rr in zip(s[mode], rounds_read[kind])]
+            # each run against the read bandwidth measured in its own process just before and after it
+            run_reads = [(g["read_before"] + g["read_after"]) / 2 for g in s[f"{mode} runs"]]
+            run_shares = [t / B * d["step_bytes"] / 1e9 / rr for t, rr in zip(s[mode], run_reads)]
             row = {"kind": kind, "batch": B, "activations": mode, "bmc_tok_s": s[mode], "bmc_median": med,
                    "experts_per_layer": d["experts_per_layer"], "step_gb": d["step_bytes"] / 1e9,
                    "achieved_gb_s": gb_s, "read_gb_s": read_gb_s, "roofline_share": gb_s / read_gb_s,
                    "rounds_read_gb_s": rounds_read[kind], "round_shares": shares,
-                   "round_share_median": statistics.median(shares)}
+                   "round_share_median": statistics.median(shares), "run_read_gb_s": run_reads,
+                   "run_read_before_after": [(g["read_before"], g["read_after"]) for g in s[f"{mode} runs"]],
+                   "run_shares": run_shares, "run_share_median": statistics.median(run_shares)}
             if ref:
                 row.update({"llamacpp_tok_s": ref, "llamacpp_median": statistics.median(ref),
                             "ratio": med / statistics.median(ref),
@@ -260,7 +273,8 @@ def main() -> None:
             print(f"{kind} B={B} activations={mode}: bmc {med:.1f}{vs}; {d['step_bytes'] / 1e9:.2f} GB a step, "
                   f"{gb_s:.1f} GB/s = {gb_s / read_gb_s:.0%} of {read_gb_s:.1f}; each round against its own "
                   f"stream_read: median {row['round_share_median']:.0%} "
-                  f"({min(shares):.0%}-{max(shares):.0%})")
+                  f"({min(shares):.0%}-{max(shares):.0%}); each run against the stream_read beside it: median "
+                  f"{row['run_share_median']:.0%} ({min(run_shares):.0%}-{max(run_shares):.0%})")
     meta = {"host": platform.node(), "cpu": _cpu_name(), "threads": args.threads, "tokens": args.tokens,
             "prompt_tokens": 16, "repeats": args.repeats, "shape": name, "dims": shape,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -294,7 +308,7 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
         xs = [i + j * width for i in range(len(groups))]
         ax.bar(xs, [r["bmc_median"] for r in rs], width, label=f"bmc, {mode} activations")
         for x, r in zip(xs, rs):
-            label = (f"{r['ratio']:.2f}x\n" if "ratio" in r else "") + f"{r['roofline_share']:.0%}"
+            label = (f"{r['ratio']:.2f}x\n" if "ratio" in r else "") + f"{r['run_share_median']:.0%}"
             ax.text(x, r["bmc_median"], label, ha="center", va="bottom", fontsize=7)
     if all("llamacpp_median" in r for r in results):
         ref = [next(r["llamacpp_median"] for r in results if (r["kind"], r["batch"]) == g) for g in groups]
@@ -306,7 +320,7 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
     d = meta["dims"]
     ax.set_title(f"{meta['shape']} shape ({d['experts']} experts, top {d['top_k']}), random weights, "
                  f"{meta['threads']} threads of {meta['cpu']}, {meta['tokens']} tokens\nlabels: bmc / llama.cpp "
-                 f"(where run), and the share of the read bandwidth bmc reaches", fontsize=8)
+                 f"(where run), and the share of the read bandwidth (measured beside each run) bmc reaches", fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
