@@ -7,7 +7,8 @@ drafts per verify step. Times are whole generate() calls (prefill included, as a
 format's first auto call measures the model's step cost by rows (stored, so not in the timed runs: a warm-up call
 runs first).
 
-    python bench/spec_auto.py [--formats stored,q8_0,q4_0,none] [--batches 1,8] [--repeats 3] [--activations float,int8]
+    python bench/spec_auto.py [--model PATH] [--formats stored,q8_0,q4_0,none] [--batches 1,8] [--repeats 3]
+        [--activations float,int8] [--copy-until-eos] [--out DIR]
 Writes bench/results/cpu/spec-auto.json and .png.
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ def run(model, prompts: list[str], tree: str | None, n: int, eos: bool = False) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a model path (default: the default model, SmolLM2-135M Q4_1)")
+    ap.add_argument("--chat-template", default=None, help="a built-in chat template (for a file without one)")
     ap.add_argument("--formats", default="stored,q8_0,q4_0,none")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--trees", default="chain:2,chain:4,dynamic:4x6,auto")
@@ -66,7 +69,11 @@ def main() -> None:
     trees = args.trees.split(",")
     results = []
     for fmt, act in [(f, a) for f in args.formats.split(",") for a in args.activations.split(",")]:
-        model = bmc.load(quant="auto" if fmt == "stored" else fmt, share_weights=True, activations=act)
+        model = bmc.load(args.model, quant="auto" if fmt == "stored" else fmt, share_weights=True, activations=act)
+        if args.chat_template:
+            from bmc.chat_templates import chat_template
+
+            model.tokenizer.chat_template = chat_template(args.chat_template)
         for batch in (int(b) for b in args.batches.split(",")):
             for task, base_prompts in TASKS.items():
                 prompts = (base_prompts * batch)[:batch]
@@ -86,7 +93,9 @@ def main() -> None:
                 plain = statistics.median(times["plain"])
                 for t, v in times.items():
                     ratios = [p / x for p, x in zip(times["plain"], v)]  # same-round pairs
-                    row = {"format": FORMAT_NAMES.get(fmt, fmt) + ("" if act == "float" else f" {act}"),
+                    name = (f"{os.path.basename(args.model)} as stored" if args.model and fmt == "stored"
+                            else FORMAT_NAMES.get(fmt, fmt))
+                    row = {"format": name + ("" if act == "float" else f" {act}"),
                            "quant": fmt, "activations": act, "batch": batch, "task": task,
                            "tree": t, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
                            "vs_plain": plain / statistics.median(v), "vs_plain_pairs": ratios,
@@ -101,7 +110,7 @@ def main() -> None:
         del model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+    meta = {"model": args.model or "default (SmolLM2-135M-Instruct, Q4_1)", "host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": args.threads,
             "tokens": args.tokens, "repeats": args.repeats, "activations": args.activations, "drafter": "ngram",
             "copy_until_eos": args.copy_until_eos,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
