@@ -12,6 +12,7 @@
 #   bash bench/device_one.sh gpu-b1       # bench/gpu.py, 7B shape batch 1 (HF in the run), then --quant none,q8_0,q4_0
 #   bash bench/device_one.sh gpu-gemv     # bench/gpu_quant.py at M = 1 (the GEMVs' block shapes), the quantized tests
 #   bash bench/device_one.sh gpu-tests    # tests/test_gpu.py and tests/test_graph_arena.py, whole
+#   bash bench/device_one.sh gpu-i8x      # bench/gpu_i8x.py: a Q4_0 GEMV with int8 activations (dp4a), M = 1
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -46,6 +47,9 @@ for stage in "$@"; do
         -k "decode_attention or same_bits or fused" 2>&1 | tee "$OUT/attn-tests.log" | tail -5
       timeout ${T_SDPA:-240} python3 bench/gpu_sdpa.py --gen 128 --caps 384,4096 --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/gpu-sdpa.log" ;;
+    gpu-i8x)
+      timeout ${T_I8X:-420} python3 bench/gpu_i8x.py --out "$OUT/gpu-i8x" 2>&1 | grep -v Warning \
+        | tee "$OUT/gpu-i8x.log" ;;
     gpu-attn-configs)
       timeout ${T_CONF:-420} python3 bench/gpu_attn_configs.py --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/gpu-attn-configs.log" ;;
