@@ -96,13 +96,13 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
             except OSError:
                 model = None
         if model is None:
-            model = load_model(path, dtype=dtype, device=device, quant=quant)
+            model = load_model(path, dtype=dtype, device=device, quant=quant, activations=activations)
             try:
                 map_shared(model)
             except OSError as e:  # a read-only or full cache directory: run on the model's own weights
                 print(f"bmc: weights cache unavailable ({e}); using this process's own copy", file=sys.stderr)
     else:
-        model = load_model(path, dtype=dtype, device=device, quant=quant)
+        model = load_model(path, dtype=dtype, device=device, quant=quant, activations=activations)
     set_activations(model, activations)
     model.net.native_decoder()
     return model

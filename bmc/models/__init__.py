@@ -187,9 +187,11 @@ def resolve_quant(quant: str, path: str, dtype: torch.dtype, device: torch.devic
 
 
 def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", quant: str = "auto") -> Model:
+               device: str | torch.device = "cpu", quant: str = "auto", activations: str = "float") -> Model:
     """Load an HF model directory or a llama GGUF file; no path = the embedded default model. quant: see
-    models/quant.py ("auto": a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32)."""
+    models/quant.py ("auto": a GGUF file's Q8_0/Q4_0/Q4_1 matrices kept as stored on a CPU in float32).
+    activations: what set_activations will be given (on CUDA, "int8" keeps the quantized matrices for the int8-x
+    GEMV instead of torch's int4 GEMM); set_activations applies it."""
     from .hub import model_source
 
     path = default_model_path() if path is None else model_source(str(path))  # a path, or a hub name
@@ -212,7 +214,8 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
             raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
         tensors = _read_hf_tensors(path)
         tokenizer = load_hf_tokenizer(path, hf_config)
-    model = model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev, quant=quant)
+    model = model_from_tensors(hf_config, tensors, tokenizer, origin=path, dtype=torch_dtype, device=dev, quant=quant,
+                               activations=activations)
     del tensors
     trim_heap()
     return model
@@ -234,10 +237,17 @@ def set_activations(model: Model, activations: str) -> None:
     of up to 1024 tokens) multiply their activations rounded to bfloat16 by every matrix's weights rounded to
     bfloat16 (float, 16-bit or quantized), products summed in float32 (AMX or AVX512-BF16); generated tokens' steps
     (decode, verify) and the LM head stay float32, so a row's arithmetic never depends on the rows beside it. Both
-    are stated bounds (docs/design.md, "Precision modes"). Refused by name where they cannot run."""
+    are stated bounds (docs/design.md, "Precision modes"). On CUDA, "int8" runs the quantized matrices with one
+    scale a block on the int8-x GEMV (quant_i8x.py: the same rounding of x and the same bound; every row count, so
+    prompts too); the model must have been loaded with it (load_model's activations). Refused by name where they
+    cannot run."""
     if check_activations(activations) == "float":
         return
     from ..kernels.native import native_module, native_supported
+
+    if activations == "int8" and model.device.type == "cuda":
+        _set_int8_activations_cuda(model)
+        return
 
     if not native_supported(model.device, model.dtype):
         raise InvalidRequestError(f"activations={activations!r} runs on the native CPU step in float32 (here: "
@@ -263,6 +273,29 @@ def set_activations(model: Model, activations: str) -> None:
     model.activations = activations
 
 
+def _set_int8_activations_cuda(model: Model) -> None:
+    quantized = [lin for lin in model.linears() if lin.device_q is not None]
+    if not quantized:
+        raise InvalidRequestError("activations='int8' applies to quantized matrices (quant='gguf' on a quantized "
+                                  f"GGUF file, or quant='q8_0' / 'q4_0'); this model has none (quant {model.quant!r})")
+    if not all(lin.device_q.triton for lin in quantized):
+        raise InvalidRequestError("activations='int8' on CUDA needs Triton (it ships with torch's CUDA builds)")
+    if any(lin.device_q.words is None for lin in quantized):
+        raise InvalidRequestError("this model's Q4 matrices are held only in torch's int4 GEMM layout: load it with "
+                                  "activations='int8' (bmc.load(..., activations='int8')) to keep them for the int8 "
+                                  "GEMV")
+    ready = [lin for lin in quantized if lin.device_q.int8_ready()]
+    if not ready:
+        raise InvalidRequestError("activations='int8' on CUDA takes matrices with one scale a block of 32 (Q8_0, "
+                                  "Q4_0, Q4_1, Q4_K, Q5_K, ...); this model has only Q6_K ones")
+    for lin in ready:  # Q6_K (two scales a block) stays on the float paths
+        lin.int8_activations = True
+    model.activations = "int8"
+    from ..graphs import graph_store
+
+    graph_store(model).clear()  # graphs captured before hold the float GEMMs
+
+
 def trim_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim): a load's freed temporaries otherwise stay
     resident (57 MiB after loading the default model here)."""
@@ -275,7 +308,7 @@ def trim_heap() -> None:
 def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None = None,
                        *, origin: str = "<memory>", dtype: str | torch.dtype = "float32",
                        device: str | torch.device = "cpu", source_type: type[WeightSource] = WeightSource,
-                       quant: str = "none") -> Model:
+                       quant: str = "none", activations: str = "float") -> Model:
     """Build a model from an HF config dict and an HF-named state dict (e.g. a transformers model built in memory).
     source_type=ShapeSource: shapes only, uninitialised tensors (a weight file's mapping replaces them).
     quant: "none", "gguf" (the state dict's QuantWeights kept), "stored" (its bfloat16 / float16 matrices kept in
@@ -289,7 +322,7 @@ def model_from_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tenso
     # Older OPT checkpoints name their tensors "decoder.*" without the "model." prefix.
     tensors = {("model." + k if k.startswith("decoder.") else k): v for k, v in tensors.items()}
     source = source_type(tensors, dtype=torch_dtype, device=dev, origin=origin,
-                         quantize=quant if quant in ("q8_0", "q4_0") else None)
+                         quantize=quant if quant in ("q8_0", "q4_0") else None, activations=activations)
     net = MODEL_FAMILIES[config.model_type](config, source)
     return Model(config=config, net=net, tokenizer=tokenizer, path=origin, dtype=torch_dtype, device=dev, quant=quant)
 

@@ -115,6 +115,8 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)
     layers = net.layers
+    if MODE == "triton" and all(lin.int8_activations for L in layers for lin in (L.qkv, L.gate_up, L.down)):
+        return _decode_layers_int8(net, x, rope, local_rope, cache, attention, bias, local_bias, col)
     x, hn = norm(x, None, layers[0].ln1, eps)
     for i, L in enumerate(layers):
         kv = cache.kv[i]
@@ -125,4 +127,32 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
         x, hn = norm(x, L.o(o.transpose(1, 2).reshape(B, 1, h * hd)), L.ln2, eps)
         m = L.down(silu_mul(L.gate_up(hn)))
         x, hn = norm(x, m, layers[i + 1].ln1 if i + 1 < len(layers) else net.norm, eps)
+    return hn
+
+
+def _decode_layers_int8(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                        local_rope: tuple[torch.Tensor, torch.Tensor], cache: "KVCache", attention: "AttentionFn",
+                        bias: torch.Tensor, local_bias: torch.Tensor | None, col: int | torch.Tensor) -> torch.Tensor:
+    """decode_layers under activations="int8" (every layer's qkv, gate|up and down on the int8-x GEMV): the norms
+    and silu_mul also write their outputs' int8 rows (quant_i8x.py), so those GEMMs take no rounding kernel of
+    their own; the same values as the GEMMs' own rounding, bit for bit (the plain path's tokens)."""
+    from .fused_triton import add_rms_norm, add_rms_norm_int8, rope_write, silu_mul_int8
+
+    cfg = net.cfg
+    B = x.shape[0]
+    hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
+    layers = net.layers
+    x, _, rows = add_rms_norm_int8(x, None, layers[0].ln1, eps)
+    for i, L in enumerate(layers):
+        kv = cache.kv[i]
+        cos, sin = local_rope if L.local else rope
+        q = rope_write(L.qkv.int8_rows(rows, x.dtype).view(B, 1, -1), cos, sin, kv, h, kvh, col)
+        o = attention(q, kv[0], kv[1], local_bias if L.local and local_bias is not None else bias, net.scale,
+                      layer=i)
+        x, _, rows = add_rms_norm_int8(x, L.o(o.transpose(1, 2).reshape(B, 1, h * hd)), L.ln2, eps)
+        m = L.down.int8_rows(silu_mul_int8(L.gate_up.int8_rows(rows, x.dtype)), x.dtype).view(B, 1, -1)
+        if i + 1 < len(layers):
+            x, _, rows = add_rms_norm_int8(x, m, layers[i + 1].ln1, eps)
+        else:
+            x, hn = add_rms_norm(x, m, net.norm, eps)
     return hn

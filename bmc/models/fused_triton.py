@@ -20,10 +20,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .quant_i8x import Int8Rows, asm, empty_rows, quantize_blocks, store_blocks
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y, stride_s, eps,
-                         HAS_R: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                         xw_ptr, dx_ptr, sx_ptr, HAS_R: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                         QUANT: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0)
     off = tl.arange(0, BLOCK)
     mask = off < D
@@ -38,7 +41,11 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_
         y = w * (h * inv).to(x.dtype).to(tl.float32)
     else:
         y = h * inv * w
-    tl.store(y_ptr + row * stride_y + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + off, y, mask=mask)
+    if QUANT:  # y as the next GEMM's int8 rows (activations="int8"), from the values stored
+        words, d, sx = quantize_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), ASM)
+        store_blocks(xw_ptr, dx_ptr, sx_ptr, row, tl.arange(0, BLOCK // 32), D // 32, words, d, sx)
 
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
@@ -48,6 +55,21 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
     Bound: s is torch's x + r bit for bit; the norm sums the squares in float32 in another order than torch's
     mean, so its 1/rms differs by a few float32 ulps, and y by at most one rounding of the dtype (16-bit) or a
     relative 2^-20 (float32) from ops.rms_norm's."""
+    s, y, _ = _add_rms_norm(x, r, w, eps, False)
+    return s, y
+
+
+def add_rms_norm_int8(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, Int8Rows]:
+    """add_rms_norm, and its output's rows rounded to int8 blocks as quant_i8x.quantize_x rounds them (bit for
+    bit): one kernel instead of two before an int8-activation GEMM."""
+    s, y, rows = _add_rms_norm(x, r, w, eps, True)
+    assert rows is not None
+    return s, y, rows
+
+
+def _add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float,
+                  quant: bool) -> tuple[torch.Tensor, torch.Tensor, Int8Rows | None]:
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     rows = x2.shape[0]
@@ -58,10 +80,11 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor,
         s2 = torch.empty_like(x2)
     y2 = torch.empty_like(x2)
     block = triton.next_power_of_2(D)
+    q = empty_rows(rows, D, x.device) if quant else (y2, y2, y2)
     _add_rms_norm_kernel[(rows,)](x2, r2, w, y2, s2, D, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps,
-                                  HAS_R=r is not None, ROUND=x.dtype != torch.float32, BLOCK=block,
-                                  num_warps=min(16, max(4, block // 512)))
-    return s2.view(x.shape), y2.view(x.shape)
+                                  *q, HAS_R=r is not None, ROUND=x.dtype != torch.float32, BLOCK=block, QUANT=quant,
+                                  ASM=asm(), num_warps=min(16, max(4, block // 512)))
+    return s2.view(x.shape), y2.view(x.shape), q if quant else None
 
 
 @triton.jit(do_not_specialize=["col"])
@@ -117,7 +140,8 @@ def rope_write(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, xw_ptr, dx_ptr, sx_ptr, BLOCK: tl.constexpr,
+                     QUANT: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0)
     off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = off < I
@@ -125,7 +149,13 @@ def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, BLOCK: tl.constexpr)
     u = tl.load(gu_ptr + row * stride_gu + I + off, mask=mask, other=0).to(tl.float32)
     gf = g.to(tl.float32)
     act = libdevice.div_rn(gf, 1.0 + libdevice.exp(-gf)).to(g.dtype).to(tl.float32)  # torch's silu, rounded
-    tl.store(y_ptr + row * stride_y + off, (act * u).to(g.dtype), mask=mask)
+    y = (act * u).to(g.dtype)
+    if QUANT:  # only the int8 rows the down GEMM reads (BLOCK a multiple of 32, and I: whole blocks a program)
+        words, d, sx = quantize_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), ASM)
+        store_blocks(xw_ptr, dx_ptr, sx_ptr, row, tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32),
+                     I // 32, words, d, sx)
+    else:
+        tl.store(y_ptr + row * stride_y + off, y, mask=mask)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -135,9 +165,22 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     rows = g2.shape[0]
     y = torch.empty(rows, I, dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, y, I, g2.stride(0), y.stride(0), BLOCK=block, num_warps=4,
-                                                    enable_fp_fusion=False)
+    _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, y, I, g2.stride(0), y.stride(0), y, y, y, BLOCK=block,
+                                                    QUANT=False, ASM=asm(), num_warps=4, enable_fp_fusion=False)
     return y.view(*gu.shape[:-1], I)
+
+
+def silu_mul_int8(gu: torch.Tensor) -> Int8Rows:
+    """silu_mul(gu)'s rows rounded to int8 blocks, bit for bit quant_i8x.quantize_x(silu_mul(gu)) (its float
+    output not written): the down GEMM's input under activations="int8". gu [M, 2 I], I a multiple of 32."""
+    I = gu.shape[-1] // 2
+    g2 = gu.reshape(-1, 2 * I)
+    rows = g2.shape[0]
+    q = empty_rows(rows, I, gu.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, q[1], I, g2.stride(0), 0, *q, BLOCK=block, QUANT=True,
+                                                    ASM=asm(), num_warps=4, enable_fp_fusion=False)
+    return q
 
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from ..kernels.block_kinds import BlockKind
     from .quant import QuantWeight
+    from .quant_i8x import Int8Rows
     from .quant_torch import TorchQuantWeight
 
 
@@ -136,9 +137,15 @@ class Linear:
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.wt.t(), m) if m > 0 else None
         self.packed_m = m
 
+    def int8_rows(self, rows: "Int8Rows", dtype: torch.dtype) -> torch.Tensor:
+        """[M, out] in dtype from rows of x already rounded to int8 blocks (activations="int8" on CUDA: the decode
+        step's glue kernels round them, quant_i8x.py)."""
+        assert self.device_q is not None and self.int8_activations
+        return self.device_q.linear_int8(rows, self.b, dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.device_q is not None:  # torch ops: dequantized for this GEMM, or tinygemm (quant_torch.py)
-            return self.device_q.linear(x, self.b)
+            return self.device_q.linear(x, self.b, self.int8_activations)
         if self.wt is None:  # quantized panels: the native GEMM, each panel dequantized as it is read
             from ..kernels.native import native_module
 

@@ -11,6 +11,8 @@ Which GEMM runs (measured on an H100, Llama-2-7B shapes: docs/performance.md, "W
 - Otherwise, M <= GEMV_ROWS rows on CUDA (decode), one scale a block: the Triton GEMV (quant_triton.gemv).
 - Otherwise (prompts; Q6_K; a CPU): the matrix dequantized to the model's dtype (the Triton kernel on CUDA, torch
   ops elsewhere: the same values), then torch's GEMM (cuBLAS).
+- With activations="int8" (opt-in; models.set_activations): every row count on the int8-x GEMV (quant_i8x.py: x
+  rounded to int8 per block of 32, dp4a), for the kinds with one scale a block; Q6_K stays on the float paths.
 
 Stated bounds, per output y = sum_k x_k w_k (x as the model holds it, w the exact weights above):
 - the Triton GEMV: products and sums in float32, one rounding to the output dtype:
@@ -27,11 +29,16 @@ torch's `_weight_int8pack_mm` takes one scale per output channel, not per 32 val
 and ran 10x slower than bfloat16 cuBLAS on an H100 at M = 1."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
 from .quant import QK, QuantWeight, block_kind_of
+
+if TYPE_CHECKING:
+    from .quant_i8x import Int8Rows
 
 INT4_GROUP = 32  # values per tinygemm scale and zero point: GGUF's blocks
 
@@ -44,7 +51,8 @@ class TorchQuantWeight:
     """An [out N, in K] quantized matrix on `device`, multiplied by the Triton GEMV (CUDA, M <= GEMV_ROWS), tinygemm
     (Q4 kinds in bfloat16 on CUDA), or dequantized to `dtype` and multiplied by torch (cuBLAS on CUDA)."""
 
-    def __init__(self, qw: QuantWeight, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, qw: QuantWeight, device: torch.device, dtype: torch.dtype,
+                 int8_activations: bool = False) -> None:
         self.kind, self.shape, self.dtype = qw.kind, qw.shape, dtype
         N, K = qw.shape
         v = qw.decode()
@@ -66,7 +74,8 @@ class TorchQuantWeight:
             self.m = _narrow(v.m, device)
         self.triton = device.type == "cuda" and triton_available()
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.nibbles and int4pack_available(device, dtype) and N % 8 == 0:  # tinygemm tiles 8 output rows
+        if (self.nibbles and int4pack_available(device, dtype) and N % 8 == 0  # tinygemm tiles 8 output rows
+                and not int8_activations):  # the int8-x GEMV reads the words: no second copy
             self.int4 = _int4pack(v.quants(), v.d0, v.m, device)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -78,11 +87,19 @@ class TorchQuantWeight:
         if self.int4 is not None:
             self.words = self.d = self.m = None  # type: ignore[assignment]
 
-    def linear(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def int8_ready(self) -> bool:
+        """Whether the int8-x GEMV can take this matrix: on CUDA with Triton, its words kept, one scale a block."""
+        return self.triton and self.words is not None and self.d_hi is None
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
         N, K = self.shape
         x2 = x.reshape(-1, K)
         M = x2.shape[0]
-        if self.int4 is not None:
+        if int8_activations:
+            from .quant_i8x import quantize_x
+
+            return self.linear_int8(quantize_x(x2), b, x.dtype).view(*x.shape[:-1], N)
+        elif self.int4 is not None:
             packed, scales_zeros = self.int4
             y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), packed, INT4_GROUP,
                                                    scales_zeros)
@@ -97,6 +114,15 @@ class TorchQuantWeight:
         else:
             return torch.nn.functional.linear(x, self.dense(), b)
         y = y.view(*x.shape[:-1], N)
+        return y + b if b is not None else y
+
+    def linear_int8(self, rows: "Int8Rows", b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of x already rounded to int8 blocks (quant_i8x.quantize_x, or the decode step's glue) @ w.T: [M, N]
+        in `dtype`, + b."""
+        from .quant_i8x import gemv_i8x
+
+        N, K = self.shape
+        y = gemv_i8x(rows, self.words, self.d, self.m, self.shift, self.nibbles, N, K, dtype)
         return y + b if b is not None else y
 
     def dense(self, rows: torch.Tensor | None = None) -> torch.Tensor:

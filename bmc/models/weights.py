@@ -21,9 +21,10 @@ class WeightSource:
     `tensors` (a GGUF file's blocks kept as stored) is handed to the GEMM as it is."""
 
     def __init__(self, tensors: Mapping[str, Matrix], *, dtype: torch.dtype, device: torch.device, origin: str,
-                 quantize: str | None = None):
+                 quantize: str | None = None, activations: str = "float"):
         self.tensors, self.dtype, self.device, self.origin = tensors, dtype, device, origin
         self.quantize = quantize
+        self.activations = activations  # "int8": CUDA's quantized matrices kept for the int8-x GEMV (quant_i8x.py)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -87,7 +88,7 @@ class WeightSource:
             if not native_supported(self.device, self.dtype):
                 from .quant_torch import TorchQuantWeight
 
-                return TorchQuantWeight(w, self.device, self.dtype)
+                return TorchQuantWeight(w, self.device, self.dtype, int8_activations=self.activations == "int8")
             return w
         return w.t().contiguous()
 
