@@ -13,6 +13,8 @@
 #   bash bench/device_one.sh gpu-gemv     # bench/gpu_quant.py at M = 1 (the GEMVs' block shapes), the quantized tests
 #   bash bench/device_one.sh gpu-tests    # tests/test_gpu.py and tests/test_graph_arena.py, whole
 #   bash bench/device_one.sh gpu-i8x      # bench/gpu_i8x.py: a Q4_0 GEMV with int8 activations (dp4a), M = 1
+#   bash bench/device_one.sh gpu-int8     # activations="int8" on CUDA: its tests, then bench/gpu.py --quant
+#                                         # none,q8_0,q8_0+int8,q4_0,q4_0+int8 (7B shape, batch $B, default 1)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -50,6 +52,12 @@ for stage in "$@"; do
     gpu-i8x)
       timeout ${T_I8X:-420} python3 bench/gpu_i8x.py --out "$OUT/gpu-i8x" 2>&1 | grep -v Warning \
         | tee "$OUT/gpu-i8x.log" ;;
+    gpu-int8)
+      timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+        -k "int8 or triton_gemv or int4 or quantized or fused" 2>&1 | tee "$OUT/int8-tests.log" | tail -8
+      timeout ${T_Q:-480} python3 bench/gpu.py --quant ${QUANTS:-none,q8_0,q8_0+int8,q4_0,q4_0+int8} --batch ${B:-1} \
+        --total 384 --prompt 128 --repeats 2 --graph-warmup --no-hf --engines bmc --no-iterative --out "$OUT/int8" \
+        2>&1 | grep -v Warning | tail -25 | tee "$OUT/gpu-int8-B${B:-1}.log" ;;
     gpu-attn-configs)
       timeout ${T_CONF:-420} python3 bench/gpu_attn_configs.py --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/gpu-attn-configs.log" ;;

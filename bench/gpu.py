@@ -173,6 +173,33 @@ def gemm_ms(model, rows: int) -> float:
     return ms
 
 
+def configure_activations(model, act: str) -> None:
+    """A model loaded with activations="int8" (its words kept) run either way: "int8" (the int8-x GEMV), or "float"
+    (what a float load runs: the Triton float GEMV, and for Q4 kinds in bfloat16 tinygemm, packed here from the
+    same blocks)."""
+    from bmc.graphs import graph_store
+    from bmc.models import set_activations
+    from bmc.models.quant_torch import _int4pack, int4pack_available, values_of
+
+    qs = [lin for lin in model.linears() if lin.device_q is not None]
+    for lin in qs:
+        lin.int8_activations = False
+    model.activations = "float"
+    graph_store(model).clear()
+    if act == "int8":
+        for lin in qs:
+            lin.device_q.int4 = None
+        set_activations(model, "int8")
+        return
+    for lin in qs:
+        tq = lin.device_q
+        N, K = tq.shape
+        if tq.nibbles and tq.int4 is None and int4pack_available(model.device, model.dtype) and N % 8 == 0:
+            d = tq.d.float().cpu().numpy()
+            m = -float(tq.shift) * d if tq.m is None else tq.m.float().cpu().numpy()
+            tq.int4 = _int4pack(values_of(tq.words, True, K).cpu().numpy(), d, m, model.device)
+
+
 def run_quant(args) -> dict:
     """--quant: one bmc engine per quant on the same random weights, in this process (quant_torch.py's paths)."""
     dtype = getattr(torch, args.dtype)
@@ -183,11 +210,20 @@ def run_quant(args) -> dict:
     state = dict(hf.state_dict())
     del hf
     rows: dict[str, dict] = {}
+    model, loaded = None, ""
     for quant in args.quant.split(","):
         import time
 
+        kind, _, act = quant.partition("+")  # "q4_0+int8": activations="int8" on the same blocks
         t0 = time.time()
-        model = model_from_tensors(cfg.to_dict(), state, origin=args.model, dtype=dtype, device="cuda", quant=quant)
+        if kind != loaded:  # each kind quantized once (minutes on the host's CPU), its words kept for int8
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            model = model_from_tensors(cfg.to_dict(), state, origin=args.model, dtype=dtype, device="cuda",
+                                       quant=kind, activations="float" if kind == "none" else "int8")
+            loaded = kind
+        configure_activations(model, act or "float")
         load_s = time.time() - t0
         gc.collect()
         torch.cuda.empty_cache()
@@ -196,7 +232,9 @@ def run_quant(args) -> dict:
         gms = gemm_ms(model, B)
         summ = r.summary(B)
         tps = summ["decode_tokens_per_s"]
-        wb = model.weight_bytes
+        wb = model.weight_bytes - sum(  # a Q4 matrix on tinygemm here holds its words too: not read
+            sum(t.numel() * t.element_size() for t in (tq.words, tq.d, tq.m) if t is not None)
+            for tq in (lin.device_q for lin in model.linears() if lin.device_q is not None) if tq.int4 is not None)
         rows[quant] = {"decode_tokens_per_s": tps, "time_per_output_token_ms": summ["time_per_output_token_ms"],
                        "weight_bytes": wb, "weight_GBps": wb * tps / B / 1e9, "load_s": load_s,
                        "first_run_tokens_per_s": extra["first_run_tokens_per_s"],
@@ -207,9 +245,9 @@ def run_quant(args) -> dict:
               f"{wb / 1e9:5.2f} GB  {rows[quant]['weight_GBps']:7.0f} GB/s  x{tps / next(iter(rows.values()))['decode_tokens_per_s']:.2f}"
               f"  GEMMs alone {gms:.2f} ms, the rest {summ['time_per_output_token_ms'] - gms:.2f}  (load {load_s:.0f} s)",
               flush=True)
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
     first = next(iter(rows.values()))["decode_tokens_per_s"]
     return {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "batch": B, "N": N, "prompt": args.prompt, "gen": gen, "repeats": args.repeats,
@@ -231,7 +269,8 @@ def main() -> None:
     ap.add_argument("--no-iterative", action="store_true", help="skip bmc-iterative (slow at large batch)")
     ap.add_argument("--sweep-T", action="store_true", help="also sweep bmc's T = 1, 2, 4, ... (the paper's Fig. 15)")
     ap.add_argument("--plot", action="store_true", help="only merge the gpu-MODEL-*.json files in --out into a PNG")
-    ap.add_argument("--quant", default="", help="e.g. none,q8_0,q4_0: the bmc engine per quant, ratios to the first")
+    ap.add_argument("--quant", default="", help="e.g. none,q8_0,q8_0+int8,q4_0,q4_0+int8: the bmc engine per quant "
+                    "(+int8: activations='int8' on the same blocks), ratios to the first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     path = Path(args.out)

@@ -224,12 +224,55 @@ def check(N: int, K: int, device: str) -> float:
     return err
 
 
+def sweep_bmc(out: Path, rows: int) -> None:
+    """--bmc: the path bmc runs (bmc.models.quant_i8x: its rounding kernel, then its GEMV; its one block shape for
+    every matrix, and others) over the Llama-2-7B shapes at M = rows, Q4_0 and Q8_0, timed as above."""
+    from gpu_quant import ROTATE_BYTES, SHAPES, STEP, time_graph
+
+    import bmc.models.quant_i8x as qi
+
+    configs = [(2, 32, 1), (4, 16, 1), (2, 16, 1), (4, 32, 1), (2, 64, 1), (4, 32, 2)]  # (BN, NB_MAX, warps)
+    rows_out = []
+    for name, (N, K) in SHAPES.items():
+        g = torch.Generator(device="cpu").manual_seed(1)
+        w = torch.randn(N, K, generator=g) * 0.02
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        res = {"shape": name, "N": N, "K": K}
+        for kind, make, nib, shift in (("q4_0", q4_0_of, True, 8), ("q8_0", q8_0_of, False, 0)):
+            words, d, _ = make(w)
+            words, d = words.cuda(), d.cuda()
+            qbytes = words.numel() * 4 + d.numel() * 2
+            sets = [(words.clone(), d.clone()) for _ in range(max(2, -(-ROTATE_BYTES // qbytes)))]
+            for bn, nbm, warps in configs:
+                qi.BN, qi.NB_MAX, qi.WARPS = bn, {True: nbm, False: nbm}, warps
+                res[f"{kind} {bn}x{nbm} w{warps}"] = time_graph(
+                    [lambda s=s: qi.gemv_i8x(qi.quantize_x(x), s[0], s[1], None, shift, nib, N, K, torch.bfloat16)
+                     for s in sets])
+            res[f"{kind} rounding alone"] = time_graph([lambda: qi.quantize_x(x)])
+            del sets
+        rows_out.append(res)
+        print(json.dumps(res), flush=True)
+    step = {}
+    for key in rows_out[0]:
+        if key.startswith("q") and all(key in r for r in rows_out):
+            step[key] = sum(r[key] * STEP[r["shape"]] for r in rows_out if r["shape"] in STEP)
+    print(f"one 7B decode step's GEMMs at M = {rows}, ms (each with its rounding kernel):", json.dumps(step), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu-i8x-bmc-M{rows}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "M": rows,
+                                                                "shapes": rows_out, "step_ms": step}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/h200/gpu-i8x")
     ap.add_argument("--smoke", action="store_true", help="check the kernel on small shapes only (CPU interpreter)")
+    ap.add_argument("--bmc", type=int, default=0, metavar="M",
+                    help="time bmc's own int8-x path (quant_i8x.py) at M rows over block shapes, instead")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.bmc:
+        sweep_bmc(Path(args.out), args.bmc)
+        return
     for N, K in ((8, 64), (16, 256), (64, 2048)):
         print(f"check N={N} K={K}: max error / max|y| {check(N, K, device):.2e}", flush=True)
     if args.smoke or device == "cpu":
