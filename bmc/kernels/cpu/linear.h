@@ -51,7 +51,7 @@ void gemm_quant(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::
     if (static_cast<int64_t>(dx_buf.size()) < M * nblk) dx_buf.resize(M * nblk), xs_buf.resize(M * nblk);
     int8_t* xq = xq_buf.data();
     float *dx = dx_buf.data(), *xsum = xs_buf.data();
-    quantize_rows(x, ldx, M, K, xq, dx, xsum);  // the offsets' factor from x~ too: y = w . x~ exactly
+    quantize_rows_split(x, ldx, M, K, xq, dx, xsum);  // the offsets' factor from x~ too: y = w . x~ exactly
     at::parallel_for(0, np, M <= 8 ? 8 : 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * P, nw = std::min<int64_t>(P, N - n0);
