@@ -1,6 +1,6 @@
 """activations="int8" on CUDA: a GEMM's rows of x rounded to int8 per block of 32 and multiplied by a matrix's
 quants with integer dot products (`dp4a`), for quant_torch.py (issue 48; measured in docs/performance.md, "Q4_0
-with int8 activations on the H200").
+with int8 activations on the H200" and "`--activations int8` on CUDA: whole decode steps").
 
 The arithmetic is the CPU mode's (kernels/cpu/vnni.h): per row and block of 32, dx = max|x| / 127 and
 qx = rint(x * (127 / max|x|)) (float32, to the bit as the CPU's quantize_rows rounds them), sx = dx sum qx, and
@@ -219,6 +219,8 @@ def empty_rows(M: int, K: int, device: torch.device) -> Int8Rows:
 
 def quantize_x(x: torch.Tensor) -> Int8Rows:
     """x [M, K] (any float dtype, K a multiple of 32) rounded per block of 32 (the module's docstring)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     M, K = x.shape
     KB = K // QK
     xw, dx, sx = empty_rows(M, K, x.device)
