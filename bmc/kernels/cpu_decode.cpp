@@ -497,13 +497,24 @@ class NativeDecoder {
     }
   }
 
+  // fn(m0, m1) over rows [0, M), split over the threads where rows x width pays for a parallel region (a prompt's
+  // chunk, a full batch's MLP): run on the calling thread alone, the other threads waited (docs/performance.md, "The
+  // rounding of x split over the threads"). Each row is computed by the same code either way: the same bits.
+  template <typename F>
+  static void over_rows(int64_t M, int64_t width, const F& fn) {
+    if (M < 2 || M * width < 16384) return fn(int64_t{0}, M);
+    at::parallel_for(0, M, 1, fn);
+  }
+
   void norm(const float* x, const torch::Tensor& w, const torch::Tensor& b, float* out, int64_t rows) const {
-    for (int64_t m = 0; m < rows; ++m) {
-      if (rms_)
-        rms_norm(x + m * D_, w.data_ptr<float>(), out + m * D_, D_, eps_);
-      else
-        layer_norm(x + m * D_, w.data_ptr<float>(), b.data_ptr<float>(), out + m * D_, D_, eps_);
-    }
+    over_rows(rows, D_, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        if (rms_)
+          rms_norm(x + m * D_, w.data_ptr<float>(), out + m * D_, D_, eps_);
+        else
+          layer_norm(x + m * D_, w.data_ptr<float>(), b.data_ptr<float>(), out + m * D_, D_, eps_);
+      }
+    });
   }
 
   // x*cos + roll(x, d/2)*sin_signed on every query and key head (values follow them in each row). The two halves
@@ -511,16 +522,18 @@ class NativeDecoder {
   // visible share of a decode step (docs/performance.md, "Figures behind the code's choices").
   void apply_rope(float* qkv, int64_t M, int64_t nq, const float* cos, const float* sin) const {
     const int64_t half = hd_ / 2;
-    std::vector<float> lo_buf(half);
-    float* lo = lo_buf.data();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t head = 0; head < h_ + kvh_; ++head) {
-        float* v = qkv + m * nq + head * hd_;
-        const float *c = cos + m * hd_, *s = sin + m * hd_;
-        std::memcpy(lo, v, half * sizeof(float));
-        for (int64_t j = 0; j < half; ++j) v[j] = v[j] * c[j] + v[j + half] * s[j];
-        for (int64_t j = half; j < hd_; ++j) v[j] = v[j] * c[j] + lo[j - half] * s[j];
-      }
+    over_rows(M, nq, [&](int64_t m0, int64_t m1) {
+      std::vector<float> lo_buf(half);
+      float* lo = lo_buf.data();
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t head = 0; head < h_ + kvh_; ++head) {
+          float* v = qkv + m * nq + head * hd_;
+          const float *c = cos + m * hd_, *s = sin + m * hd_;
+          std::memcpy(lo, v, half * sizeof(float));
+          for (int64_t j = 0; j < half; ++j) v[j] = v[j] * c[j] + v[j + half] * s[j];
+          for (int64_t j = half; j < hd_; ++j) v[j] = v[j] * c[j] + lo[j - half] * s[j];
+        }
+    });
   }
 
   // queries * s and keys / s of an int8 cache's layer (set_key_scales): powers of two, so exact
@@ -559,7 +572,11 @@ class NativeDecoder {
   // the MLP's activation over M rows of width I (gated: rows of [gate | up], 2I wide, written over the gate half)
   void activate(float* mid, int64_t M, int64_t inter) const {
     const int64_t n = gated_ ? 2 * inter : inter;
-    for (int64_t m = 0; m < M; ++m) {
+    over_rows(M, inter, [&](int64_t m0, int64_t m1) { activate_rows(mid, m0, m1, n, inter); });
+  }
+
+  void activate_rows(float* mid, int64_t m0, int64_t m1, int64_t n, int64_t inter) const {
+    for (int64_t m = m0; m < m1; ++m) {
       float* row = mid + m * n;
       if (gated_ && act_ == "gelu_tanh") {  // Gemma's GeGLU: torch's gelu(approximate="tanh")(gate) * up
         for (int64_t j = 0; j < inter; ++j) {
