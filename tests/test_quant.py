@@ -509,6 +509,33 @@ def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
 
 
 @pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.parametrize("K", [32, 576, 1536, 32 * 37])
+def test_int8_activations_round_x_as_stated(K):
+    """The rounding of x the int8 GEMMs take (the native step's quantize_rows; the CUDA mode, quant_i8x.py, states
+    the same formula and its tests hold it there): per block of 32, dx = max|x| / 127 and qx = x * (127 / max|x|)
+    rounded to nearest even, both divisions IEEE (no reciprocal), and dx * sum(qx); bit for bit, with blocks of
+    zeros, ties and 16-block groups with and without a tail."""
+    from bmc.kernels.native import native_module
+
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(7, K, generator=g) * torch.logspace(-3, 3, 7)[:, None]
+    x[1, :32] = 0  # dx = 0: qx = 0
+    x[2, :32] = torch.arange(32) - 15.5  # max 16.5: x * 127 / 16.5 puts some values on .5
+    x[3, 5] = float(2**-126)  # a subnormal-adjacent value beside normal ones
+    qx, dx, xs = native_module().quantize_activations(x)
+    xb = x.view(7, -1, 32)
+    amax = xb.abs().amax(-1)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (x / 127.0 may multiply by 1/127)
+    want_dx = amax / c127
+    inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, c127), torch.zeros_like(amax))
+    want_q = torch.round(xb * inv[..., None])  # to nearest even
+    assert torch.equal(dx, want_dx)
+    assert torch.equal(qx.view(7, -1, 32).float(), want_q)
+    assert torch.equal(xs, want_dx * want_q.sum(-1))
+    assert (qx[1, :32] == 0).all() and dx[1, 0] == 0
+
+
+@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
 def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
     """A Q4_0 model (its LM head Q8_0) with activations="int8": the native decode step and the PyTorch path (which call the same
     GEMM) give the same tokens; logits stay near the float activations' (a few % of their range on this random

@@ -647,6 +647,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("N"), py::arg("bias"), py::arg("int8_activations") = false,
         py::arg("bf16") = false);
   m.def("has_int8_dot", []() { return HAVE_INT8_DOT; }, "whether int8 activations can run (AVX512-VNNI and VBMI)");
+  m.def("quantize_activations", [](const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 && x.size(1) % QK == 0,
+                "x: float32 [M, K], K a multiple of 32, rows contiguous");
+    const int64_t M = x.size(0), K = x.size(1);
+    auto xq = torch::empty({M, K}, torch::kInt8);
+    auto dx = torch::empty({M, K / QK}, torch::kFloat32), xsum = torch::empty({M, K / QK}, torch::kFloat32);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                  xsum.data_ptr<float>());
+#else
+    TORCH_CHECK(false, "int8 activations need AVX512-VNNI and VBMI");
+#endif
+    return std::make_tuple(xq, dx, xsum);
+  }, "int8 activations' rounding of x: (qx [M, K] int8, dx [M, K/32], dx * sum qx [M, K/32]), as the GEMMs take it");
   m.def("experts_spread", []() { return panel_range_applies(Weight{torch::zeros({1}), NOT_BLOCKS}, 1, Arith{}); },
         "whether a layer's few chosen experts can have their panels spread over the threads (AVX-512 builds)");
   m.def("bf16_path", []() { return std::string(amx_ready() ? "amx" : HAVE_BF16_DOT ? "avx512-bf16" : "emulated"); },

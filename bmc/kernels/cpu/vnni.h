@@ -139,25 +139,97 @@ constexpr Int8xKernel INT8X_KERNELS[8] = {
 constexpr const Int8xKernel* INT8X_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_INT8X_ENTRY)};
 #undef BMC_INT8X_ENTRY
 
-// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor), vectorized: it
-// runs before every GEMM, and a scalar loop with nearbyint per value was a large share of a batch-1 decode step
-// (docs/performance.md, "Figures behind the code's choices").
-// cvtps_epi32 rounds to nearest even, as nearbyint does under the default rounding mode.
+// Lane b of the result: the max (MAX) or the sum of v[b]'s 16 lanes, for 16 vectors at once: a transposed reduction,
+// 15 shuffle pairs where one vector at a time takes 4 each. Max and integer sums are exact in any order, so each lane
+// is what _mm512_reduce_max_ps / _mm512_reduce_add_epi32 gives.
+template <bool MAX>
+__m512i reduce16(__m512i* v) {
+  auto op = [](__m512i a, __m512i b) {
+    return MAX ? _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)))
+               : _mm512_add_epi32(a, b);
+  };
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i]'s halves folded, 2-3: v[2i + 1]'s
+    v[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k: vector 4i + k's quarter
+    v[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x88), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  auto ps = [](__m512i a, __m512i b, int imm_lo) {  // shuffle_ps within 128-bit lanes, on integer lanes
+    return imm_lo == 0x44 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x44))
+         : imm_lo == 0xEE ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xEE))
+         : imm_lo == 0x88 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x88))
+                          : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xDD));
+  };
+  for (int i = 0; i < 2; ++i)  // in lane k, elements 0-1: vector 8i + k, 2-3: vector 8i + 4 + k
+    v[i] = op(ps(v[2 * i], v[2 * i + 1], 0x44), ps(v[2 * i], v[2 * i + 1], 0xEE));
+  const __m512i r = op(ps(v[0], v[1], 0x88), ps(v[0], v[1], 0xDD));  // element 4k + e: vector 4e + k
+  const __m512i to_vector_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(to_vector_order, r);
+}
+
+// a / b correctly rounded, lane by lane: written as a division, -ffast-math (-freciprocal-math) made it a * (1 / b),
+// two roundings (until session 44 every dx was amax times the float nearest 1/127)
+inline __m512 div_ieee(__m512 a, __m512 b) {
+  __m512 r;
+  asm("vdivps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+  return r;
+}
+
+// 127 / amax where amax > 0, else 0
+inline __m512 inv_scale(__m512 amax, __m512 c127) {
+  const __mmask16 pos = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_maskz_mov_ps(pos, div_ieee(c127, _mm512_mask_mov_ps(c127, pos, amax)));
+}
+
+// Rows of x as int8 blocks of 32 (qx), their scales dx and dx * sum_k qx_k (the offsets' factor): dx = max|x| / 127
+// and qx = x * (127 / max|x|) rounded to nearest even (cvtps_epi32), both divisions IEEE (div_ieee; the CUDA mode,
+// quant_i8x.py, rounds the same: tests/test_quant.py and tests/test_gpu.py hold both to that formula). It runs before
+// every GEMM, and a scalar loop with nearbyint per value was a large share of a batch-1 decode step (docs/
+// performance.md, "Figures behind the code's choices"); 16 blocks at a time share their reductions and divisions.
 void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
   const int64_t nblk = K / QK;
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t b = 0; b < nblk; ++b) {
-      const float* xb = x + i * ldx + b * QK;
-      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * K + b * QK + 16), _mm512_cvtepi32_epi8(qc));
-      dx[i * nblk + b] = d;
-      xsum[i * nblk + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+  const __m512 c127 = _mm512_set1_ps(127.0f);
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xr = x + i * ldx;
+    int8_t* qr = xq + i * K;
+    int64_t b0 = 0;
+    for (; b0 + 16 <= nblk; b0 += 16) {
+      __m512i m[16];
+      for (int b = 0; b < 16; ++b) {
+        const float* xb = xr + (b0 + b) * QK;
+        m[b] = _mm512_castps_si512(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)),
+                                                 _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+      }
+      const __m512 amax = _mm512_castsi512_ps(reduce16<true>(m));
+      const __m512 d = div_ieee(amax, c127);
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, inv_scale(amax, c127));
+      __m512i s[16];
+      for (int b = 0; b < 16; ++b) {
+        const float* xb = xr + (b0 + b) * QK;
+        const __m512 iv = _mm512_set1_ps(inv[b]);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), iv));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), iv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + (b0 + b) * QK), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + (b0 + b) * QK + 16), _mm512_cvtepi32_epi8(qc));
+        s[b] = _mm512_add_epi32(qa, qc);
+      }
+      _mm512_storeu_ps(dx + i * nblk + b0, d);
+      _mm512_storeu_ps(xsum + i * nblk + b0, _mm512_mul_ps(d, _mm512_cvtepi32_ps(reduce16<false>(s))));
     }
+    for (int64_t b = b0; b < nblk; ++b) {  // the last blocks one at a time, the same arithmetic
+      const float* xb = xr + b * QK;
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const __m512 amax = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c))));
+      const __m512 d = div_ieee(amax, c127);
+      const __m512 iv = inv_scale(amax, c127);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv));
+      const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, iv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * QK), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * QK + 16), _mm512_cvtepi32_epi8(qc));
+      const float dv = _mm512_cvtss_f32(d);
+      dx[i * nblk + b] = dv;
+      xsum[i * nblk + b] = dv * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+    }
+  }
 }
 
 // quantize_rows over the threads where the rows are many (a prompt's chunk, a full decode batch's wider inputs): run
