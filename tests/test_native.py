@@ -270,18 +270,20 @@ def _stored_as(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     return x.to(kv_dtype)
 
 
+def _hole_kernel(h: int, kvh: int, hd: int, seed: int, kv_dtype: torch.dtype):
+    """The native attention kernel alone (no decoder), a seeded generator, and the cache's encoding of kv_dtype."""
+    require_native()
+    return (native_module().Attention(h, kvh, hd, hd**-0.5), torch.Generator().manual_seed(seed),
+            functools.partial(_stored_as, kv_dtype=kv_dtype))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_row_with_holes_gets_the_bits_of_its_keys_without_them(kv_dtype):
     """Masked columns inside a decode row (holes: where rows accepted different counts of a verify step), with
     `holes` set, are left out of the row's key numbering: the same bits as the keys alone, at holes before, across
     and after chunk and span boundaries (the hole columns hold NaN, so a hole read would show)."""
-    require_native()
-    mod = native_module()
     h, kvh, hd, fmin = 6, 2, 64, torch.finfo(torch.float32).min
-    g = torch.Generator().manual_seed(9)
-    dec = mod.Attention(h, kvh, hd, hd**-0.5)
-
-    stored = functools.partial(_stored_as, kv_dtype=kv_dtype)
+    dec, g, stored = _hole_kernel(h, kvh, hd, 9, kv_dtype)
 
     for n, at, holes in ((100, 10, 1), (200, 64, 5), (300, 70, 64), (300, 250, 9), (300, 280, 3)):
         keys = torch.randn(1, 2, 1, kvh, n, hd, generator=g)
@@ -302,13 +304,8 @@ def test_a_branching_trees_nodes_get_the_bits_of_their_keys_decoded_alone(kv_dty
     over its keys: the cache's, its ancestors' and its own, one after another, so speculation with such a tree gives
     plain decoding's tokens. With holes in the cache before the tree too; the masked columns hold NaN, so a read
     would show. Contexts put the tree before, across and after chunk (64) and span (256) boundaries."""
-    require_native()
-    mod = native_module()
     h, kvh, hd, fmin = 6, 2, 64, torch.finfo(torch.float32).min
-    g = torch.Generator().manual_seed(11)
-    dec = mod.Attention(h, kvh, hd, hd**-0.5)
-
-    stored = functools.partial(_stored_as, kv_dtype=kv_dtype)
+    dec, g, stored = _hole_kernel(h, kvh, hd, 11, kv_dtype)
 
     parent = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]  # breadth-first: node i's parent, node 0 the step's own token
     t = len(parent)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .quant_i8x import Int8Rows, asm, empty_rows, quantize_blocks, store_blocks
+from .quant_i8x import ASM, Int8Rows, empty_rows, quantize_blocks, store_blocks
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps:
     q = empty_rows(rows, D, x.device) if quant else (y2, y2, y2)
     _add_rms_norm_kernel[(rows,)](x2, r2, w, y2, s2, D, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps,
                                   *q, HAS_R=r is not None, ROUND=x.dtype != torch.float32, BLOCK=block, QUANT=quant,
-                                  ASM=asm(), num_warps=min(16, max(4, block // 512)))
+                                  ASM=ASM, num_warps=min(16, max(4, block // 512)))
     return s2.view(x.shape), y2.view(x.shape), q if quant else None
 
 
@@ -166,7 +166,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, I, dtype=gu.dtype, device=gu.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, y, I, g2.stride(0), y.stride(0), y, y, y, BLOCK=block,
-                                                    QUANT=False, ASM=asm(), num_warps=4, enable_fp_fusion=False)
+                                                    QUANT=False, ASM=ASM, num_warps=4, enable_fp_fusion=False)
     return y.view(*gu.shape[:-1], I)
 
 
@@ -179,7 +179,7 @@ def silu_mul_int8(gu: torch.Tensor) -> Int8Rows:
     q = empty_rows(rows, I, gu.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, q[1], I, g2.stride(0), 0, *q, BLOCK=block, QUANT=True,
-                                                    ASM=asm(), num_warps=4, enable_fp_fusion=False)
+                                                    ASM=ASM, num_warps=4, enable_fp_fusion=False)
     return q
 
 

@@ -21,6 +21,8 @@ depend on the rows beside it (a served request gets its alone run's bits); the p
 adjacent in the launch order, so rows past the first read it from L2."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -200,11 +202,9 @@ def _gemv_i8x_kernel(xw_ptr, dx_ptr, sx_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, K
         _store(y_ptr, a7, row0 + 7, M, n, N, stride_ym)
 
 
-def asm() -> bool:
-    """Inline PTX (dp4a, cvt.rni), or its emulation under Triton's interpreter (a CPU check of the indexing)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") != "1"
+# inline PTX (dp4a, cvt.rni), or its emulation under Triton's interpreter (a CPU check of the indexing), which Triton
+# itself chooses at import
+ASM = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 Int8Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x's words [M, K/4] int32, dx and sx [M, K/32] float32
@@ -225,7 +225,7 @@ def quantize_x(x: torch.Tensor) -> Int8Rows:
     KB = K // QK
     xw, dx, sx = empty_rows(M, K, x.device)
     nb = min(16, triton.next_power_of_2(KB))
-    _quantize_x_kernel[(M, triton.cdiv(KB, nb))](x, xw, dx, sx, KB, x.stride(0), NB=nb, ASM=asm(), num_warps=1)
+    _quantize_x_kernel[(M, triton.cdiv(KB, nb))](x, xw, dx, sx, KB, x.stride(0), NB=nb, ASM=ASM, num_warps=1)
     return xw, dx, sx
 
 
@@ -247,5 +247,5 @@ def gemv_i8x(rows: Int8Rows, words: torch.Tensor, d: torch.Tensor, m: torch.Tens
     _gemv_i8x_kernel[(triton.cdiv(M, mb) * triton.cdiv(N, BN),)](
         xw, dx, sx, words, d, d if m is None else m, y, M, N, K // QK, words.stride(0), y.stride(0),
         NIBBLES=nibbles, SHIFT=shift, HAS_M=m is not None, BN=BN, NB=nb, MB=mb, EVEN=(K // QK) % nb == 0,
-        ASM=asm(), num_warps=WARPS)
+        ASM=ASM, num_warps=WARPS)
     return y

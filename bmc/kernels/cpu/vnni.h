@@ -139,6 +139,12 @@ constexpr Int8xKernel INT8X_KERNELS[8] = {
 constexpr const Int8xKernel* INT8X_BY_KIND[NUM_BLOCK_KINDS] = {BMC_FOR_EACH_BLOCK_KIND(BMC_INT8X_ENTRY)};
 #undef BMC_INT8X_ENTRY
 
+// _mm512_shuffle_ps on integer lanes (within each 128-bit lane: two of a's, then two of b's)
+template <int IMM>
+__m512i shuffle_ps(__m512i a, __m512i b) {
+  return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), IMM));
+}
+
 // Lane b of the result: the max (MAX) or the sum of v[b]'s 16 lanes, for 16 vectors at once: a transposed reduction,
 // 15 shuffle pairs where one vector at a time takes 4 each. Max and integer sums are exact in any order, so each lane
 // is what _mm512_reduce_max_ps / _mm512_reduce_add_epi32 gives.
@@ -152,15 +158,9 @@ __m512i reduce16(__m512i* v) {
     v[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // 128-bit lane k: vector 4i + k's quarter
     v[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x88), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xDD));
-  auto ps = [](__m512i a, __m512i b, int imm_lo) {  // shuffle_ps within 128-bit lanes, on integer lanes
-    return imm_lo == 0x44 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x44))
-         : imm_lo == 0xEE ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xEE))
-         : imm_lo == 0x88 ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0x88))
-                          : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), 0xDD));
-  };
   for (int i = 0; i < 2; ++i)  // in lane k, elements 0-1: vector 8i + k, 2-3: vector 8i + 4 + k
-    v[i] = op(ps(v[2 * i], v[2 * i + 1], 0x44), ps(v[2 * i], v[2 * i + 1], 0xEE));
-  const __m512i r = op(ps(v[0], v[1], 0x88), ps(v[0], v[1], 0xDD));  // element 4k + e: vector 4e + k
+    v[i] = op(shuffle_ps<0x44>(v[2 * i], v[2 * i + 1]), shuffle_ps<0xEE>(v[2 * i], v[2 * i + 1]));
+  const __m512i r = op(shuffle_ps<0x88>(v[0], v[1]), shuffle_ps<0xDD>(v[0], v[1]));  // element 4k + e: vector 4e + k
   const __m512i to_vector_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_epi32(to_vector_order, r);
 }
