@@ -14,7 +14,8 @@
 #   bash bench/device_one.sh gpu-tests    # tests/test_gpu.py and tests/test_graph_arena.py, whole
 #   bash bench/device_one.sh gpu-i8x      # bench/gpu_i8x.py: a Q4_0 GEMV with int8 activations (dp4a), M = 1
 #   bash bench/device_one.sh gpu-int8     # activations="int8" on CUDA: its tests, then bench/gpu.py --quant
-#                                         # none,q8_0,q8_0+int8,q4_0,q4_0+int8 (7B shape, batch $B, default 1)
+#                                         # none,q8_0,q8_0+int8,q4_0,q4_0+int8 (7B shape, batch $B, default 1;
+#                                         # $QUANTS another list, e.g. with /off rows: kernels launched in turn)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -54,7 +55,7 @@ for stage in "$@"; do
         | tee "$OUT/gpu-i8x.log" ;;
     gpu-int8)
       timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
-        -k "int8 or triton_gemv or int4 or quantized or fused" 2>&1 | tee "$OUT/int8-tests.log" | tail -8
+        -k "int8 or triton_gemv or int4 or quantized or fused or launched_ahead or decode_attention" 2>&1 | tee "$OUT/int8-tests.log" | tail -8
       timeout ${T_Q:-480} python3 bench/gpu.py --quant ${QUANTS:-none,q8_0,q8_0+int8,q4_0,q4_0+int8} --batch ${B:-1} \
         --total 384 --prompt 128 --repeats 2 --graph-warmup --no-hf --engines bmc --no-iterative --out "$OUT/int8" \
         2>&1 | grep -v Warning | tail -25 | tee "$OUT/gpu-int8-B${B:-1}.log" ;;

@@ -29,7 +29,7 @@ import torch
 from bmc.bench.engines import EngineRun, run_bmc, run_hf
 from bmc.bench.harness import first_divergence
 from bmc.graphs import graph_store, replay_median_ms
-from bmc.models import model_from_tensors
+from bmc.models import gdc, model_from_tensors
 
 SHAPES = {
     "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -211,10 +211,13 @@ def run_quant(args) -> dict:
     del hf
     rows: dict[str, dict] = {}
     model, loaded = None, ""
+    default_pdl = gdc.MODE
     for quant in args.quant.split(","):
         import time
 
-        kind, _, act = quant.partition("+")  # "q4_0+int8": activations="int8" on the same blocks
+        spec, _, pdl = quant.partition("/")  # "q4_0+int8/off": gdc.py's mode for this row (default: its default)
+        kind, _, act = spec.partition("+")  # "q4_0+int8": activations="int8" on the same blocks
+        gdc.MODE = pdl or default_pdl
         t0 = time.time()
         if kind != loaded:  # each kind quantized once (minutes on the host's CPU), its words kept for int8
             del model
@@ -270,7 +273,8 @@ def main() -> None:
     ap.add_argument("--sweep-T", action="store_true", help="also sweep bmc's T = 1, 2, 4, ... (the paper's Fig. 15)")
     ap.add_argument("--plot", action="store_true", help="only merge the gpu-MODEL-*.json files in --out into a PNG")
     ap.add_argument("--quant", default="", help="e.g. none,q8_0,q8_0+int8,q4_0,q4_0+int8: the bmc engine per quant "
-                    "(+int8: activations='int8' on the same blocks), ratios to the first")
+                    "(+int8: activations='int8' on the same blocks; /off, /on, /prefetch: that row's kernel "
+                    "launches, bmc/models/gdc.py), ratios to the first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     path = Path(args.out)

@@ -580,6 +580,75 @@ def test_cuda_int8_rows_from_the_glue_kernels_are_quantize_xs(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_attention_writes_the_o_gemms_int8_rows_as_quantize_x(dtype):
+    """Under activations="int8" the decode attention writes its output as the o GEMM's int8 rows
+    (fused_triton.decode_attention_int8): bit for bit quantize_x of decode_attention's output rows, with one
+    column split and many (folded by the last), MHA, GQA and MQA, head sizes 32, 64, 128 and 256, kernels launched
+    ahead or not (gdc.py)."""
+    from bmc.models import fused_triton as ft
+    from bmc.models import gdc
+    from bmc.models.quant_i8x import quantize_x
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    old = gdc.MODE
+    try:
+        for mode in gdc.MODES:
+            gdc.MODE = mode
+            for B, H, KVH, S, D in ((1, 32, 32, 384, 128), (3, 8, 2, 37, 64), (2, 8, 1, 1000, 32),
+                                    (1, 16, 2, 4096, 128), (5, 4, 4, 20, 256)):
+                k, v = _strided_kv(B, KVH, S, D, dtype, g)
+                q = torch.randn(B, H, 1, D, device="cuda", generator=g).to(dtype)
+                bias = torch.zeros(B, 1, 1, S, device="cuda", dtype=dtype)
+                bias.masked_fill_(torch.rand(B, 1, 1, S, device="cuda", generator=g) < 0.3, torch.finfo(dtype).min)
+                bias[..., S // 2] = 0
+                want = quantize_x(ft.decode_attention(q, k, v, bias, D ** -0.5).reshape(B, H * D))
+                got = ft.decode_attention_int8(q, k, v, bias, D ** -0.5)
+                for a, b in zip(got, want):
+                    assert torch.equal(a, b), (mode, B, H, KVH, S, D)
+                torch.cuda.synchronize()
+                assert int(ft._counters[q.device].abs().sum()) == 0
+    finally:
+        gdc.MODE = old
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_kernels_launched_ahead_give_the_same_tokens_and_logits(tmp_path, dtype):
+    """Programmatic dependent launch (gdc.py: each kernel waits on the one before it, then lets the next one
+    launch) changes when kernels start, never what they compute: a Q4_0 model with
+    activations="int8" and a float one give the same tokens and the same logits, eager and graphed, in every
+    mode."""
+    from bmc.graphs import graph_store
+    from bmc.models import gdc
+    from bmc.parallel.tp import prompt_logits
+
+    from .test_quant import _write_llama_gguf
+
+    path = str(tmp_path / "q4_0.gguf")
+    _write_llama_gguf(path, {"default": "q4_0", "token_embd": "q8_0"})
+    models = [bmc.load(path, device="cuda", dtype=dtype, quant="gguf", activations="int8"),
+              bmc.load(path, device="cuda", dtype=dtype, quant="gguf")]
+    prompts = [[5, 17, 33, 80, 101, 7, 9, 5, 17, 33], [40, 41, 42], [299, 3, 99, 98, 97, 96]]
+    old = gdc.MODE
+    try:
+        for model in models:
+            seen = []
+            for mode in gdc.MODES:
+                gdc.MODE = mode
+                graph_store(model).clear()
+                graphs = bmc.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
+                assert graphs.stats.cuda_graph_replays > 0
+                eager = bmc.generate(model, prompts, max_new_tokens=40, ignore_eos=True, cuda_graphs=False)
+                with torch.inference_mode():
+                    logits = prompt_logits(model, prompts[0])
+                seen.append(([c.token_ids for c in graphs], [c.token_ids for c in eager], logits))
+            for tokens, eager_tokens, logits in seen:
+                assert tokens == eager_tokens == seen[0][0]
+                assert torch.equal(logits, seen[0][2])
+    finally:
+        gdc.MODE = old
+
+
 def test_cuda_int8_activations_model_served_equals_alone_and_tracks_float(tmp_path):
     """A Q4_0 file (its LM head Q8_0) in bfloat16 on CUDA with activations="int8": every matrix on the int8-x GEMV
     (none on tinygemm), graphs equal eager, requests served under the scheduler get generate()'s tokens alone,

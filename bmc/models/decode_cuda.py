@@ -5,8 +5,10 @@ step on CUDA").
 A layer runs: add_rms_norm (the residual add of the previous sublayer and this one's norm, one kernel), the QKV
 GEMM, rope_write (RoPE of q and k, k and v into the cache at the step's column), the attention (dense attention as
 fused_triton.decode_attention, any other the step's own, on the cache's views), the o GEMM, add_rms_norm, the
-gate|up GEMM, silu_mul, the down GEMM; the last layer's residual add carries the final norm. The eager step and the CUDA graph's run the same kernels, so graphs
-replay the eager step's tokens.
+gate|up GEMM, silu_mul, the down GEMM; the last layer's residual add carries the final norm. Under
+activations="int8" (`Glue`) the norms, silu_mul and the attention also write the next GEMM's int8 rows, so no
+GEMM rounds its own input. The eager step and the CUDA graph's run the same kernels, so graphs replay the eager
+step's tokens; on Hopper and later each Triton kernel is launched while the one before it runs (gdc.py).
 
 MODE picks the glue: "triton" (default), "compile" (the same torch ops as the plain path, each piece through
 torch.compile without its own CUDA graphs: bmc captures its graphs itself; for measurement), "off" (the plain
@@ -14,7 +16,7 @@ path in llama.py). Env BMC_CUDA_FUSED sets it at import."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,35 @@ def _glue() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
     return add_rms_norm, rope_write, silu_mul
 
 
+class Glue(NamedTuple):
+    """What differs between the float step and the activations="int8" one: the norms' output for the next GEMM
+    (a tensor, or its int8 rows), the GEMM on it, the MLP's activation, and whether the attention writes the o
+    GEMM's int8 rows itself."""
+    norm: Callable[..., Any]  # (x, r, w, eps) -> (x + r, the next GEMM's input)
+    gemm: Callable[..., torch.Tensor]  # (Linear, input) -> [B, 1, N]
+    act: Callable[..., Any]  # the gate|up output -> the down GEMM's input
+    o_rows: bool
+
+
+def _glue_for(layers: Any, attention: "AttentionFn", head_dim: int, B: int, dtype: torch.dtype) -> Glue:
+    """Under activations="int8" (every layer's qkv, gate|up and down on the int8-x GEMV) the norms and silu_mul
+    also write their outputs' int8 rows (quant_i8x.py), and the attention the o GEMM's where it is the Triton
+    one, so no GEMM takes a rounding kernel of its own: the same values as the GEMMs' own rounding, bit for bit
+    (the plain path's tokens)."""
+    norm, _, silu_mul = _glue()
+    if not (MODE == "triton" and all(lin.int8_activations for L in layers for lin in (L.qkv, L.gate_up, L.down))):
+        return Glue(norm, lambda lin, a: lin(a), silu_mul, False)
+    from .fused_triton import add_rms_norm_int8, decode_attention, int8_rows_fit, silu_mul_int8
+
+    def norm8(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
+        s, _, rows = add_rms_norm_int8(x, r, w, eps)
+        return s, rows
+
+    o_rows = (attention is decode_attention and int8_rows_fit(head_dim)
+              and all(L.o.int8_activations for L in layers))
+    return Glue(norm8, lambda lin, rows: lin.int8_rows(rows, dtype).view(B, 1, -1), silu_mul_int8, o_rows)
+
+
 def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                   local_rope: tuple[torch.Tensor, torch.Tensor], cache: "KVCache", attention: "AttentionFn",
                   bias: torch.Tensor, local_bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,50 +140,27 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     cfg = net.cfg
     B = x.shape[0]
     hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
-    norm, rope_write, silu_mul = _glue()
+    final_norm, rope_write, _ = _glue()
     attention = _attention(attention)
     col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)
     layers = net.layers
-    if MODE == "triton" and all(lin.int8_activations for L in layers for lin in (L.qkv, L.gate_up, L.down)):
-        return _decode_layers_int8(net, x, rope, local_rope, cache, attention, bias, local_bias, col)
-    x, hn = norm(x, None, layers[0].ln1, eps)
+    glue = _glue_for(layers, attention, hd, B, x.dtype)
+    x, a = glue.norm(x, None, layers[0].ln1, eps)
     for i, L in enumerate(layers):
         kv = cache.kv[i]
         cos, sin = local_rope if L.local else rope
-        q = rope_write(L.qkv(hn), cos, sin, kv, h, kvh, col)
-        o = attention(q, kv[0], kv[1], local_bias if L.local and local_bias is not None else bias, net.scale,
-                      layer=i)
-        x, hn = norm(x, L.o(o.transpose(1, 2).reshape(B, 1, h * hd)), L.ln2, eps)
-        m = L.down(silu_mul(L.gate_up(hn)))
-        x, hn = norm(x, m, layers[i + 1].ln1 if i + 1 < len(layers) else net.norm, eps)
-    return hn
+        q = rope_write(glue.gemm(L.qkv, a), cos, sin, kv, h, kvh, col)
+        b = local_bias if L.local and local_bias is not None else bias
+        if glue.o_rows:
+            from .fused_triton import decode_attention_int8
 
-
-def _decode_layers_int8(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                        local_rope: tuple[torch.Tensor, torch.Tensor], cache: "KVCache", attention: "AttentionFn",
-                        bias: torch.Tensor, local_bias: torch.Tensor | None, col: int | torch.Tensor) -> torch.Tensor:
-    """decode_layers under activations="int8" (every layer's qkv, gate|up and down on the int8-x GEMV): the norms
-    and silu_mul also write their outputs' int8 rows (quant_i8x.py), so those GEMMs take no rounding kernel of
-    their own; the same values as the GEMMs' own rounding, bit for bit (the plain path's tokens)."""
-    from .fused_triton import add_rms_norm, add_rms_norm_int8, rope_write, silu_mul_int8
-
-    cfg = net.cfg
-    B = x.shape[0]
-    hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
-    layers = net.layers
-    x, _, rows = add_rms_norm_int8(x, None, layers[0].ln1, eps)
-    for i, L in enumerate(layers):
-        kv = cache.kv[i]
-        cos, sin = local_rope if L.local else rope
-        q = rope_write(L.qkv.int8_rows(rows, x.dtype).view(B, 1, -1), cos, sin, kv, h, kvh, col)
-        o = attention(q, kv[0], kv[1], local_bias if L.local and local_bias is not None else bias, net.scale,
-                      layer=i)
-        x, _, rows = add_rms_norm_int8(x, L.o(o.transpose(1, 2).reshape(B, 1, h * hd)), L.ln2, eps)
-        m = L.down.int8_rows(silu_mul_int8(L.gate_up.int8_rows(rows, x.dtype)), x.dtype).view(B, 1, -1)
-        if i + 1 < len(layers):
-            x, _, rows = add_rms_norm_int8(x, m, layers[i + 1].ln1, eps)
+            o = glue.gemm(L.o, decode_attention_int8(q, kv[0], kv[1], b, net.scale))
         else:
-            x, hn = add_rms_norm(x, m, net.norm, eps)
-    return hn
+            o = L.o(attention(q, kv[0], kv[1], b, net.scale, layer=i).transpose(1, 2).reshape(B, 1, h * hd))
+        x, a = glue.norm(x, o, L.ln2, eps)
+        m = glue.gemm(L.down, glue.act(glue.gemm(L.gate_up, a)))
+        last = i + 1 == len(layers)
+        x, a = (final_norm if last else glue.norm)(x, m, net.norm if last else layers[i + 1].ln1, eps)
+    return a

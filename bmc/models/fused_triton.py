@@ -20,13 +20,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import gdc
+from .gdc import wait_and_release
 from .quant_i8x import ASM, Int8Rows, empty_rows, quantize_blocks, store_blocks
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y, stride_s, eps,
                          xw_ptr, dx_ptr, sx_ptr, HAS_R: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
-                         QUANT: tl.constexpr, ASM: tl.constexpr):
+                         QUANT: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr):
+    wait_and_release(GDC)
     row = tl.program_id(0)
     off = tl.arange(0, BLOCK)
     mask = off < D
@@ -81,19 +84,22 @@ def _add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps:
     y2 = torch.empty_like(x2)
     block = triton.next_power_of_2(D)
     q = empty_rows(rows, D, x.device) if quant else (y2, y2, y2)
+    on, kw = gdc.launch(x.device)
     _add_rms_norm_kernel[(rows,)](x2, r2, w, y2, s2, D, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps,
                                   *q, HAS_R=r is not None, ROUND=x.dtype != torch.float32, BLOCK=block, QUANT=quant,
-                                  ASM=ASM, num_warps=min(16, max(4, block // 512)))
+                                  ASM=ASM, GDC=on, num_warps=min(16, max(4, block // 512)), **kw)
     return s2.view(x.shape), y2.view(x.shape), q if quant else None
 
 
 @triton.jit(do_not_specialize=["col"])
 def _rope_write_kernel(a_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, col_ptr, col, stride_a, stride_cs,
                        s_kv, s_row, s_head, s_col, H, KVH,
-                       HD: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, COL_PTR: tl.constexpr):
+                       HD: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, COL_PTR: tl.constexpr,
+                       GDC: tl.constexpr):
     """Program (row, group of HB heads) of [q heads | k heads | v heads]: q and k rotated as
     x*cos + roll(x, HD/2)*sin_signed (each product and the sum rounded to the dtype, as apply_rope), q stored
     [B, H, 1, HD], k and v stored in the cache at the column. BD: HD rounded up to a power of two."""
+    wait_and_release(GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
     d = tl.arange(0, BD)[None, :]  # [1, BD]
@@ -132,16 +138,19 @@ def rope_write(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.
     q = torch.empty(B, heads, 1, hd, dtype=a.dtype, device=a.device)
     hb = 4
     on_device = isinstance(col, torch.Tensor)
+    on, kw = gdc.launch(a.device)
     _rope_write_kernel[(B, triton.cdiv(heads + 2 * kv_heads, hb))](
         a2, cs, ss, q, kv, col if on_device else q, 0 if on_device else col, a2.stride(0), cs.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), heads, kv_heads,
-        HD=hd, BD=triton.next_power_of_2(hd), HB=hb, COL_PTR=on_device, num_warps=2, enable_fp_fusion=False)
+        HD=hd, BD=triton.next_power_of_2(hd), HB=hb, COL_PTR=on_device, GDC=on, num_warps=2,
+        enable_fp_fusion=False, **kw)
     return q
 
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, xw_ptr, dx_ptr, sx_ptr, BLOCK: tl.constexpr,
-                     QUANT: tl.constexpr, ASM: tl.constexpr):
+                     QUANT: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr):
+    wait_and_release(GDC)
     row = tl.program_id(0)
     off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = off < I
@@ -165,8 +174,10 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     rows = g2.shape[0]
     y = torch.empty(rows, I, dtype=gu.dtype, device=gu.device)
     block = 1024
+    on, kw = gdc.launch(gu.device)
     _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, y, I, g2.stride(0), y.stride(0), y, y, y, BLOCK=block,
-                                                    QUANT=False, ASM=ASM, num_warps=4, enable_fp_fusion=False)
+                                                    QUANT=False, ASM=ASM, GDC=on, num_warps=4,
+                                                    enable_fp_fusion=False, **kw)
     return y.view(*gu.shape[:-1], I)
 
 
@@ -178,22 +189,42 @@ def silu_mul_int8(gu: torch.Tensor) -> Int8Rows:
     rows = g2.shape[0]
     q = empty_rows(rows, I, gu.device)
     block = 1024
+    on, kw = gdc.launch(gu.device)
     _silu_mul_kernel[(rows, triton.cdiv(I, block))](g2, q[1], I, g2.stride(0), 0, *q, BLOCK=block, QUANT=True,
-                                                    ASM=ASM, num_warps=4, enable_fp_fusion=False)
+                                                    ASM=ASM, GDC=on, num_warps=4, enable_fp_fusion=False, **kw)
     return q
 
 
 
 @triton.jit
+def _o_rows(o_ptr, out_off, omask, xw_ptr, dx_ptr, sx_ptr, b, kvh, G, KVH, BG: tl.constexpr, BD: tl.constexpr,
+            ASM: tl.constexpr):
+    """The program's G heads of output row b, as stored, read back and rounded to the o GEMM's int8 blocks (a head's
+    BD = D values are whole blocks). Read back rather than rounded from registers: the compiler may lay out the
+    split fold's sums otherwise when they also feed the rounding, which moved float32 outputs by an ulp."""
+    tl.debug_barrier()  # the program's stores before its loads
+    o = tl.load(o_ptr + out_off, mask=omask, other=0, cache_modifier=".cg").to(tl.float32)
+    DB: tl.constexpr = BD // 32  # blocks a head
+    words, dq, sq = quantize_blocks(tl.reshape(o, (BG * DB, 4, 8)), ASM)
+    i = tl.arange(0, BG * DB)
+    blk = tl.where(i // DB < G, (kvh * G + i // DB) * DB + i % DB, KVH * G * DB)  # heads past G: masked
+    store_blocks(xw_ptr, dx_ptr, sx_ptr, b, blk, KVH * G * DB, words, dq, sq)
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr, cnt_ptr, S, CHUNK, scale, KVH, G,
-                             NS, sq_b, sq_h, sk_b, sk_h, sk_s, sb_b, so_b, so_h, D: tl.constexpr, BD: tl.constexpr,
+                             NS, sq_b, sq_h, sk_b, sk_h, sk_s, sb_b, so_b, so_h, xw_ptr, dx_ptr, sx_ptr,
+                             D: tl.constexpr, BD: tl.constexpr,
                              BG: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr,
                              PREC: tl.constexpr, PV_PREC: tl.constexpr, STAGES: tl.constexpr,
-                             NSP: tl.constexpr):
+                             NSP: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr):
     """Program (row b, KV head, split): the G query heads of one KV head against columns [split * CHUNK, +CHUNK),
     a float32 online softmax; K and V are read once for the G heads. With one split it writes the output; with
     several it stores its unnormalised state, and the split that finishes last (a counter a (row, KV head), reset
-    by that split) folds the NS states (NS <= NSP) in a fixed order: the same sums whichever split comes last."""
+    by that split) folds the NS states (NS <= NSP) in a fixed order: the same sums whichever split comes last.
+    QUANT: the output also written as the o GEMM's int8 rows (quant_i8x.py; a row's [H * D] values, D = BD a
+    multiple of 32, so a block of 32 lies in one head)."""
+    wait_and_release(GDC)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // KVH).to(tl.int64)
@@ -238,6 +269,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr
     omask = gmask[:, None] & dmask[None, :]
     if NS == 1:
         tl.store(o_ptr + out_off, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=omask)
+        if QUANT:
+            _o_rows(o_ptr, out_off, omask, xw_ptr, dx_ptr, sx_ptr, b, kvh, G, KVH, BG, BD, ASM)
     else:
         w = (pid.to(tl.int64) * NS + split) * BG + g
         tl.store(part_ptr + w[:, None] * BD + d[None, :], acc, mask=gmask[:, None])
@@ -258,6 +291,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr
                     f = tl.exp(mn - tl.max(mn, axis=0))
                     o = tl.sum(an * f[:, None], axis=0) / tl.sum(ln * f, axis=0)
                     tl.store(o_ptr + b * so_b + (kvh * G + gi) * so_h + d, o.to(o_ptr.dtype.element_ty), mask=dmask)
+            if QUANT:
+                _o_rows(o_ptr, out_off, omask, xw_ptr, dx_ptr, sx_ptr, b, kvh, G, KVH, BG, BD, ASM)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (or graph replay)
 
 
@@ -290,6 +325,21 @@ def decode_splits(rows: int, S: int, block: int, programs: int) -> int:
     return max(1, min(triton.cdiv(S, block), triton.cdiv(programs, rows), MAX_SPLITS))
 
 
+def int8_rows_fit(head_dim: int) -> bool:
+    """Whether decode_attention_int8 takes this head size (a power of two, whole blocks of 32)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def decode_attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                          scale: float) -> Int8Rows:
+    """decode_attention's output [B, H, 1, d] as the o GEMM reads it under activations="int8": its rows [B, H d]
+    rounded to int8 blocks, bit for bit quant_i8x.quantize_x of them, by the attention kernel itself (one kernel
+    fewer a layer). d: int8_rows_fit."""
+    rows = _decode_attention(q, k, v, bias, scale, 0, True, 4, 3, 2, True)
+    assert not isinstance(rows, torch.Tensor)
+    return rows
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
                      layer: int = 0, *, block: int = 0, dot: bool = True, warps: int = 4, stages: int = 3,
                      per_sm: int = 2) -> torch.Tensor:
@@ -304,6 +354,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     on CUDA"). Bound against SDPA (which rounds
     scores, sums and the output in its own order; tests/test_gpu.py): |o' - o| <= eps(dtype) max|v| in 16-bit
     dtypes, 2^-17 max|v| in float32."""
+    out = _decode_attention(q, k, v, bias, scale, block, dot, warps, stages, per_sm, False)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                      block: int, dot: bool, warps: int, stages: int, per_sm: int,
+                      int8_rows: bool) -> torch.Tensor | Int8Rows:
     B, H, t, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     G = H // KVH
@@ -322,15 +380,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     exact = q.dtype == torch.float32
     prec = "ieee" if exact or torch.version.hip else "tf32"
     out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+    if int8_rows:
+        assert int8_rows_fit(D) and BD == D, D
+        rows = empty_rows(B, H * D, q.device)
+    else:
+        rows = (out, out, out)
     if ns > 1:
         part = torch.empty(B * KVH * ns * BG, BD, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * KVH * ns * BG, 2, dtype=torch.float32, device=q.device)
         cnt = _counter(q.device, B * KVH)
     else:
         part = ml = cnt = out
+    on, kw = gdc.launch(q.device)
     _decode_attention_kernel[(B * KVH, ns)](
         q, k, v, bias, out, part, ml, cnt, S, chunk, scale, KVH, G, ns, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), k.stride(2), bias.stride(0), out.stride(0), out.stride(1),
+        k.stride(1), k.stride(2), bias.stride(0), out.stride(0), out.stride(1), *rows,
         D=D, BD=BD, BG=BG, BS=BS, DOT=use_dot, PREC=prec, PV_PREC="ieee" if exact else prec, STAGES=stages,
-        NSP=triton.next_power_of_2(ns), num_warps=warps)
-    return out
+        NSP=triton.next_power_of_2(ns), QUANT=int8_rows, ASM=ASM, GDC=on, num_warps=warps, **kw)
+    return rows if int8_rows else out

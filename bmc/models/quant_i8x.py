@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gdc
+from .gdc import wait_and_release
+
 QK = 32
 # block shape, measured over the Llama-2-7B shapes at M = 1 on an H200 (bench/gpu_i8x.py --bmc 1): 2 weight rows a
 # program, 1 warp, up to 32 blocks a loop step for Q4 words and 64 for int8 ones (the best sum over a step's GEMMs)
@@ -64,8 +67,10 @@ def store_blocks(xw_ptr, dx_ptr, sx_ptr, m, blk, KB, words, d, sx):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xw_ptr, dx_ptr, sx_ptr, KB, stride_xm, NB: tl.constexpr, ASM: tl.constexpr):
+def _quantize_x_kernel(x_ptr, xw_ptr, dx_ptr, sx_ptr, KB, stride_xm, NB: tl.constexpr, ASM: tl.constexpr,
+                       GDC: tl.constexpr):
     """Row program_id(0) of x, NB blocks from program_id(1) * NB."""
+    wait_and_release(GDC)
     m = tl.program_id(0)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     t = tl.arange(0, 4)
@@ -130,7 +135,8 @@ def _store(y_ptr, acc, row, M, n, N, stride_ym):
 @triton.jit
 def _gemv_i8x_kernel(xw_ptr, dx_ptr, sx_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, KB, stride_qn, stride_ym,
                      NIBBLES: tl.constexpr, SHIFT: tl.constexpr, HAS_M: tl.constexpr, BN: tl.constexpr,
-                     NB: tl.constexpr, MB: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+                     NB: tl.constexpr, MB: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                     GDC: tl.constexpr):
     """y[row0 .. row0 + MB) for BN weight rows, NB blocks a loop step (EVEN: NB divides KB, no masks). One
     [BN, NB] float32 accumulator per row of x (written out to 8: Triton carries no lists of tensors through a
     loop), each updated by the same code."""
@@ -140,6 +146,7 @@ def _gemv_i8x_kernel(xw_ptr, dx_ptr, sx_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, K
     nl = tl.minimum(n, N - 1)  # rows past N read the last one's (their outputs are not stored)
     b = tl.arange(0, NB)
     WORDS: tl.constexpr = 4 if NIBBLES else 8
+    wait_and_release(GDC)
     j = tl.arange(0, WORDS)
     zero = tl.zeros((BN, NB), dtype=tl.float32)
     a0 = zero
@@ -225,7 +232,9 @@ def quantize_x(x: torch.Tensor) -> Int8Rows:
     KB = K // QK
     xw, dx, sx = empty_rows(M, K, x.device)
     nb = min(16, triton.next_power_of_2(KB))
-    _quantize_x_kernel[(M, triton.cdiv(KB, nb))](x, xw, dx, sx, KB, x.stride(0), NB=nb, ASM=ASM, num_warps=1)
+    on, kw = gdc.launch(x.device)
+    _quantize_x_kernel[(M, triton.cdiv(KB, nb))](x, xw, dx, sx, KB, x.stride(0), NB=nb, ASM=ASM, GDC=on,
+                                                 num_warps=1, **kw)
     return xw, dx, sx
 
 
@@ -244,8 +253,9 @@ def gemv_i8x(rows: Int8Rows, words: torch.Tensor, d: torch.Tensor, m: torch.Tens
     y = torch.empty((M, N), dtype=out_dtype, device=xw.device)
     mb = 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
     nb = blocks_a_step(K // QK, nibbles)
+    on, kw = gdc.launch(xw.device)
     _gemv_i8x_kernel[(triton.cdiv(M, mb) * triton.cdiv(N, BN),)](
         xw, dx, sx, words, d, d if m is None else m, y, M, N, K // QK, words.stride(0), y.stride(0),
         NIBBLES=nibbles, SHIFT=shift, HAS_M=m is not None, BN=BN, NB=nb, MB=mb, EVEN=(K // QK) % nb == 0,
-        ASM=ASM, num_warps=WARPS)
+        ASM=ASM, GDC=on, num_warps=WARPS, **kw)
     return y
