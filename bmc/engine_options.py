@@ -17,6 +17,8 @@ from .prefix_cache import BLOCK
 class EngineOptions:
     max_num_seqs: int = 8  # rows (sequences) decoding at once
     max_num_batched_tokens: int = 256  # tokens a step computes: the decode rows first, prompt chunks in the rest
+    itl_factor: float = 0.0  # beside running rows, prompt chunks cut so a step takes at most this many times the
+    # rows' own step, by measured costs (chunk_budget.py; 0: off, the token budget alone)
     max_queue: int | None = None  # requests waiting beyond the free seats before add() refuses (None: no limit)
     max_length: int | None = None  # the longest prompt + max_tokens a request may have (None: the model's context)
     kv: str = "bmc"  # the batch cache's strategy (kv/)
@@ -45,6 +47,8 @@ class EngineOptions:
             raise InvalidRequestError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed "
                                       f"max_num_seqs ({self.max_num_seqs}): decode rows come first, prompts need the "
                                       "rest")
+        if not (self.itl_factor == 0 or 1 < self.itl_factor <= 1e6):  # NaN fails both
+            raise InvalidRequestError(f"itl_factor must be 0 (off) or in (1, 1e6], got {self.itl_factor}")
         if self.max_queue is not None and self.max_queue < 0:
             raise InvalidRequestError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.spec_max_tokens is not None and self.spec_max_tokens < 2:

@@ -7,8 +7,9 @@ One `step()` reads straight through:
      joining or leaving, the same regroup compacts before the cache grows;
   2. admit: waiting requests take free seats, oldest first, each with a cache of its own for its prompt;
   3. one forward: a token for every running row (decode first, as vLLM and llama.cpp do) and, in what is left of
-     the token budget (`max_num_batched_tokens` minus the decode rows), the next chunk of each admitted prompt,
-     oldest first. On a CPU the native step runs them as one fused forward (`forward_parts`): every weight is
+     the token budget (`max_num_batched_tokens` minus the decode rows; with `itl_factor`, cut further by the
+     measured cost of a prompt token beside the running rows: chunk_budget.py), the next chunk of each admitted
+     prompt, oldest first. On a CPU the native step runs them as one fused forward (`forward_parts`): every weight is
      read once for the decode rows and the prompt chunks, so a chunk costs its FLOPs, not another pass over the
      weights (measured: docs/performance.md, "Figures behind the code's choices"). A request whose prompt is done samples its first token
      here and joins at the next step.
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .attention import ATTENTION_BACKENDS, AttentionFn, AttentionOptions, SharedPrefix, dense_attention
+from .chunk_budget import ChunkBudget
 from .engine import (GenerationConfig, GenerationStats, check_attention, eos_ids, longrope_switch, make_cache,
                      prefill_attention, relong)
 from .engine_options import EngineOptions
@@ -248,6 +250,9 @@ class Scheduler:
         self._ahead: Ahead | None = None  # the last step's tokens, not read yet
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         self.spec_max_tokens = o.spec_max_tokens
+        # prompt chunks beside running rows cut by measured cost (chunk_budget.py); not under tensor parallelism,
+        # where every rank must cut alike and a choice from each rank's own timing need not be
+        self.chunk_budget = ChunkBudget(o.itl_factor) if o.itl_factor > 0 and model.full_config is None else None
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []
@@ -372,8 +377,12 @@ class Scheduler:
         t1 = time.perf_counter()
         draft = self._draft() if self.spec is not None and self.live_rows else None
         decode = self._decode_part() if self.live_rows and draft is None else None
-        chunks = self._chunk_parts(self.max_num_batched_tokens - len(self.rows) * (
-            1 + draft[0].num_nodes if draft is not None else 1))
+        running = len(self.live_rows) * (1 + draft[0].num_nodes) if draft is not None else (
+            len(self.live_rows) if decode is not None else 0)
+        budget = self.max_num_batched_tokens - len(self.rows) * (1 + draft[0].num_nodes if draft is not None else 1)
+        if self.chunk_budget is not None and self.prefilling:
+            budget = self.chunk_budget.prompt_tokens(running, budget)
+        chunks = self._chunk_parts(budget)
         ahead = decode is not None and not chunks and self._runs_on(self.rows)
         if draft is not None:  # the trees' own forward: verify logits of every node, not the last token's
             self._verify(*draft)
@@ -398,12 +407,15 @@ class Scheduler:
         auto = self.spec.auto if self.spec is not None else None
         if auto is not None and not chunks and (draft is not None or decode is not None):  # a step of decode rows
             auto.timed(verify_rows or len(self.rows), time.perf_counter() - t1, draft is not None)
+        prompt_tokens = sum(int(part.tokens.shape[1]) for _, part in chunks)
+        if self.chunk_budget is not None:
+            self.chunk_budget.timed(running, prompt_tokens, time.perf_counter() - t1)
         pc = self.prefix_cache
         held = self.kv_bytes
         self.peak_kv_bytes = max(self.peak_kv_bytes, max(held, held_in_forward) + (pc.nbytes if pc is not None else 0))
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, held + (pc.pinned_bytes if pc is not None else 0))
         self.last_step = {"leave_join_s": t1 - t0, "forward_s": time.perf_counter() - t1, "rows": len(self.rows),
-                          "prompt_tokens": sum(int(part.tokens.shape[1]) for _, part in chunks),
+                          "prompt_tokens": prompt_tokens,
                           "columns": self.cache.length}
 
     def _intake(self) -> None:

@@ -343,6 +343,8 @@ def test_speculative_and_sparq_serving_equal_generate_alone(tiny_dir, model, fla
                                              "--max-num-batched-tokens (4) must exceed --max-num-seqs (4)"),
                                             (["--attention", "sparq", "--speculative", "ngram"], "speculative"),
                                             (["--speculative", "ngram", "--tree", "bush:3"], "unknown tree"),
+                                            (["--itl-factor", "1"], "--itl-factor must be 0 (off) or in (1, 1e6]"),
+                                            (["--itl-factor", "nan"], "--itl-factor must be 0 (off)"),
                                             (["--tp", "0"], "--tp must be in [1, "),
                                             (["--tp", "2", "--instances", "2"], "--tp with --instances is not built"),
                                             (["--tp", "2", "--quant", "q8_0"], "not sharded yet"),
