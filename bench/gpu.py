@@ -155,19 +155,31 @@ def run_config(args, B: int, N: int) -> dict:
 
 def gemm_ms(model, rows: int) -> float:
     """ms of one decode step's GEMMs alone (every Linear of the model once, at `rows` rows), captured in one CUDA graph:
-    the step's time less this is what the rest of the step costs, in the same process."""
+    the step's time less this is what the rest of the step costs, in the same process. Under activations="int8" the
+    layers' GEMMs take rows already rounded, as in the step (its norms, silu_mul and attention round them); only
+    the LM head, whose input the final norm does not round, rounds its own."""
+    from bmc.models.quant_i8x import quantize_x
+
     lins = model.linears()
+    head = getattr(model.net, "lm_head", None)
     xs = {lin.in_features: torch.randn(rows, lin.in_features, device="cuda", dtype=model.dtype) for lin in lins}
+    rounded = {k: quantize_x(x) for k, x in xs.items()} if any(lin.int8_activations for lin in lins) else {}
+
+    def run() -> None:
+        for lin in lins:
+            if lin.int8_activations and lin is not head:
+                lin.int8_rows(rounded[lin.in_features], model.dtype)
+            else:
+                lin(xs[lin.in_features])
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.inference_mode():
-        for lin in lins:
-            lin(xs[lin.in_features])
+        run()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.inference_mode(), torch.cuda.graph(g):
-        for lin in lins:
-            lin(xs[lin.in_features])
+        run()
     ms = replay_median_ms(g, 20)
     del g
     return ms
