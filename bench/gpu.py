@@ -155,19 +155,25 @@ def run_config(args, B: int, N: int) -> dict:
 
 def gemm_ms(model, rows: int) -> float:
     """ms of one decode step's GEMMs alone (every Linear of the model once, at `rows` rows), captured in one CUDA graph:
-    the step's time less this is what the rest of the step costs, in the same process. Under activations="int8" the
-    layers' GEMMs take rows already rounded, as in the step (its norms, silu_mul and attention round them); only
-    the LM head, whose input the final norm does not round, rounds its own."""
+    the step's time less this is what the rest of the step costs, in the same process. Under activations="int8" a
+    GEMM whose input the step's glue rounds (decode_cuda.glue_for: the norms' and silu_mul's, and the attention's
+    where it writes the o GEMM's) takes rows already rounded here too; the others (the LM head) round their own."""
+    from bmc.attention import dense_attention
+    from bmc.models.decode_cuda import _attention, glue_for
     from bmc.models.quant_i8x import quantize_x
 
     lins = model.linears()
-    head = getattr(model.net, "lm_head", None)
+    cfg = model.net.cfg
+    glue = glue_for(model.net.layers, _attention(dense_attention), cfg.head_dim, rows, model.dtype)
+    glued = {id(lin) for L in model.net.layers for lin in (L.qkv, L.gate_up, L.down)} if glue.int8_rows else set()
+    if glue.attention_rounds_o:
+        glued |= {id(L.o) for L in model.net.layers}
     xs = {lin.in_features: torch.randn(rows, lin.in_features, device="cuda", dtype=model.dtype) for lin in lins}
-    rounded = {k: quantize_x(x) for k, x in xs.items()} if any(lin.int8_activations for lin in lins) else {}
+    rounded = {k: quantize_x(x) for k, x in xs.items()} if glued else {}
 
     def run() -> None:
         for lin in lins:
-            if lin.int8_activations and lin is not head:
+            if id(lin) in glued:
                 lin.int8_rows(rounded[lin.in_features], model.dtype)
             else:
                 lin(xs[lin.in_features])
@@ -229,6 +235,8 @@ def run_quant(args) -> dict:
 
         spec, _, pdl = quant.partition("/")  # "q4_0+int8/off": gdc.py's mode for this row (default: its default)
         kind, _, act = spec.partition("+")  # "q4_0+int8": activations="int8" on the same blocks
+        if pdl and pdl not in gdc.MODES:
+            raise SystemExit(f"--quant {quant}: /{pdl} is not one of /{', /'.join(gdc.MODES)}")
         gdc.MODE = pdl or default_pdl
         t0 = time.time()
         if kind != loaded:  # each kind quantized once (minutes on the host's CPU), its words kept for int8
@@ -285,8 +293,8 @@ def main() -> None:
     ap.add_argument("--sweep-T", action="store_true", help="also sweep bmc's T = 1, 2, 4, ... (the paper's Fig. 15)")
     ap.add_argument("--plot", action="store_true", help="only merge the gpu-MODEL-*.json files in --out into a PNG")
     ap.add_argument("--quant", default="", help="e.g. none,q8_0,q8_0+int8,q4_0,q4_0+int8: the bmc engine per quant "
-                    "(+int8: activations='int8' on the same blocks; /off, /on, /prefetch: that row's kernel "
-                    "launches, bmc/models/gdc.py), ratios to the first")
+                    "(+int8: activations='int8' on the same blocks; /off or /on: that row's kernels launched "
+                    "ahead or not, bmc/models/gdc.py), ratios to the first")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     path = Path(args.out)

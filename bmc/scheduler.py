@@ -250,9 +250,7 @@ class Scheduler:
         self._ahead: Ahead | None = None  # the last step's tokens, not read yet
         self._drafting: set[int] = set()  # rows the drafter keeps a context for
         self.spec_max_tokens = o.spec_max_tokens
-        # prompt chunks beside running rows cut by measured cost (chunk_budget.py); not under tensor parallelism,
-        # where every rank must cut alike and a choice from each rank's own timing need not be
-        self.chunk_budget = ChunkBudget(o.itl_factor) if o.itl_factor > 0 and model.full_config is None else None
+        self.chunk_budget: ChunkBudget | None = None  # prompt chunks cut by measured cost (chunk_budget.py)
         self.rows: list[_Row | None] = []  # one per batch-cache row; None = a retired slot waiting for a join
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[_Prefill] = []
@@ -263,6 +261,16 @@ class Scheduler:
         self._native_decoder = native  # built once per model: looked up here, not per step
         if native is not None:  # attention splits its work for the configured count, whatever count runs it
             native.set_split_threads(torch.get_num_threads())
+        if o.itl_factor > 0:
+            if model.full_config is not None:  # every rank must cut alike; each would time its own steps
+                raise InvalidRequestError("itl_factor under tensor parallelism is not built (each rank would cut "
+                                          "prompt chunks by its own timing)")
+            if native is None:
+                raise InvalidRequestError(
+                    "itl_factor needs the native CPU step, where a prompt chunk shares one forward with the running "
+                    f"rows; on {model.device.type} with this model a chunk is a forward of its own (the token budget "
+                    "alone bounds it there)")
+            self.chunk_budget = ChunkBudget(o.itl_factor)
         self.threads = (ThreadGovernor(torch.get_num_threads()) if o.adaptive_threads and native is not None
                         and torch.get_num_threads() > 1 else None)
         self.last_step: dict[str, float] = {}  # the phases of the last step, for logs
@@ -388,6 +396,7 @@ class Scheduler:
             self._verify(*draft)
         verify_rows = len(self.rows) * (1 + draft[0].num_nodes) if draft is not None else 0
         parts = ([decode] if decode is not None else []) + [part for _, part in chunks]
+        fused_before = self.counters.fused_steps
         governed = self.threads is not None and decode is not None and not chunks and self._thread_free(decode)
         if governed:
             self.threads.begin()
@@ -408,7 +417,8 @@ class Scheduler:
         if auto is not None and not chunks and (draft is not None or decode is not None):  # a step of decode rows
             auto.timed(verify_rows or len(self.rows), time.perf_counter() - t1, draft is not None)
         prompt_tokens = sum(int(part.tokens.shape[1]) for _, part in chunks)
-        if self.chunk_budget is not None:
+        if self.chunk_budget is not None and (not chunks or self.counters.fused_steps > fused_before):
+            # (a step whose parts ran as forwards of their own, a fused step that failed, is not the model's)
             self.chunk_budget.timed(running, prompt_tokens, time.perf_counter() - t1)
         pc = self.prefix_cache
         held = self.kv_bytes

@@ -37,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="tokens per step: every decode row first, then prompt chunks in what is left (default 256); "
                    "smaller keeps running streams smoother while a long prompt joins, larger prefills faster")
-    p.add_argument("--itl-factor", type=float, default=2.0,
-                   help="while rows decode, prompt chunks are cut so that a step takes at most this many times the "
-                   "rows' own step, by the costs measured on this server's steps: a long prompt joining slows running "
-                   "streams at most this much (default 2.0; 0: off, --max-num-batched-tokens alone; not under --tp)")
+    p.add_argument("--itl-factor", type=float, default=0.0,
+                   help="CPU: while rows decode, prompt chunks are cut so that a step takes about this many times the "
+                   "rows' own step, by the costs measured on this server's steps, e.g. 2: a long prompt joining "
+                   "slows the running streams about that much and never stalls them for a whole budget (default 0: "
+                   "off, --max-num-batched-tokens alone)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests waiting for a row at most; more are answered 503 with Retry-After (default: no limit)")
     p.add_argument("--api-key", default=os.environ.get("BMC_API_KEY"),
@@ -126,6 +127,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tp > 1:
         if args.instances != "1":
             fail("--tp with --instances is not built: run one tensor-parallel engine (--instances 1)")
+        if args.itl_factor:
+            fail("--itl-factor with --tp is not built: each rank would cut prompt chunks by its own timing")
         if args.quant not in ("auto", "none") or args.activations != "float":
             fail("--tp loads float weights and activations: quantized weights (--quant) and --activations "
                  f"{args.activations} are not sharded yet")
@@ -172,7 +175,7 @@ def engine_options(args: argparse.Namespace, prefix_cache_bytes: int | None = No
             args.prefix_cache_bytes if args.prefix_cache_bytes is not None else default_prefix_cache_bytes())
     return EngineOptions(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-        itl_factor=args.itl_factor if args.tp == 1 else 0.0,
+        itl_factor=args.itl_factor,
         kv=args.kv, r=args.r, T=args.T, kv_dtype=args.kv_dtype, attention=args.attention,
         attention_options=AttentionOptions(sparq=SparQOptions(r=args.sparq_r, k=args.sparq_k), window_k=args.window_k),
         speculative=args.speculative, tree=args.tree, spec_max_tokens=args.spec_max_tokens,

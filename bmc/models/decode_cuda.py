@@ -110,26 +110,27 @@ class Glue(NamedTuple):
     norm: Callable[..., Any]  # (x, r, w, eps) -> (x + r, the next GEMM's input)
     gemm: Callable[..., torch.Tensor]  # (Linear, input) -> [B, 1, N]
     act: Callable[..., Any]  # the gate|up output -> the down GEMM's input
-    o_rows: bool
+    int8_rows: bool  # qkv, gate|up and down take int8 rows (quant_i8x.Int8Rows) from the glue
+    attention_rounds_o: bool  # the attention writes the o GEMM's int8 rows (else the o GEMM rounds its input)
 
 
-def _glue_for(layers: Any, attention: "AttentionFn", head_dim: int, B: int, dtype: torch.dtype) -> Glue:
+def glue_for(layers: Any, attention: "AttentionFn", head_dim: int, B: int, dtype: torch.dtype) -> Glue:
     """Under activations="int8" (every layer's qkv, gate|up and down on the int8-x GEMV) the norms and silu_mul
     also write their outputs' int8 rows (quant_i8x.py), and the attention the o GEMM's where it is the Triton
     one, so no GEMM takes a rounding kernel of its own: the same values as the GEMMs' own rounding, bit for bit
     (the plain path's tokens)."""
     norm, _, silu_mul = _glue()
     if not (MODE == "triton" and all(lin.int8_activations for L in layers for lin in (L.qkv, L.gate_up, L.down))):
-        return Glue(norm, lambda lin, a: lin(a), silu_mul, False)
+        return Glue(norm, lambda lin, a: lin(a), silu_mul, False, False)
     from .fused_triton import add_rms_norm_int8, decode_attention, int8_rows_fit, silu_mul_int8
 
     def norm8(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
         s, _, rows = add_rms_norm_int8(x, r, w, eps)
         return s, rows
 
-    o_rows = (attention is decode_attention and int8_rows_fit(head_dim)
-              and all(L.o.int8_activations for L in layers))
-    return Glue(norm8, lambda lin, rows: lin.int8_rows(rows, dtype).view(B, 1, -1), silu_mul_int8, o_rows)
+    rounds_o = (attention is decode_attention and int8_rows_fit(head_dim)
+                and all(L.o.int8_activations for L in layers))
+    return Glue(norm8, lambda lin, rows: lin.int8_rows(rows, dtype).view(B, 1, -1), silu_mul_int8, True, rounds_o)
 
 
 def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -146,17 +147,20 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)
     layers = net.layers
-    glue = _glue_for(layers, attention, hd, B, x.dtype)
-    x, a = glue.norm(x, None, layers[0].ln1, eps)
+    glue = glue_for(layers, attention, hd, B, x.dtype)
+    attend_o: Callable[..., Any] | None = None  # the attention that writes the o GEMM's int8 rows
+    if glue.attention_rounds_o:
+        from .fused_triton import decode_attention_int8
+
+        attend_o = decode_attention_int8
+    x, a = glue.norm(x, None, layers[0].ln1, eps)  # a: the next GEMM's input (a tensor, or its int8 rows)
     for i, L in enumerate(layers):
         kv = cache.kv[i]
         cos, sin = local_rope if L.local else rope
         q = rope_write(glue.gemm(L.qkv, a), cos, sin, kv, h, kvh, col)
         b = local_bias if L.local and local_bias is not None else bias
-        if glue.o_rows:
-            from .fused_triton import decode_attention_int8
-
-            o = glue.gemm(L.o, decode_attention_int8(q, kv[0], kv[1], b, net.scale))
+        if attend_o is not None:
+            o = glue.gemm(L.o, attend_o(q, kv[0], kv[1], b, net.scale))
         else:
             o = L.o(attention(q, kv[0], kv[1], b, net.scale, layer=i).transpose(1, 2).reshape(B, 1, h * hd))
         x, a = glue.norm(x, o, L.ln2, eps)

@@ -14,6 +14,7 @@ mean: its bound is in `add_rms_norm` (tests/test_gpu.py holds both)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -335,14 +336,26 @@ def decode_attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
     """decode_attention's output [B, H, 1, d] as the o GEMM reads it under activations="int8": its rows [B, H d]
     rounded to int8 blocks, bit for bit quant_i8x.quantize_x of them, by the attention kernel itself (one kernel
     fewer a layer). d: int8_rows_fit."""
-    rows = _decode_attention(q, k, v, bias, scale, 0, True, 4, 3, 2, True)
+    rows = _decode_attention(q, k, v, bias, scale, int8_rows=True, **LAUNCH._asdict())
     assert not isinstance(rows, torch.Tensor)
     return rows
 
 
+class Launch(NamedTuple):
+    """decode_attention's launch choices (the defaults: bench/gpu_attn_configs.py measured them)."""
+    block: int = 0
+    dot: bool = True
+    warps: int = 4
+    stages: int = 3
+    per_sm: int = 2
+
+
+LAUNCH = Launch()
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
-                     layer: int = 0, *, block: int = 0, dot: bool = True, warps: int = 4, stages: int = 3,
-                     per_sm: int = 2) -> torch.Tensor:
+                     layer: int = 0, *, block: int = LAUNCH.block, dot: bool = LAUNCH.dot, warps: int = LAUNCH.warps,
+                     stages: int = LAUNCH.stages, per_sm: int = LAUNCH.per_sm) -> torch.Tensor:
     """dense_attention for one query a row (decode), one kernel: q [B, H, 1, d]; k, v [B, H_kv, S, d] (the cache's
     views, any strides but the last, the same for k and v); bias [B, 1, 1, S]. Returns [B, H, 1, d].
 
@@ -354,12 +367,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     on CUDA"). Bound against SDPA (which rounds
     scores, sums and the output in its own order; tests/test_gpu.py): |o' - o| <= eps(dtype) max|v| in 16-bit
     dtypes, 2^-17 max|v| in float32."""
-    out = _decode_attention(q, k, v, bias, scale, block, dot, warps, stages, per_sm, False)
+    out = _decode_attention(q, k, v, bias, scale, block=block, dot=dot, warps=warps, stages=stages, per_sm=per_sm,
+                            int8_rows=False)
     assert isinstance(out, torch.Tensor)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, *,
                       block: int, dot: bool, warps: int, stages: int, per_sm: int,
                       int8_rows: bool) -> torch.Tensor | Int8Rows:
     B, H, t, D = q.shape
