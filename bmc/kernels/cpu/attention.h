@@ -498,12 +498,18 @@ class Attention {
                           *next_v = next >= 0 ? vc + next * lay.row_bytes : nullptr;
             if (weighs_int8(lay)) {  // the values weighed straight from their int8 rows (see weigh_int8)
               // two chunks ahead: a chunk's arithmetic is short beside the time its 136 lines take to arrive
-              // (docs/performance.md, "Figures behind the code's choices"); the first two of a span are left to the
-              // hardware prefetcher
+              // (docs/performance.md, "Figures behind the code's choices"); a span's second chunk is prefetched at
+              // its start, its first during the chunks read before it
               constexpr int64_t D = I8_AHEAD;
-              const int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb &&
-                                            own_col(c0 + D * OWN_KEYS) >= 0
-                                        ? own + own_col(c0 + D * OWN_KEYS) : -1;
+              int64_t ahead = c0 + D * OWN_KEYS < k1 && c0 + D * OWN_KEYS >= preb &&
+                                      own_col(c0 + D * OWN_KEYS) >= 0
+                                  ? own + own_col(c0 + D * OWN_KEYS) : -1;
+              if (ahead < 0 && c0 + D * OWN_KEYS >= k1) {  // the span's last chunks: the first chunk read after
+                if (k1 < kend && k1 >= preb && own_col(k1) >= 0)  // it, the task's next span's
+                  ahead = own + own_col(k1);
+                else if (k1 >= kend)  // or the thread's next task's (a new row's stream: no hardware prefetch yet)
+                  ahead = next_task;
+              }
               if (c0 == k0 && ch.col >= 0) {  // the chunks before the first `ahead` one, at once
                 const int64_t n = std::min((D - 1) * OWN_KEYS, k1 - c0 - OWN_KEYS);
                 const LinePrefetch pk{kc + (own + ch.col + OWN_KEYS) * lay.row_bytes, (n * lay.row_bytes + 63) / 64, 1};
