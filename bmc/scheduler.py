@@ -385,9 +385,11 @@ class Scheduler:
         t1 = time.perf_counter()
         draft = self._draft() if self.spec is not None and self.live_rows else None
         decode = self._decode_part() if self.live_rows and draft is None else None
-        running = len(self.live_rows) * (1 + draft[0].num_nodes) if draft is not None else (
-            len(self.live_rows) if decode is not None else 0)
-        budget = self.max_num_batched_tokens - len(self.rows) * (1 + draft[0].num_nodes if draft is not None else 1)
+        per_row = 1 + draft[0].num_nodes if draft is not None else 1  # forward rows a batch row takes
+        budget = self.max_num_batched_tokens - len(self.rows) * per_row
+        running = 0  # the running rows' forward rows (chunk_budget.py: only whether there are any)
+        if self.chunk_budget is not None and (draft is not None or decode is not None):
+            running = len(self.live_rows) * per_row
         if self.chunk_budget is not None and self.prefilling:
             budget = self.chunk_budget.prompt_tokens(running, budget)
         chunks = self._chunk_parts(budget)
