@@ -10,7 +10,7 @@
 # Stages in the order given; each bounded by its own timeout, a failed one does not stop the next. Logs and JSON
 # under $OUT. NVLink multicast stays off (the hosts require it).
 set -uo pipefail
-# .whl: the server's wheels; .whl2 (where carried): what the image lacks for them (pydantic, opentelemetry-api)
+# .whl: the wheels the image lacks for the server and tests (bench/device_wheels.sh); .whl2, where carried, more
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   $(ls .whl2/*.whl 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
