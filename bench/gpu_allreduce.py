@@ -1,8 +1,8 @@
 """A decode step's all-reduce on 2+ GPUs, four ways (issue 48, item 1): NCCL eagerly, NCCL captured in a CUDA graph,
-torch's symmetric-memory one-shot all-reduce (P2P loads over NVLink, no multicast) captured in a CUDA graph, and a
-one-shot all-reduce fused with the residual add and RMSNorm that follow it in a decode step (a Triton kernel here,
-over symmetric memory; a measurement, not yet a path bmc runs), against NCCL in a graph followed by bmc's
-add_rms_norm kernel, the pair it would replace.
+torch's symmetric-memory one-shot all-reduce (P2P loads over NVLink, no multicast) captured in a CUDA graph, and
+bmc's one-shot all-reduce fused with the residual add and RMSNorm that follow it in a decode step
+(bmc/parallel/allreduce_norm.py), against NCCL in a graph followed by bmc's add_rms_norm kernel, the pair it
+replaces.
 
     python bench/gpu_allreduce.py --gpus 2 --out DIR     # bf16 rows of 4096 (Llama-7B's hidden size), B = 1, 8, 32
 
@@ -25,86 +25,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HIDDEN = 4096
-
-
-def fused_kernel():
-    """The fused way's Triton kernel (built on first use: the module imports without a GPU).
-
-    Program `row` of rank `me` at call site `site`: the rank's partial sum of the row is in its symmetric buffer
-    (in a step, the o / down GEMM's output written there). It sets its flag in each peer's signal pad, waits for
-    each peer's flag in its own (and clears it), then sums the W partial rows in rank order (the same bits on every
-    rank) in float32, rounds the sum to the dtype, and does what add_rms_norm does with it: s = x + sum (rounded)
-    and y = rms_norm(s) * w. Two slots, taken in turn (a site's slot: site % 2), each with its buffer rows and one
-    flag per (rank, row): a rank writes a slot again only two sites later, after the barrier of the site between,
-    which no peer passes before it has read that slot (and cleared its flag)."""
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    from bmc.models.gdc import wait_and_release
-
-    @triton.jit(do_not_specialize=["site"])
-    def kernel(bufs_ptr, sigs_ptr, x_ptr, w_ptr, s_ptr, y_ptr, site, B, D, eps, me: tl.constexpr, W: tl.constexpr,
-               BMAX: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        wait_and_release(GDC)
-        row = tl.program_id(0)
-        for p in tl.static_range(W):
-            if p != me:
-                peer_sig = tl.load(sigs_ptr + p).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(peer_sig + (site * W + me) * BMAX + row, 1, sem="release", scope="sys")
-        my_sig = tl.load(sigs_ptr + me).to(tl.pointer_type(tl.int32))
-        for p in tl.static_range(W):
-            if p != me:
-                while tl.atomic_cas(my_sig + (site * W + p) * BMAX + row, 1, 0, sem="acquire", scope="sys") != 1:
-                    pass
-        off = tl.arange(0, BLOCK)
-        mask = off < D
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(W):
-            buf = tl.load(bufs_ptr + p).to(tl.pointer_type(tl.bfloat16))
-            acc += tl.load(buf + (site * BMAX + row) * D + off, mask=mask, other=0, volatile=True).to(tl.float32)
-        r = acc.to(tl.bfloat16)
-        x = tl.load(x_ptr + row * D + off, mask=mask, other=0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
-        tl.store(s_ptr + row * D + off, x, mask=mask)
-        h = x.to(tl.float32)
-        inv = libdevice.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-        wt = tl.load(w_ptr + off, mask=mask, other=0).to(tl.float32)
-        tl.store(y_ptr + row * D + off, (wt * (h * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16), mask=mask)
-
-    return kernel
-
-
-def timed(fn: Callable[[], None], graph: bool, copies: int, reps: int = 30) -> float:
-    """µs per call: `copies` calls in one CUDA graph (or eagerly in a row), median of `reps`."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = None
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(copies):
-                fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        if g is not None:
-            g.replay()
-        else:
-            for _ in range(copies):
-                fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return 1000 * statistics.median(times) / copies
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -171,48 +91,31 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
 def fused_way(B: int, x: torch.Tensor, rank: int, world: int, group: str, dev: torch.device,
               copies: int) -> dict:
-    """The fused one-shot all-reduce + add + RMSNorm against NCCL in a graph + bmc's add_rms_norm: µs a site in a
-    graph of `copies` sites, and whether the two give the same (s, y) bit for bit."""
-    import triton
-    import torch.distributed._symmetric_memory as symm_mem
-
-    from bmc.models import gdc
+    """bmc's fused one-shot all-reduce + add + RMSNorm (bmc/parallel/allreduce_norm.py, the copy of the partial rows
+    into its buffer included) against NCCL in a graph + bmc's add_rms_norm: µs a site in a graph of `copies` sites,
+    and whether the two give the same (s, y) bit for bit."""
     from bmc.models.fused_triton import add_rms_norm
+    from bmc.parallel.allreduce_norm import AllReduceNorm
 
     D, eps = HIDDEN, 1e-5
     torch.manual_seed(100)  # the residual and the norm's weight: the same on every rank, as in a step
-    res = torch.randn(B, D, device=dev, dtype=torch.bfloat16)
+    res = torch.randn(B, 1, D, device=dev, dtype=torch.bfloat16)
     w = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16)
-    part = x.view(B, D)
-    buf = symm_mem.empty(2, B, D, device=dev, dtype=torch.bfloat16)
-    hdl = symm_mem.rendezvous(buf, group)
-    need = 2 * world * B * 4
-    if getattr(hdl, "signal_pad_size", need) < need:
-        raise RuntimeError(f"signal pad of {hdl.signal_pad_size} bytes, {need} needed")
-    bufs = torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=dev)
-    sigs = torch.tensor(list(hdl.signal_pad_ptrs), dtype=torch.int64, device=dev)
-    kernel = fused_kernel()
-    on, kw = gdc.launch(dev)
-    s_out = torch.empty(B, D, device=dev, dtype=torch.bfloat16)
-    y_out = torch.empty_like(s_out)
-    block = triton.next_power_of_2(D)
-    site = [0]
+    part = x.view(B, 1, D)
+    fused_ar = AllReduceNorm(D, torch.bfloat16, dev, max_rows=B)
 
-    def fused() -> None:
-        j = site[0] % 2
-        site[0] += 1
-        buf[j].copy_(part)  # in a step: the GEMM writes its output here
-        kernel[(B,)](bufs, sigs, res, w, s_out, y_out, j, B, D, eps, me=rank, W=world, BMAX=B, BLOCK=block, GDC=on,
-                     num_warps=min(16, max(4, block // 512)), **kw)
+    def fused() -> None:  # the slots taken in turn, as in a step
+        fused_ar.add_norm(res, part, w, eps)
 
-    y = torch.empty(B, D, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(B, 1, D, device=dev, dtype=torch.bfloat16)
 
     def nccl_norm() -> None:
         y.copy_(part)
         dist.all_reduce(y)
         add_rms_norm(res, y, w, eps)
 
-    fused()
+    fused_ar.begin_step()
+    s_out, y_out = fused_ar.add_norm(res, part, w, eps)
     torch.cuda.synchronize()
     dist.barrier()
     y.copy_(part)
@@ -220,7 +123,7 @@ def fused_way(B: int, x: torch.Tensor, rank: int, world: int, group: str, dev: t
     s_ref, y_ref = add_rms_norm(res, y, w, eps)
     out = {"fused_same_as_nccl_norm": bool(torch.equal(s_out, s_ref) and torch.equal(y_out, y_ref))}
     out["nccl_norm_graph_us"] = timed(nccl_norm, True, copies)
-    site[0] = 0
+    fused_ar.begin_step()
     out["fused_graph_us"] = timed(fused, True, copies)
     out["fused_eager_us"] = timed(fused, False, copies)
     return out

@@ -125,6 +125,64 @@ def test_tp_on_gpus_equals_one_gpu(gpu_pair):
         assert got.stats.cuda_graph_replays >= 40 and want.stats.cuda_graph_replays >= 40
     eager = bmc.generate(tp, PROMPTS, max_new_tokens=12, ignore_eos=True, cuda_graphs=False)
     assert eager.stats.decode_kernel == "torch" and eager.stats.cuda_graph_replays == 0
+    # the decode steps above took the fused all-reduce + norm (bmc/parallel/allreduce_norm.py) on every rank
+    assert all(info["fused_allreduce"] for info in tp.rank_info(reps=1))
+
+
+def _fused_allreduce_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of test_fused_allreduce_norm_is_nccl_then_add_rms_norm."""
+    import torch.distributed as dist
+
+    from bmc.models.fused_triton import add_rms_norm
+    from bmc.parallel.allreduce_norm import MAX_ROWS, AllReduceNorm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    same = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for D in (576, 4096):
+            fused = AllReduceNorm(D, dtype, dev)
+            for B in (1, 3, MAX_ROWS):
+                shared = torch.Generator(device=dev).manual_seed(B)  # the residual and weight: every rank's
+                x = torch.randn(B, 1, D, device=dev, generator=shared).to(dtype)
+                w = (1 + 0.1 * torch.randn(D, device=dev, generator=shared)).to(dtype)
+                own = torch.Generator(device=dev).manual_seed(100 * B + rank)
+                for _ in range(3):  # slots 0, 1, 0
+                    part = torch.randn(B, 1, D, device=dev, generator=own).to(dtype)
+                    s, y = fused.add_norm(x, part, w, 1e-5)
+                    total = part.clone()
+                    dist.all_reduce(total)
+                    s_ref, y_ref = add_rms_norm(x, total, w, 1e-5)
+                    same.append((str(dtype), D, B, torch.equal(s, s_ref) and torch.equal(y, y_ref)))
+    torch.save(same, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fused_allreduce_norm_is_nccl_then_add_rms_norm(tmp_path):
+    """The fused kernel on two GPUs gives NCCL's all-reduce followed by add_rms_norm bit for bit (float32 and
+    bfloat16, widths 576 and 4096, 1 to MAX_ROWS rows, both slots in turn), on both ranks."""
+    import torch.multiprocessing as mp
+
+    from bmc.platform.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_fused_allreduce_rank, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert len(got) == 2 * 2 * 3 * 3 and all(ok for *_, ok in got), [c for c in got if not c[-1]]
 
 
 def test_a_rank_builds_only_its_part_of_a_70b_shape(tmp_path):

@@ -153,6 +153,18 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
         from .fused_triton import decode_attention_int8
 
         attend_o = decode_attention_int8
+    # tensor parallel (bmc/parallel): o's and down's partial sums all-reduced inside the norm after them, one
+    # kernel, where the rank has it and the step is small enough; else the row-parallel Linear all-reduces (NCCL)
+    # (its arithmetic after the sum is the Triton add_rms_norm's, so MODE "triton" only)
+    fused_ar = getattr(net, "tp_allreduce", None)
+    if fused_ar is not None and (MODE != "triton" or glue.int8_rows or not fused_ar.fits(x)):
+        fused_ar = None
+    row_gemm = glue.gemm
+    after_sum = glue.norm
+    if fused_ar is not None:
+        fused_ar.begin_step()
+        row_gemm = lambda lin, inp: lin.partial(inp)  # noqa: E731
+        after_sum = fused_ar.add_norm
     x, a = glue.norm(x, None, layers[0].ln1, eps)  # a: the next GEMM's input (a tensor, or its int8 rows)
     for i, L in enumerate(layers):
         kv = cache.kv[i]
@@ -162,9 +174,10 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
         if attend_o is not None:
             o = glue.gemm(L.o, attend_o(q, kv[0], kv[1], b, net.scale))
         else:
-            o = L.o(attention(q, kv[0], kv[1], b, net.scale, layer=i).transpose(1, 2).reshape(B, 1, h * hd))
-        x, a = glue.norm(x, o, L.ln2, eps)
-        m = glue.gemm(L.down, glue.act(glue.gemm(L.gate_up, a)))
+            o = row_gemm(L.o, attention(q, kv[0], kv[1], b, net.scale, layer=i).transpose(1, 2).reshape(B, 1, h * hd))
+        x, a = after_sum(x, o, L.ln2, eps)
+        m = row_gemm(L.down, glue.act(glue.gemm(L.gate_up, a)))
         last = i + 1 == len(layers)
-        x, a = (final_norm if last else glue.norm)(x, m, net.norm if last else layers[i + 1].ln1, eps)
+        x, a = (after_sum if fused_ar is not None else final_norm if last else glue.norm)(
+            x, m, net.norm if last else layers[i + 1].ln1, eps)
     return a

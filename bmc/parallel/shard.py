@@ -31,6 +31,10 @@ class RowParallelLinear(Linear):
 
     __slots__ = ("group",)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the sum (what __call__ all-reduces): for a fused all-reduce (allreduce_norm.py)."""
+        return super().__call__(x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = super().__call__(x).contiguous()
         t = time.perf_counter()

@@ -72,6 +72,10 @@ def load_rank(path: str | None, rank: int, world: int, *, dtype: str | torch.dty
         shard_model(model, rank, world)
     if random_weights:
         fill_random(model)
+    if world > 1 and dev.type == "cuda":  # decode steps' all-reduces fused with the norms after them
+        from .allreduce_norm import attach
+
+        attach(model)
     return model
 
 
@@ -113,7 +117,8 @@ def _run(model: Any, cmd: str, args: Any) -> Any:
     if cmd == "rank_info":  # bench/gpu_tp.py: what this rank reads a step, and its last graph replayed alone
         from ..graphs import graph_store
 
-        info = {"weight_bytes": model.weight_bytes, "device": str(model.device)}
+        info = {"weight_bytes": model.weight_bytes, "device": str(model.device),
+                "fused_allreduce": getattr(model.net, "tp_allreduce", None) is not None}
         if model.device.type == "cuda":
             store = graph_store(model)
             info.update(device_name=torch.cuda.get_device_name(model.device), graph_captures=store.captures,
