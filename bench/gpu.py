@@ -159,12 +159,12 @@ def gemm_ms(model, rows: int) -> float:
     GEMM whose input the step's glue rounds (decode_cuda.glue_for: the norms' and silu_mul's, and the attention's
     where it writes the o GEMM's) takes rows already rounded here too; the others (the LM head) round their own."""
     from bmc.attention import dense_attention
-    from bmc.models.decode_cuda import _attention, glue_for
+    from bmc.models.decode_cuda import glue_for, step_attention
     from bmc.models.quant_i8x import quantize_x
 
     lins = model.linears()
     cfg = model.net.cfg
-    glue = glue_for(model.net.layers, _attention(dense_attention), cfg.head_dim, rows, model.dtype)
+    glue = glue_for(model.net.layers, step_attention(dense_attention), cfg.head_dim, rows, model.dtype)
     glued = {id(lin) for L in model.net.layers for lin in (L.qkv, L.gate_up, L.down)} if glue.int8_rows else set()
     if glue.attention_rounds_o:
         glued |= {id(L.o) for L in model.net.layers}

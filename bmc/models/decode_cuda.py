@@ -58,7 +58,9 @@ def applies(net: "LlamaModel", cache: "KVCache", attention: "AttentionFn", t: in
             and cache.kv.stride(-1) == 1 and (MODE == "compile" or triton_ok()))
 
 
-def _attention(attention: "AttentionFn") -> "AttentionFn":
+def step_attention(attention: "AttentionFn") -> "AttentionFn":
+    """The attention the fused step runs for `attention`: the Triton decode attention in place of the dense one
+    (MODE and ATTENTION "triton"), else `attention` itself (bench/gpu.py asks too)."""
     from ..attention import dense_attention
 
     if MODE == "triton" and ATTENTION == "triton" and attention is dense_attention:
@@ -142,7 +144,7 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     B = x.shape[0]
     hd, h, kvh, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps
     final_norm, rope_write, _ = _glue()
-    attention = _attention(attention)
+    attention = step_attention(attention)
     col: int | torch.Tensor = cache.write_at if cache.write_at is not None else cache.length
     if MODE == "compile" and not isinstance(col, torch.Tensor):
         col = torch.tensor([col], device=x.device)
