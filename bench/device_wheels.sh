@@ -11,5 +11,5 @@ PY=${PYTHON:-python3}
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
   fastapi starlette uvicorn h11 anyio sniffio pydantic pydantic-core annotated-types typing-inspection \
   annotated-doc opentelemetry-api prometheus-client gguf llguidance openai httpx httpcore distro jiter \
-  hypothesis sortedcontainers psutil
+  hypothesis sortedcontainers psutil uvloop httptools
 ls .whl
