@@ -9,7 +9,8 @@ kernels leave them), sums the W partial rows in rank order in float32 (every ran
 sum, bit for bit), rounds the sum to the dtype, and does add_rms_norm's arithmetic with it. Two slots, taken in
 turn from slot 0 at every step's start (a step has two sites a layer, so an even count): a rank writes a slot again
 only two sites later, past the barrier of the site between, which no peer passes before it has read that slot and
-cleared its flag. NVLink multicast is not used (the device hosts require it off)."""
+cleared its flag. NVLink multicast is not used (the device hosts require it off). The signal pads are this module's
+alone: torch's own symmetric-memory ops on the same buffer would use the same words."""
 from __future__ import annotations
 
 import logging
@@ -45,6 +46,7 @@ def _kernel() -> Any:
             if p != me:
                 while tl.atomic_cas(my_sig + (slot * W + p) * BMAX + row, 1, 0, sem="acquire", scope="sys") != 1:
                     pass
+        tl.debug_barrier()  # every thread's reads below after the waiting thread's acquire (not left to the compiler)
         off = tl.arange(0, BLOCK)
         mask = off < D
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -124,13 +126,18 @@ class AllReduceNorm:
 
 def attach(model: Any, group: Any = None) -> None:
     """Give a CUDA rank's model its AllReduceNorm (net.tp_allreduce), where every rank can build one (decided
-    together: a rank alone on the fused path would wait for ever); otherwise the step keeps NCCL."""
+    together: a rank alone on the fused path would wait for ever); otherwise the step keeps NCCL. Two ranks only:
+    there its sums are NCCL's bit for bit (tested on two H200s); with more, NCCL's order differs by algorithm, so
+    steps on the fused path and on NCCL's would part in the last bits, and it has not run on 4 GPUs."""
     net, dev = model.net, model.device
     ok, err = 1, ""
     fused = None
+    world = dist.get_world_size(group if group is not None else dist.group.WORLD)
     try:
+        if world != 2:
+            raise RuntimeError(f"{world} ranks (built for 2)")
         fused = AllReduceNorm(model.config.hidden_size, model.dtype, dev, group)
-    except Exception as e:  # a torch without symmetric memory, or a host without P2P
+    except Exception as e:  # more than two ranks, a torch without symmetric memory, or a host without P2P
         ok, err = 0, f"{type(e).__name__}: {e}"
     flag = torch.tensor([ok], device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
