@@ -17,7 +17,7 @@ import pytest
 
 import bmc
 from bmc.platform.topology import bind_memory_to, nodes_of, parse_cpu_list, physical_core_cpus
-from bmc.server.router import core_sets_for
+from bmc.server.router import Router, core_sets_for, max_num_seqs
 
 from .conftest import make_llama
 from .serving import ServerProcess
@@ -210,6 +210,32 @@ def test_a_killed_instance_fails_only_its_requests_and_is_replaced(router, model
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
     assert stream(client, PROMPTS[0], 6) == bmc.generate(model, [PROMPTS[0]], max_new_tokens=6)[0].text
     assert metric(router.url, "bmc:router_instance_restarts_total", "0") == 1
+
+
+def test_a_request_goes_to_an_instance_with_a_free_row_before_less_work():
+    """Least work outstanding, except that an instance already running --max-num-seqs requests is taken only when
+    all are: a burst of prompts of unequal lengths once sent a 9th request to a full instance (queued there behind
+    a whole request, its TTFT 4-5 s) while the other had a row free."""
+    assert max_num_seqs(["--model", "m", "--max-num-seqs", "8"]) == 8
+    assert max_num_seqs(["--max-num-seqs=3"]) == 3 and max_num_seqs(["--model", "m"]) == 8
+    class Running:  # an instance's process, alive (pick() asks it)
+        @staticmethod
+        def poll() -> None:
+            return None
+
+    router = Router([[0], [1]], ["--max-num-seqs", "8"], None)
+    a, b = router.instances
+    for inst in (a, b):
+        inst.ready, inst.proc = True, Running()
+    assert a.alive and b.alive and a.rows == b.rows == 8
+    a.outstanding = {k: 250 for k in range(8)}  # full, 2000 tokens of work
+    b.outstanding = {k: 300 for k in range(8, 15)}  # a row free, 2100 tokens of work
+    assert a.full and not b.full
+    assert router.pick() is b
+    b.outstanding[15] = 300  # both full: least work again
+    assert router.pick() is a
+    a.outstanding.pop(0)  # a row free on a, and less work there too
+    assert router.pick() is a
 
 
 def test_core_sets_and_cpu_lists():

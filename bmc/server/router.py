@@ -8,7 +8,8 @@ one never waits on the threads of another (the paper credits BMC_MI with "a bala
 utilization"); a crash (killed, out of memory) takes down one instance's requests, not the endpoint.
 
 Work outstanding = the prompt characters / 4 (a token estimate: the router does not tokenize) plus the max_tokens
-of every request the router sent to an instance and has not seen finish."""
+of every request the router sent to an instance and has not seen finish. An instance with as many requests
+outstanding as its --max-num-seqs is chosen only when every instance is that full."""
 from __future__ import annotations
 
 import asyncio
@@ -63,6 +64,15 @@ class Instance:
     def work(self) -> int:
         return sum(self.outstanding.values())
 
+    @property
+    def rows(self) -> int:
+        """Its --max-num-seqs: requests it runs at once (the rest wait in its queue)."""
+        return max_num_seqs(self.argv)
+
+    @property
+    def full(self) -> bool:
+        return len(self.outstanding) >= self.rows
+
     def start(self) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "bmc.cli.serve", *self.argv, "--host", "127.0.0.1", "--port", str(self.port),
@@ -83,6 +93,16 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     return chars // 4 + max(1, n) * (limit if isinstance(limit, int) and limit > 0 else 256)
+
+
+def max_num_seqs(argv: Sequence[str]) -> int:
+    """--max-num-seqs in an instance's arguments (bmc-serve's default, 8, where absent)."""
+    for i, a in enumerate(argv):
+        if a == "--max-num-seqs" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--max-num-seqs="):
+            return int(a.split("=", 1)[1])
+    return 8
 
 
 class Router:
@@ -127,7 +147,9 @@ class Router:
         ready = [i for i in self.instances if i.ready and i.alive]
         if not ready:
             return None
-        chosen = min(ready, key=lambda i: (i.work, len(i.outstanding), i.last_pick))
+        # an instance with a free row first: by work alone, a burst of prompts of unequal lengths could put a 9th
+        # request on a full instance (queued there behind a whole request) while the other had a row free
+        chosen = min(ready, key=lambda i: (i.full, i.work, len(i.outstanding), i.last_pick))
         self._picks += 1
         chosen.last_pick = self._picks
         return chosen
