@@ -152,6 +152,21 @@ def wide_heads(tmp_path_factory) -> dict[int, str]:
     return out
 
 
+def skip_unless_isa(have: bool, flags: tuple[str, ...], reason: str) -> None:
+    """Skip (with `reason`) where this CPU lacks the instruction sets `flags` (/proc/cpuinfo names); where it has
+    them and the native kernel still does not use them (`have` False), its build is wrong: fail, do not skip."""
+    if have:
+        return
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = set(f.read().split())
+    except OSError:
+        cpu = set()
+    if cpu and all(flag in cpu for flag in flags):
+        pytest.fail(f"this CPU has {', '.join(flags)} but the native kernel does not use them: {reason}")
+    pytest.skip(reason)
+
+
 def require_native():
     """Skip where the C++ kernel cannot build (no toolchain); under CI, which has g++ and ninja, fail instead."""
     from bmc.kernels.native import native_module

@@ -19,7 +19,7 @@ from bmc.kv import KV_FORMATS, KV_STRATEGIES, kv_format
 from bmc.kv.formats import scales
 from bmc.scheduler import Scheduler
 
-from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, require_native
+from .conftest import LLAMA_VARIANTS, OPT_VARIANTS, require_native, skip_unless_isa
 from .test_scheduler import PROMPTS, alone, assert_idle, drive, request
 
 NARROW = ["bfloat16", "float16", "int8"]
@@ -74,8 +74,8 @@ def int8_dots_decoder(h: int, kvh: int, hd: int):
     """The native attention kernel alone, attending int8 KV in integers (skips where the CPU lacks AVX512-VNNI)."""
     require_native()
     dec = native_module().Attention(h, kvh, hd, hd**-0.5)
-    if not dec.int8_kv_dots():
-        pytest.skip("integer int8 KV attention needs AVX512-VNNI and AVX512-BW")
+    skip_unless_isa(dec.int8_kv_dots(), ("avx512_vnni", "avx512bw"),
+                    "integer int8 KV attention needs AVX512-VNNI and AVX512-BW")
     return dec
 
 

@@ -12,7 +12,8 @@ from bmc.errors import UnsupportedModelError
 from bmc.kv import KV_STRATEGIES
 from bmc.models.moe import route
 
-from .conftest import assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, save_tiny, transformers
+from .conftest import (assert_chunked_logits_match_hf, assert_greedy_matches_hf, hf, save_tiny, skip_unless_isa,
+                       transformers)
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14]]
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -128,8 +129,8 @@ def test_experts_spread_over_threads_give_the_same_bits(moe_dir, quant, activati
     profile counts such layers); each output is what one thread running each expert whole computes, bit for bit."""
     from .test_quant import _has_int8_dot
 
-    if activations == "int8" and not _has_int8_dot():
-        pytest.skip("int8 activations need AVX512-VNNI and VBMI")
+    if activations == "int8":
+        skip_unless_isa(_has_int8_dot(), ("avx512_vnni", "avx512vbmi"), "int8 activations need AVX512-VNNI and VBMI")
     model = bmc.load(str(moe_dir), quant=quant, activations=activations)
     dec = model.net.native_decoder()
     routed = sum(model.config.is_moe(i) for i in range(model.config.num_layers))

@@ -12,7 +12,7 @@ from bmc.errors import InvalidRequestError
 from bmc.sampling import SamplingParams
 from bmc.scheduler import QueueFullError, Request, Scheduler, TokenOutput
 
-from .conftest import transformers  # noqa: F401
+from .conftest import skip_unless_isa, transformers  # noqa: F401
 
 PROMPTS = [[5, 17, 33, 80, 101, 7, 9, 250, 12], [40, 41, 42], [300, 3, 99, 98, 97, 96, 14, 15, 16, 17, 18, 19, 20],
            [7], [60, 61, 62, 63, 64]]
@@ -381,8 +381,9 @@ def test_served_logprobs_are_the_alone_runs_bit_for_bit(tmp_path, quant, activat
     int8 and bfloat16 KV."""
     from bmc.kernels.native import native_module
 
-    if activations == "int8" and not native_module().has_int8_dot():
-        pytest.skip("int8 activations need AVX512-VNNI and AVX512-VBMI")
+    if activations == "int8":
+        skip_unless_isa(native_module().has_int8_dot(), ("avx512_vnni", "avx512vbmi"),
+                        "int8 activations need AVX512-VNNI and AVX512-VBMI")
     model = _tiny_long(tmp_path, quant, activations)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (600, 23, 150, 77)]
