@@ -7,7 +7,8 @@
    float32 and in bfloat16 arithmetic (the path this CPU runs: AMX, vdpbf16ps or emulated), and torch's
    `x @ w.t()` in float32 (MKL) and bfloat16 (oneDNN) on the same values; GFLOP/s, best of --repeats.
 2. Prefill of --prompt-len tokens at batch 1 (`engine.prefill_alone`, best of --repeats, interleaved): bmc float32
-   arithmetic, bmc bfloat16 prompts (GEMMs and attention), and the PyTorch path in bfloat16 (`dtype="bfloat16"`).
+   arithmetic, bmc bfloat16 prompts (GEMMs and attention), and the PyTorch path in bfloat16 (`dtype="bfloat16"`);
+   then one more prefill each, timed by phase (the native step's clock; torch's profiler on the PyTorch path).
 3. With --decode N: batch-1 decode, the matrices as float32 panels against kept in 16 bits.
 The bfloat16 path is picked once per process (BMC_AMX=0 before the run: vdpbf16ps where AMX is present).
 Writes JSON and a PNG under --out, with the threads, the host's CPU and the path."""
@@ -89,6 +90,32 @@ def prefill(path: str, prompt_len: int, repeats: int) -> dict[str, float]:
     out = {label: prompt_len / min(ts) for label, ts in times.items()}
     for label, tps in out.items():
         print(f"prefill {prompt_len}: {label} {tps:.1f} tok/s (x{tps / out['bmc float32']:.2f})", flush=True)
+    return out, {label: phases(m, ids, prompt_len) for label, m in models.items()}
+
+
+def phases(model: Any, ids: list[int], prompt_len: int) -> dict[str, float]:
+    """Where one more prefill's time goes, in ms: the native step's phases (NativeDecoder.set_profiling with
+    prompts=True), or torch's profiler's busiest operators on the PyTorch path."""
+    from bmc.engine import prefill_alone
+
+    native = model.net.native_decoder()
+    with torch.inference_mode():
+        if native is not None:
+            native.set_profiling(True, prompts=True)
+            t = time.perf_counter()
+            prefill_alone(model, ids, prompt_len=prompt_len)
+            wall = time.perf_counter() - t
+            out = {k[:-2]: 1e3 * v for k, v in native.profile().items() if k.endswith("_s")}
+            native.set_profiling(False)
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                prefill_alone(model, ids, prompt_len=prompt_len)
+                wall = time.perf_counter() - t
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+            out = {e.key: e.self_cpu_time_total / 1e3 for e in ops}
+    out["wall"] = 1e3 * wall
+    print("  phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
     return out
 
 
@@ -167,7 +194,7 @@ def main() -> None:
                               "BMC_AMX": os.environ.get("BMC_AMX"), "torch": torch.__version__}
     result["gemms"] = gemms(model, args.repeats)
     del model
-    result["prefill"] = prefill(path, args.prompt_len, args.repeats)
+    result["prefill"], result["prefill_phases_ms"] = prefill(path, args.prompt_len, args.repeats)
     if args.decode:
         result["decode_tokens_per_s"] = decode(path, args.decode, args.repeats)
     tag = result["bf16_path"]

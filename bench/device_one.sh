@@ -4,7 +4,7 @@
 # [".whl"]. Logs and JSON under $OUT.
 #   bash bench/device_one.sh build        # the C++ kernel's build alone (over 200 s on that Xeon in session 39)
 #   bash bench/device_one.sh bf16-tests   # tests/test_bf16_arith.py on the Xeon's build (AMX), then with BMC_AMX=0
-#   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode 64 (TinyLlama shape, 16 threads)
+#   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode ${DECODE:-64} (TinyLlama shape, 16 threads)
 #   bash bench/device_one.sh gpu-sdpa     # the attention determinism test (and with cuDNN: it should fail),
 #                                         # bench/gpu_sdpa.py, bench/gpu_determinism.py --modes default,no-ahead
 #   bash bench/device_one.sh gpu-attn     # the Triton decode attention's tests, bench/gpu_sdpa.py (it, SDPA, cuDNN)
@@ -35,7 +35,7 @@ for stage in "$@"; do
       BMC_AMX=0 timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_bf16_arith.py \
         -k "attention or chunk or bound" 2>&1 | tee "$OUT/bf16-tests-noamx.log" | tail -4 ;;
     bf16-bench)
-      timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode 64 2>&1 \
+      timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode ${DECODE:-64} 2>&1 \
         | grep -v -E "Warning|it/s" | tee "$OUT/bf16-bench.log" ;;
     gpu-sdpa)
       timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \

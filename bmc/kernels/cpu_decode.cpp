@@ -221,9 +221,11 @@ class NativeDecoder {
     return Weight{pack_panels(w), NOT_BLOCKS};
   }
 
-  // Seconds per phase over the decode steps (t = 1) run since profiling was switched on (the paper's Table IV).
-  void set_profiling(bool on) {
+  // Seconds per phase over the decode steps (t = 1) run since profiling was switched on (the paper's Table IV);
+  // prompts=true: over the single-part prompt steps instead (where a prefill's time goes).
+  void set_profiling(bool on, bool prompts) {
     profiling_ = on;
+    profile_prompts_ = prompts;
     std::fill(std::begin(phase_s_), std::end(phase_s_), 0.0);
     expert_counts_ = ExpertCounts{};
   }
@@ -385,7 +387,8 @@ class NativeDecoder {
                          bool accumulate) {
       for (const auto& [r0, rows, a] : runs) gemm(x + r0 * ldx, ldx, rows, K, w, N, b, y + r0 * N, accumulate, a);
     };
-    Clock clock(profiling_ && decode_only && parts.size() == 1, phase_s_);  // decode steps only
+    const bool profiled = parts.size() == 1 && (profile_prompts_ ? parts[0].prompt : decode_only);
+    Clock clock(profiling_ && profiled, phase_s_);
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& L = layers_[l];
       norm(xp, L.ln1_w, L.ln1_b, hp, M);
@@ -608,7 +611,7 @@ class NativeDecoder {
     }
   };
 
-  bool profiling_ = false;
+  bool profiling_ = false, profile_prompts_ = false;
   double phase_s_[5] = {};  // KV writes, attention, the rest (norms, RoPE, activation), layer GEMMs, LM head
   int64_t D_, h_, kvh_, hd_, I_;
   bool rms_, gated_;
@@ -689,7 +692,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_split_threads", &NativeDecoder::set_split_threads)
       .def("int8_kv_dots", &NativeDecoder::int8_kv_dots)
       .def("num_layers", &NativeDecoder::num_layers)
-      .def("set_profiling", &NativeDecoder::set_profiling)
+      .def("set_profiling", &NativeDecoder::set_profiling, pybind11::arg("on"), pybind11::arg("prompts") = false)
       .def("profile", &NativeDecoder::profile)
       .def("forward", &NativeDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_parts", &NativeDecoder::forward_parts, pybind11::call_guard<pybind11::gil_scoped_release>());
