@@ -212,17 +212,48 @@ def test_a_killed_instance_fails_only_its_requests_and_is_replaced(router, model
     assert metric(router.url, "bmc:router_instance_restarts_total", "0") == 1
 
 
+class Running:  # an instance's process, alive (pick() and health() ask it)
+    pid, returncode = 4321, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_health_is_ok_only_once_every_instance_has_started():
+    """At start-up /health answers 503 "starting" until every instance has been ready once: answering 200 with one
+    instance up sent a benchmark's whole first wave to it (8 of 16 requests queued there behind whole requests, a
+    TTFT of 4.5 s, while the other instance finished loading). After start-up, an instance down (crashed,
+    restarting) leaves the router serving on the others: 200 "degraded". An instance that crashed while starting
+    counts as started, so one that never comes up does not keep the rest from serving."""
+    router = Router([[0], [1]], ["--max-num-seqs", "8"], None)
+    a, b = router.instances
+    a.proc, b.proc = Running(), Running()
+    assert router.health()[0] == 503 and router.health()[1]["status"] == "starting"
+    a.ready = a.came_up = True  # as watch() sets them on a's first /health 200
+    status, body = router.health()
+    assert (status, body["status"]) == (503, "starting") and [i["ready"] for i in body["instances"]] == [True, False]
+    b.ready = b.came_up = True
+    assert router.health()[0] == 200 and router.health()[1]["status"] == "ok"
+    b.proc.returncode = -9  # b died after start-up: a serves alone
+    assert router.health()[0] == 200 and router.health()[1]["status"] == "degraded"
+    b.ready, b.proc, b.restarts = False, Running(), 1  # restarted, loading
+    assert router.health()[0] == 200 and router.health()[1]["status"] == "degraded"
+    a.proc.returncode = -9
+    assert router.health()[0] == 503 and router.health()[1]["status"] == "unavailable"
+
+    fresh = Router([[0], [1]], ["--max-num-seqs", "8"], None)
+    a, b = fresh.instances
+    a.proc, b.proc, a.ready, a.came_up = Running(), Running(), True, True
+    b.restarts = 1  # b crashed while starting: serve on a
+    assert fresh.health()[0] == 200 and fresh.health()[1]["status"] == "degraded"
+
+
 def test_a_request_goes_to_an_instance_with_a_free_row_before_less_work():
     """Least work outstanding, except that an instance already running --max-num-seqs requests is taken only when
-    all are: a burst of prompts of unequal lengths once sent a 9th request to a full instance (queued there behind
-    a whole request, its TTFT 4-5 s) while the other had a row free."""
+    all are: by work alone, a burst of prompts of unequal lengths could send a 9th request to a full instance
+    (queued there behind a whole request) while the other had a row free."""
     assert max_num_seqs(["--model", "m", "--max-num-seqs", "8"]) == 8
     assert max_num_seqs(["--max-num-seqs=3"]) == 3 and max_num_seqs(["--model", "m"]) == 8
-    class Running:  # an instance's process, alive (pick() asks it)
-        @staticmethod
-        def poll() -> None:
-            return None
-
     router = Router([[0], [1]], ["--max-num-seqs", "8"], None)
     a, b = router.instances
     for inst in (a, b):

@@ -51,6 +51,7 @@ class Instance:
     port: int = 0
     proc: subprocess.Popen | None = None
     ready: bool = False
+    came_up: bool = False  # ready at least once since the router started (start-up is over for it)
     outstanding: dict[int, int] = field(default_factory=dict)  # request key -> its estimated tokens
     restarts: int = 0
     started_at: float = 0.0
@@ -137,6 +138,7 @@ class Router:
                     try:
                         r = await self.client.get(inst.url + "/health", timeout=1.0)
                         inst.ready = r.status_code == 200
+                        inst.came_up = inst.came_up or inst.ready
                         if inst.ready:
                             log.info("instance %d ready after %.1f s", inst.index, time.monotonic() - inst.started_at)
                     except httpx.HTTPError:
@@ -259,6 +261,10 @@ class Router:
         states = [{"instance": i.index, "cpus": i.cpus, "pid": i.proc.pid if i.proc else None,
                    "ready": i.ready and i.alive, "restarts": i.restarts} for i in self.instances]
         ready = sum(s["ready"] for s in states)
+        # Not ready before every instance has come up once (or crashed trying): a client that starts on the first
+        # 200 would otherwise send its whole first wave to one instance and queue half of it behind whole requests
+        if not all(i.came_up or i.restarts for i in self.instances):
+            return 503, {"status": "starting", "instances": states}
         status = "ok" if ready == len(states) else "degraded" if ready else "unavailable"
         return (200 if ready else 503), {"status": status, "instances": states}
 
