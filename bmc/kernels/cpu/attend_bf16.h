@@ -84,7 +84,7 @@ inline void bf16_products(const uint32_t* x, int64_t M, int64_t K2, const uint32
       const int64_t mt = M - m0 > 16 ? 2 : 1, rows = std::min<int64_t>(32, M - m0);
       for (int64_t j = 0; j < panels; j += 2) {
         const int64_t nt = panels - j > 1 ? 2 : 1;
-        AMX_KERNELS[(mt - 1) * 2 + nt - 1](x + m0 * K2, K2, w + j * K2 * P, K2, c);
+        AMX_KERNELS[(mt - 1) * 2 + nt - 1](x + m0 * K2, 16 * K2, 1, K2, w + j * K2 * P, K2, c);
         for (int64_t t = 0; t < nt; ++t) {
           const int64_t n0 = (j + t) * P, width = std::min<int64_t>(P, N - n0);
           for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (m0 + i) * ldy + n0, c + i * nt * P + t * P, width * 4);

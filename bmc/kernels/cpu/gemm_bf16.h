@@ -121,17 +121,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// C[MT * 16 rows][NT * 16] = x rows (pairs, ldx apart) @ NT panels of pairs (K2p each, a multiple of 16), stored to c
-// (NT * 16 floats a row). Tiles: C 0-3, x 4-5, W 6-7, all 16 rows of 64 bytes.
+// C[MT * 16 rows][NT * 16] = x @ NT panels of pairs (K2p each, a multiple of 16), stored to c (NT * 16 floats a
+// row). x's tile (rows 16 s.., pairs k..k+15) starts at xa + s * xs + k * xk, its rows xr pairs apart: rows of pairs
+// (xs = 16 ld, xk = 1, xr = ld) or 1 KB tiles (xs = 16 K2p, xk = 16, xr = 16). Tiles: C 0-3, x 4-5, W 6-7.
 template <int MT, int NT>
-void amx_block(const uint32_t* xa, int64_t ldx, const uint32_t* wb, int64_t K2p, float* c) {
+void amx_block(const uint32_t* xa, int64_t xs, int64_t xk, int64_t xr, const uint32_t* wb, int64_t K2p, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0; k < K2p; k += 16) {
-    _tile_loadd(4, xa + k, ldx * 4);
-    if (MT == 2) _tile_loadd(5, xa + 16 * ldx + k, ldx * 4);
+    _tile_loadd(4, xa + k * xk, xr * 4);
+    if (MT == 2) _tile_loadd(5, xa + xs + k * xk, xr * 4);
     _tile_loadd(6, wb + k * P, P * 4);
     if (NT == 2) _tile_loadd(7, wb + (K2p + k) * P, P * 4);
     _tile_dpbf16ps(0, 4, 6);
@@ -144,7 +145,7 @@ void amx_block(const uint32_t* xa, int64_t ldx, const uint32_t* wb, int64_t K2p,
   if (MT == 2) _tile_stored(2, c + 16 * NT * P, NT * P * 4);
   if (MT == 2 && NT == 2) _tile_stored(3, c + 16 * NT * P + P, NT * P * 4);
 }
-using AmxKernel = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
+using AmxKernel = void (*)(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*);
 constexpr AmxKernel AMX_KERNELS[4] = {amx_block<1, 1>, amx_block<1, 2>, amx_block<2, 1>, amx_block<2, 2>};
 #else
 bool amx_ready() { return false; }
@@ -174,30 +175,52 @@ void group_pairs(const torch::Tensor& wp, int kind, int64_t p0, int64_t nb, int6
   }
 }
 
-// y[M, N] (+)= x[M, K] @ W (+ bias) in bfloat16 arithmetic. x is rounded to pairs once; threads split groups of 4
-// panels, each group made pairs in the thread's buffer, then walked by row blocks while it stays in L2: tiles of
-// 32 x 32 with AMX, blocks of <= 6 rows x 4 panels otherwise.
+// Row i of x as pairs into 16 x 16 tiles of pairs ([ceil(M / 16)][K2p / 16][16 rows][16 pairs], 1 KB each): a tile
+// load then reads one contiguous kilobyte, where rows of pairs ld apart made it 16 streams (32 for a 2 x 2 block)
+inline void x_pairs_tiled(const float* x, int64_t K, int64_t K2p, int64_t i, uint32_t* xt) {
+  alignas(64) uint32_t row[P];
+  uint32_t* at = xt + i / 16 * 16 * K2p + i % 16 * P;
+  const int64_t full = K / 32;  // whole tiles' worth of k (16 pairs)
+  for (int64_t kb = 0; kb < full; ++kb) {
+    for (int c = 0; c < P; ++c) row[c] = bf16_bits(x[32 * kb + 2 * c]) | (bf16_bits(x[32 * kb + 2 * c + 1]) << 16);
+    std::memcpy(at + kb * 16 * P, row, sizeof(row));
+  }
+  for (int64_t kb = full; kb < K2p / 16; ++kb) {
+    for (int c = 0; c < P; ++c) {
+      const int64_t k = 32 * kb + 2 * c;
+      row[c] = (k < K ? bf16_bits(x[k]) : 0u) | (k + 1 < K ? bf16_bits(x[k + 1]) << 16 : 0u);
+    }
+    std::memcpy(at + kb * 16 * P, row, sizeof(row));
+  }
+}
+
+// y[M, N] (+)= x[M, K] @ W (+ bias) in bfloat16 arithmetic. x is rounded to pairs once (1 KB tiles for AMX); each
+// thread takes an equal run of panels (at::parallel_for's chunks: 160 panels on 16 threads are 10 each, where
+// groups of 4 as tasks were 3 on some threads and 2 on others), made pairs 4 at a time in the thread's buffer, then
+// walked by row blocks while they stay in L2: tiles of 32 x 32 with AMX, blocks of <= 6 rows x 4 panels otherwise.
 void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::Tensor& wp, int kind, int64_t N,
                const float* bias, float* y, bool accumulate) {
   const bool amx = amx_ready();
   (void)amx;
-  const int64_t np = wp.size(0), per = 4, groups = (np + per - 1) / per;
+  const int64_t np = wp.size(0), per = 4;
   const int64_t K2 = (K + 1) / 2, K2p = amx ? (K2 + 15) / 16 * 16 : K2, Mp = amx ? (M + 15) / 16 * 16 : M;
-  // An AMX tile loads 16 rows of x ld apart: a row of 4 KB (K = 2048) put all 16 in one L1 set; one more line a row
-  // spreads them
-  const int64_t ld = amx ? K2p + 16 : K2p;
+  const int64_t ld = K2p;
   static thread_local std::vector<uint32_t> xb_buf;
   if (static_cast<int64_t>(xb_buf.size()) < Mp * ld) xb_buf.resize(Mp * ld);
   uint32_t* xb = xb_buf.data();  // taken here: inside the workers the name would be their own thread's buffer
   at::parallel_for(0, Mp, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (i < M)
+      if (amx) {
+        if (i < M)
+          x_pairs_tiled(x + i * ldx, K, K2p, i, xb);
+        else
+          for (int64_t kb = 0; kb < K2p / 16; ++kb) std::fill_n(xb + i / 16 * 16 * K2p + kb * 16 * P + i % 16 * P, P, 0u);
+      } else {
         x_pairs(x + i * ldx, K, K2p, xb + i * ld);
-      else
-        std::fill(xb + i * ld, xb + i * ld + K2p, 0u);
+      }
     }
   });
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, np, 1, [&](int64_t begin, int64_t end) {
     uint32_t* wb = pair_scratch(per * K2p * P);
     float* fb = kind == NOT_BLOCKS ? nullptr : scratch(per * K * P);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -206,14 +229,14 @@ void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::T
       for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
       _tile_loadconfig(&cfg);
       alignas(64) float c[32 * 32];
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = g * per, nb = std::min<int64_t>(per, np - p0);
+      for (int64_t p0 = begin; p0 < end; p0 += per) {
+        const int64_t nb = std::min<int64_t>(per, end - p0);
         group_pairs(wp, kind, p0, nb, K, K2p, fb, wb);
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
           const int64_t mt = M - m0 > 16 ? 2 : 1, rows = std::min<int64_t>(32, M - m0);
           for (int64_t j = 0; j < nb; j += 2) {
             const int64_t nt = nb - j > 1 ? 2 : 1;
-            AMX_KERNELS[(mt - 1) * 2 + nt - 1](xb + m0 * ld, ld, wb + j * K2p * P, K2p, c);
+            AMX_KERNELS[(mt - 1) * 2 + nt - 1](xb + m0 * K2p, 16 * K2p, 16, 16, wb + j * K2p * P, K2p, c);
             for (int64_t t = 0; t < nt; ++t) {
               const int64_t n0 = (p0 + j + t) * P, width = std::min<int64_t>(P, N - n0);
               const v16 b = load_bias(bias == nullptr ? nullptr : bias + n0, width);
@@ -228,8 +251,8 @@ void gemm_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, const torch::T
     }
 #endif
     const int64_t blocks = (M + 5) / 6;
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * per, nb = std::min<int64_t>(per, np - p0), n0 = p0 * P;
+    for (int64_t p0 = begin; p0 < end; p0 += per) {
+      const int64_t nb = std::min<int64_t>(per, end - p0), n0 = p0 * P;
       const int64_t nw = std::min<int64_t>(P, N - (p0 + nb - 1) * P);
       group_pairs(wp, kind, p0, nb, K, K2p, fb, wb);
       for (int64_t blk = 0, m0 = 0; blk < blocks; ++blk) {
