@@ -9,7 +9,8 @@
 2. Prefill of --prompt-len tokens at batch 1 (`engine.prefill_alone`, best of --repeats, interleaved): bmc float32
    arithmetic, bmc bfloat16 prompts (GEMMs and attention), and the PyTorch path in bfloat16 (`dtype="bfloat16"`);
    then one more prefill each, timed by phase (the native step's clock; torch's profiler on the PyTorch path).
-3. With --decode N: batch-1 decode, the matrices as float32 panels against kept in 16 bits.
+3. With --decode N: batch-1 decode, the matrices as float32 panels against kept in 16 bits; then one more run each,
+   its decode steps timed by phase.
 The bfloat16 path is picked once per process (BMC_AMX=0 before the run: vdpbf16ps where AMX is present).
 Writes JSON and a PNG under --out, with the threads, the host's CPU and the path."""
 from __future__ import annotations
@@ -140,6 +141,13 @@ def decode(path: str, new_tokens: int, repeats: int) -> dict[str, float]:
     for label, v in out.items():
         print(f"decode batch 1: {label} {v:.1f} tok/s (x{v / base:.2f}; runs {[round(x, 1) for x in tps[label]]})",
               flush=True)
+    for label, m in models.items():  # where one more run's decode steps go (the native step's clock)
+        native = m.net.native_decoder()
+        native.set_profiling(True)
+        bmc.generate(m, prompt, max_new_tokens=new_tokens, ignore_eos=True)
+        ms = {k[:-2]: 1e3 * v / new_tokens for k, v in native.profile().items() if k.endswith("_s")}
+        native.set_profiling(False)
+        print(f"  {label} ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
     return out
 
 

@@ -35,7 +35,7 @@ for stage in "$@"; do
       BMC_AMX=0 timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_bf16_arith.py \
         -k "attention or chunk or bound" 2>&1 | tee "$OUT/bf16-tests-noamx.log" | tail -4 ;;
     bf16-bench)
-      timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode ${DECODE:-64} 2>&1 \
+      timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode ${DECODE:-64} --repeats ${REPEATS:-3} 2>&1 \
         | grep -v -E "Warning|it/s" | tee "$OUT/bf16-bench.log" ;;
     gpu-sdpa)
       timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \
