@@ -49,7 +49,7 @@ class TokenStream:
 
 
 def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-         share_weights: bool = False, quant: str = "auto", activations: str = "float", tp: int = 1) -> Model:
+         share_weights: bool = False, quant: str = "auto", activations: str = "auto", tp: int = 1) -> Model:
     """Load an HF model directory or a llama GGUF file; no path loads the embedded default model. On a CPU in
     float32 the native decode step's packed weights are built here (and its C++ kernel compiled the first time
     on a machine), so no generation's timing includes them. share_weights (CPU): map the weights read-only from
@@ -58,10 +58,11 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     matrices, an HF checkpoint's bfloat16 / float16 ones, kept as stored: exact, fewer bytes), "none" (every tensor
     dequantized to dtype), "gguf" (stored, for a GGUF file), "q8_0" or "q4_0" (quantized at load):
     bmc/models/quant.py.
-    activations: "float" (exact: the quantized matrices' float weights), "int8" (quantized matrices against
-    activations quantized to int8 blocks on the native step, VNNI dot products: ~2x the Q4 GEMMs at batch 8, within
-    a stated bound) or "bfloat16" (prompts prefilled in bfloat16 arithmetic on the native step, AMX or AVX512-BF16;
-    generated tokens in float32; within a stated bound).
+    activations: "auto" (the default: "bfloat16" for a bfloat16 checkpoint kept in 16 bits on a CPU with AMX or
+    AVX512-BF16, its own precision; "float" otherwise), "float" (exact: the quantized matrices' float weights),
+    "int8" (quantized matrices against activations quantized to int8 blocks on the native step, VNNI dot products:
+    ~2x the Q4 GEMMs at batch 8, within a stated bound) or "bfloat16" (prompts prefilled in bfloat16 arithmetic on
+    the native step, AMX or AVX512-BF16; generated tokens in float32; within a stated bound).
     tp > 1: tensor parallelism over tp ranks (bmc/parallel): worker processes driven like one model, or, under
     torchrun (WORLD_SIZE = tp), this process's part of it; float weights (quant "none") on the PyTorch path."""
     from .models import check_activations, set_activations
@@ -71,7 +72,7 @@ def load(path: str | None = None, *, dtype: str | torch.dtype = "float32", devic
     if path is not None:
         path = model_source(str(path))  # a hub name (ORG/NAME[:FILE.gguf]) becomes its cached copy
     if tp != 1:
-        if activations != "float":
+        if activations not in ("float", "auto"):
             raise InvalidRequestError("tensor parallelism runs float activations (activations='float')")
         return _load_tensor_parallel(path, tp, dtype=dtype, device=device, quant=quant, share_weights=share_weights)
     model = None

@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sizes draft trees from, and store it (otherwise measured at its first speculative run); 'default': "
                    "the embedded SmolLM2-135M-Instruct")
     p.add_argument("--quant", default="auto", help="the model's weights, as bmc-generate takes them (default auto)")
-    p.add_argument("--activations", default="float", choices=["float", "int8", "bfloat16"],
-                   help="the model's arithmetic, as bmc-generate takes it (default float)")
+    p.add_argument("--activations", default="auto", choices=["auto", "float", "int8", "bfloat16"],
+                   help="the model's arithmetic, as bmc-generate takes it (default auto)")
     return p
 
 
@@ -45,7 +45,7 @@ def measure_rows(args: argparse.Namespace) -> str:
                      quant=args.quant, activations=args.activations)
     costs = row_costs(model, remeasure=True)
     ms = "  ".join(f"{r}:{s * 1e3:.1f}" for r, s in zip(costs.rows, costs.seconds))
-    return (f"step by rows {model.path} (quant {model.quant}, {args.activations} activations), ms: {ms}\n"
+    return (f"step by rows {model.path} (quant {model.quant}, {model.activations} activations), ms: {ms}\n"
             f"             (stored for --tree auto)")
 
 

@@ -64,10 +64,11 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                    "(dequantized to --dtype), gguf (stored, for a GGUF file), or q8_0 / q4_0 (quantized at load, "
                    "as llama.cpp does). Quantized matrices compute with exactly the float weights they dequantize to "
                    "(on CUDA in bfloat16, Q4 runs torch's int4 GEMM within a stated bound)")
-    p.add_argument("--activations", default="float", choices=["float", "int8", "bfloat16"],
-                   help="float (exact); int8: quantized matrices against activations quantized to int8 blocks of "
-                   "32, by VNNI dot products, as llama.cpp computes them; ~2x the Q4 GEMMs at batch 8, within a "
-                   "stated bound (needs AVX512-VNNI/VBMI); bfloat16: prompts prefilled in bfloat16 arithmetic (AMX or "
+    p.add_argument("--activations", default="auto", choices=["auto", "float", "int8", "bfloat16"],
+                   help="auto (default): bfloat16 for a bfloat16 checkpoint kept in 16 bits on a CPU with AMX or "
+                   "AVX512-BF16 (its own precision), else float; float (exact); int8: quantized matrices against "
+                   "activations quantized to int8 blocks of 32, by VNNI dot products, as llama.cpp computes them; "
+                   "~2x the Q4 GEMMs at batch 8, within a stated bound (needs AVX512-VNNI/VBMI); bfloat16: prompts prefilled in bfloat16 arithmetic (AMX or "
                    "AVX512-BF16; emulated, no faster, elsewhere), generated tokens in float32, within a stated bound")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="read the weights from the model file, instead of mapping the weights derived from it from "

@@ -129,7 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
             fail("--tp with --instances is not built: run one tensor-parallel engine (--instances 1)")
         if args.itl_factor:
             fail("--itl-factor with --tp is not built: each rank would cut prompt chunks by its own timing")
-        if args.quant not in ("auto", "none") or args.activations != "float":
+        if args.quant not in ("auto", "none") or args.activations not in ("float", "auto"):
             fail("--tp loads float weights and activations: quantized weights (--quant) and --activations "
                  f"{args.activations} are not sharded yet")
         import torch

@@ -221,13 +221,31 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "float32",
     return model
 
 
-ACTIVATIONS = ("float", "int8", "bfloat16")
+ACTIVATIONS = ("auto", "float", "int8", "bfloat16")
 
 
 def check_activations(activations: str) -> str:
     if activations not in ACTIVATIONS:
         raise InvalidRequestError(f"unknown activations {activations!r}; choose from {', '.join(ACTIVATIONS)}")
     return activations
+
+
+def resolve_activations(model: Model, activations: str) -> str:
+    """activations="auto" (the default): "bfloat16" for a bfloat16 checkpoint whose every matrix the native step
+    keeps in 16 bits, on a CPU with bfloat16 arithmetic (AMX or AVX512-BF16): prompts then run in the checkpoint's
+    own precision at its speed (decode steps stay float32). "float" for every other model: a float32 or float16
+    checkpoint stays exact, quantized weights keep int8 arithmetic an opt-in, and a CPU that would only emulate
+    bfloat16 gains nothing from it. Any other value is itself."""
+    if activations != "auto":
+        return activations
+    from ..kernels.native import native_module, native_supported
+
+    if not native_supported(model.device, model.dtype):
+        return "float"
+    linears = model.linears()
+    if not linears or any(lin.panels is None or lin.panels.dtype != torch.bfloat16 for lin in linears):
+        return "float"
+    return "bfloat16" if native_module().bf16_path() != "emulated" else "float"
 
 
 def set_activations(model: Model, activations: str) -> None:
@@ -241,7 +259,8 @@ def set_activations(model: Model, activations: str) -> None:
     scale a block on the int8-x GEMV (quant_i8x.py: the same rounding of x and the same bound; every row count, so
     prompts too); the model must have been loaded with it (load_model's activations). Refused by name where they
     cannot run."""
-    if check_activations(activations) == "float":
+    activations = resolve_activations(model, check_activations(activations))
+    if activations == "float":
         return
     from ..kernels.native import native_module, native_supported
 

@@ -59,7 +59,7 @@ class ServeOptions:
     device: str = "cpu"
     share_weights: bool = False  # map the weights from a file shared by every process serving the model
     quant: str = "auto"  # see bmc/models/quant.py
-    activations: str = "float"  # "int8" / "bfloat16": stated-bound arithmetic (bmc.load)
+    activations: str = "auto"  # "int8" / "bfloat16": stated-bound arithmetic; "auto": bmc.load's default
     tp: int = 1  # tensor parallel ranks: this process is rank 0 and runs the scheduler (parallel/serve.py)
     chat_template: str | None = None  # replaces the model's own (--chat-template), None: the model's
 
