@@ -5,6 +5,7 @@
 #   bash bench/device_one.sh build        # the C++ kernel's build alone (over 200 s on that Xeon in session 39)
 #   bash bench/device_one.sh bf16-tests   # tests/test_bf16_arith.py on the Xeon's build (AMX), then with BMC_AMX=0
 #   bash bench/device_one.sh bf16-bench   # bench/bf16_prefill.py --decode ${DECODE:-64} (TinyLlama shape, 16 threads)
+#   bash bench/device_one.sh int8-gemm    # bench/int8_gemm.py: bmc's VNNI int8 GEMMs against torch._int_mm (AMX-INT8)
 #   bash bench/device_one.sh gpu-sdpa     # the attention determinism test (and with cuDNN: it should fail),
 #                                         # bench/gpu_sdpa.py, bench/gpu_determinism.py --modes default,no-ahead
 #   bash bench/device_one.sh gpu-attn     # the Triton decode attention's tests, bench/gpu_sdpa.py (it, SDPA, cuDNN)
@@ -37,6 +38,9 @@ for stage in "$@"; do
     bf16-bench)
       timeout ${T_BENCH:-420} python3 bench/bf16_prefill.py --out "$OUT/bf16" --decode ${DECODE:-64} --repeats ${REPEATS:-3} 2>&1 \
         | grep -v -E "Warning|it/s" | tee "$OUT/bf16-bench.log" ;;
+    int8-gemm)
+      timeout ${T_BENCH:-420} python3 bench/int8_gemm.py --out "$OUT/int8-gemm" 2>&1 | grep -v Warning \
+        | tee "$OUT/int8-gemm.log" ;;
     gpu-sdpa)
       timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k same_bits 2>&1 \
         | tee "$OUT/sdpa-test.log" | tail -3
