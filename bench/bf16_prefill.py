@@ -76,7 +76,8 @@ def prefill(path: str, prompt_len: int, repeats: int) -> dict[str, float]:
     import bmc
     from bmc.engine import prefill_alone
 
-    models = {"bmc float32": bmc.load(path), "bmc bfloat16 prompts": bmc.load(path, activations="bfloat16"),
+    models = {"bmc float32": bmc.load(path, activations="float"),  # "auto" would pick bfloat16 for this checkpoint
+              "bmc bfloat16 prompts": bmc.load(path, activations="bfloat16"),
               "torch bfloat16 (--dtype bfloat16)": bmc.load(path, dtype="bfloat16")}
     ids = [100 + i % 30000 for i in range(prompt_len)]
     times: dict[str, list[float]] = {k: [] for k in models}
@@ -127,7 +128,7 @@ def decode(path: str, new_tokens: int, repeats: int) -> dict[str, float]:
     import bmc
 
     models = {"float32 panels (--quant none)": bmc.load(path, quant="none"),
-              "16-bit panels (--quant auto)": bmc.load(path)}
+              "16-bit panels (--quant auto)": bmc.load(path, activations="float")}
     prompt = [[100 + i for i in range(16)]]
     tps: dict[str, list[float]] = {k: [] for k in models}
     for m in models.values():

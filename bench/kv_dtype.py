@@ -165,7 +165,7 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(0)).tolist()
     host = f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cpus"
     result: dict[str, Any] = {"config": dict(vars(args), host=host, model=os.path.basename(path),
-                                             text="pydoc_data.topics"), "rows": {}}
+                                             activations=model.activations, text="pydoc_data.topics"), "rows": {}}
     kinds = args.kv_dtypes.split(",")
     if args.sparq:
         kinds += [f"{k}+sparq" for k in ("float32", "int8") if k in kinds]

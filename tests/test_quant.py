@@ -74,7 +74,8 @@ def test_gguf_blocks_kept_give_the_dequantized_models_tokens(tmp_path, kind, tie
     path = str(tmp_path / f"{kind}.gguf")
     qtype = {**KINDS, **HALF_TYPES}[kind]
     _write(path, tied=tied, plan=uniform_plan(qtype), embed_type=qtype)
-    mq, mf = bmc.load(path), bmc.load(path, quant="none")  # auto: gguf on a CPU in float32
+    # quant auto: gguf on a CPU in float32; float activations (a BF16 file's default, "auto", prefills in bfloat16)
+    mq, mf = bmc.load(path, activations="float"), bmc.load(path, quant="none")
     assert mq.quant == "gguf" and mf.quant == "none"
     for lq, lf in zip([lin for lin in mq.linears() if lin is not mq.net.embed_q], mf.linears()):
         if lq.quant is not None:

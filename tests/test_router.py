@@ -17,7 +17,7 @@ import pytest
 
 import bmc
 from bmc.platform.topology import bind_memory_to, nodes_of, parse_cpu_list, physical_core_cpus
-from bmc.server.router import Router, core_sets_for, max_num_seqs
+from bmc.server.router import STARTUP_GRACE_S, Router, core_sets_for, max_num_seqs
 
 from .conftest import make_llama
 from .serving import ServerProcess
@@ -224,15 +224,16 @@ def test_health_is_ok_only_once_every_instance_has_started():
     instance up sent a benchmark's whole first wave to it (8 of 16 requests queued there behind whole requests, a
     TTFT of 4.5 s, while the other instance finished loading). After start-up, an instance down (crashed,
     restarting) leaves the router serving on the others: 200 "degraded". An instance that crashed while starting
-    counts as started, so one that never comes up does not keep the rest from serving."""
+    counts as started, and one still not up STARTUP_GRACE_S after the first came up (a hung load) no longer holds
+    the rest back, so /health is never 503 for ever while requests are served."""
     router = Router([[0], [1]], ["--max-num-seqs", "8"], None)
     a, b = router.instances
     a.proc, b.proc = Running(), Running()
     assert router.health()[0] == 503 and router.health()[1]["status"] == "starting"
-    a.ready = a.came_up = True  # as watch() sets them on a's first /health 200
+    router.instance_up(a)  # as watch() does on a's first /health 200
     status, body = router.health()
     assert (status, body["status"]) == (503, "starting") and [i["ready"] for i in body["instances"]] == [True, False]
-    b.ready = b.came_up = True
+    router.instance_up(b)
     assert router.health()[0] == 200 and router.health()[1]["status"] == "ok"
     b.proc.returncode = -9  # b died after start-up: a serves alone
     assert router.health()[0] == 200 and router.health()[1]["status"] == "degraded"
@@ -246,6 +247,14 @@ def test_health_is_ok_only_once_every_instance_has_started():
     a.proc, b.proc, a.ready, a.came_up = Running(), Running(), True, True
     b.restarts = 1  # b crashed while starting: serve on a
     assert fresh.health()[0] == 200 and fresh.health()[1]["status"] == "degraded"
+
+    hung = Router([[0], [1]], ["--max-num-seqs", "8"], None)  # b alive but never answering: a hung load
+    a, b = hung.instances
+    a.proc, b.proc = Running(), Running()
+    hung.instance_up(a)
+    assert hung.health()[1]["status"] == "starting"
+    hung.first_up_at -= STARTUP_GRACE_S + 1  # long after the first came up: serve on a, degraded
+    assert hung.health()[0] == 200 and hung.health()[1]["status"] == "degraded"
 
 
 def test_a_request_goes_to_an_instance_with_a_free_row_before_less_work():

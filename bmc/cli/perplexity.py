@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         model = load(args.model, dtype=args.dtype, device=args.device, share_weights=args.device == "cpu" and not args.no_weights_cache,
                      quant=args.quant, activations=args.activations)
-        print(f"bmc-perplexity: {model.path} (quant {model.quant}, kv {args.kv_dtype}), chunks of {args.ctx_size} tokens, "
+        print(f"bmc-perplexity: {model.path} (quant {model.quant}, {model.activations} activations, kv "
+              f"{args.kv_dtype}), chunks of {args.ctx_size} tokens, "
               f"{args.batch_size} per forward", file=sys.stderr, flush=True)
         res = perplexity(model, text, context=args.ctx_size, batch=args.batch_size, max_chunks=args.chunks,
                          progress=progress, kv_dtype=args.kv_dtype)
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         print(json.dumps({"ppl": res.ppl, "ppl_stderr": res.ppl_stderr, "nll": res.nll, "chunks": res.chunks,
                           "context": res.context, "scored_tokens": res.scored_tokens, "seconds": res.seconds,
-                          "quant": model.quant, "model": model.path}))
+                          "quant": model.quant, "activations": model.activations, "model": model.path}))
     else:
         print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_stderr:.5f}  ({res.chunks} chunks of {res.context}, "
               f"{res.scored_tokens} tokens scored, {res.tokens_per_s:.0f} tok/s)")

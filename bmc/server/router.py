@@ -40,6 +40,9 @@ from .protocol import APIError
 log = logging.getLogger("bmc.router")
 
 RESTART_BACKOFF_S = 1.0  # before restarting an instance that died (a crash loop must not spin)
+# /health says "starting" until every instance is up, but no longer than this after the first came up: instances
+# load the same weights, so one still loading that long after a sibling is hung, and the rest serve without it
+STARTUP_GRACE_S = 300.0
 
 
 
@@ -114,6 +117,7 @@ class Router:
         self.stopping = False
         self._keys = iter(range(1 << 62))
         self._picks = 0
+        self.first_up_at: float | None = None  # when the first instance came up (time.monotonic)
 
     def start(self) -> None:
         for inst in self.instances:
@@ -137,13 +141,26 @@ class Router:
                 if not inst.ready:
                     try:
                         r = await self.client.get(inst.url + "/health", timeout=1.0)
-                        inst.ready = r.status_code == 200
-                        inst.came_up = inst.came_up or inst.ready
+                        if r.status_code == 200:
+                            self.instance_up(inst)
                         if inst.ready:
                             log.info("instance %d ready after %.1f s", inst.index, time.monotonic() - inst.started_at)
                     except httpx.HTTPError:
                         pass
             await asyncio.sleep(0.5)
+
+    def instance_up(self, inst: Instance) -> None:
+        """`inst` answered /health 200: ready, and (the first time) up since the router started."""
+        inst.ready = inst.came_up = True
+        if self.first_up_at is None:
+            self.first_up_at = time.monotonic()
+
+    def starting(self) -> bool:
+        """Start-up: some instance has neither come up nor crashed trying, and the first came up less than
+        STARTUP_GRACE_S ago (a sibling still loading long after that is hung: serve without it)."""
+        if all(i.came_up or i.restarts for i in self.instances):
+            return False
+        return self.first_up_at is None or time.monotonic() - self.first_up_at < STARTUP_GRACE_S
 
     def pick(self) -> Instance | None:
         ready = [i for i in self.instances if i.ready and i.alive]
@@ -263,7 +280,7 @@ class Router:
         ready = sum(s["ready"] for s in states)
         # Not ready before every instance has come up once (or crashed trying): a client that starts on the first
         # 200 would otherwise send its whole first wave to one instance and queue half of it behind whole requests
-        if not all(i.came_up or i.restarts for i in self.instances):
+        if self.starting():
             return 503, {"status": "starting", "instances": states}
         status = "ok" if ready == len(states) else "degraded" if ready else "unavailable"
         return (200 if ready else 503), {"status": status, "instances": states}
