@@ -19,7 +19,7 @@ from bmc.errors import BmcError
 from bmc.kernels.native import native_module, native_supported
 from bmc.models.quant import QuantWeight, quantize
 
-from .conftest import make_llama, require_real_model, transformers  # noqa: F401
+from .conftest import make_llama, require_real_model, skip_unless_isa, transformers  # noqa: F401
 from .test_gguf import LAYER_PLAN, Q, _write
 
 pytestmark = pytest.mark.skipif(not native_supported(torch.device("cpu"), torch.float32),
@@ -482,7 +482,13 @@ def _has_int8_dot() -> bool:
     return mod is not None and bool(mod.has_int8_dot())
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.fixture
+def int8_dot() -> None:
+    """Skip where this CPU lacks AVX512-VNNI and VBMI; fail where it has them and the kernel does not use them."""
+    skip_unless_isa(_has_int8_dot(), ("avx512_vnni", "avx512vbmi"), "int8 activations need AVX512-VNNI and VBMI")
+
+
+@pytest.mark.usefixtures("int8_dot")
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q4_k", "q8_0", "q5_k", "q6_k", "mixed"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
@@ -509,7 +515,7 @@ def test_int8_activations_gemm_within_its_stated_bound(kind, rows):
     torch.testing.assert_close(lin(x).double(), exact, rtol=1e-5, atol=1e-4)  # and float again exact
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.usefixtures("int8_dot")
 @pytest.mark.parametrize("K", [32, 576, 1536, 32 * 37])
 def test_int8_activations_round_x_as_stated(K):
     """The rounding of x the int8 GEMMs take (the native step's quantize_rows; the CUDA mode, quant_i8x.py, states
@@ -536,7 +542,7 @@ def test_int8_activations_round_x_as_stated(K):
     assert (qx[1, :32] == 0).all() and dx[1, 0] == 0
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.usefixtures("int8_dot")
 def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
     """A Q4_0 model (its LM head Q8_0) with activations="int8": the native decode step and the PyTorch path (which call the same
     GEMM) give the same tokens; logits stay near the float activations' (a few % of their range on this random
@@ -566,7 +572,7 @@ def test_int8_activations_model_and_refusals(tmp_path, gqa_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.usefixtures("int8_dot")
 def test_int8_activations_perplexity_of_the_default_model(real_model):
     """The default model as stored (Q4_1) with int8 activations, prefill included: perplexity within 1 % of the
     float activations' on held-out text (measured: bench/quant.py --activations int8)."""
@@ -578,7 +584,7 @@ def test_int8_activations_perplexity_of_the_default_model(real_model):
     assert ppl["int8"] != ppl["float"] and abs(ppl["int8"] / ppl["float"] - 1) < 0.01, ppl
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.usefixtures("int8_dot")
 def test_a_branching_tree_gives_plain_tokens_with_int8_activations():
     """A branching verify tree (dynamic:4x6: a node's siblings masked among its ancestors) gives plain decoding's
     tokens on the default model with int8 activations, where an ulp in an attention output can move an activation
@@ -594,7 +600,7 @@ def test_a_branching_tree_gives_plain_tokens_with_int8_activations():
     assert tree[0].token_ids == plain[0].token_ids
 
 
-@pytest.mark.skipif(not _has_int8_dot(), reason="int8 activations need AVX512-VNNI and VBMI")
+@pytest.mark.usefixtures("int8_dot")
 def test_int8_activation_tokens_do_not_depend_on_the_cache_growth(tmp_path):
     """With int8 activations a 1e-7 difference in an attention output can move an activation across a rounding
     step. A capacity of whole 16-key score blocks computes every key's score as a larger capacity does, so the
