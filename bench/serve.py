@@ -167,10 +167,10 @@ async def join_scenario(url: str, model_name: str, prompts: list[str], long_prom
 
 def percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     s = sorted(xs)
     at = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731
-    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1]}
 
 
 def summarize(results: list[RequestResult], duration: float, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
@@ -329,10 +329,13 @@ def workload(model: Any, args: argparse.Namespace, n: int, seed: int) -> list[st
 
 
 def bmc_kv_metrics(url: str) -> dict[str, float]:
-    """bmc-serve's KV gauges and prefix-cache counters (empty for a peer, or with the prefix cache off)."""
+    """bmc-serve's KV gauges and prefix-cache counters (empty for a peer, or with the prefix cache off), summed over
+    instances behind a router; and, since the server started, its requests and their seconds queued before
+    admission, per instance too ("[0]", "[1]", ...): an uneven split or one instance's queue time says a run's
+    requests waited for a row (a first wave sent to one instance while the other was still loading did)."""
     names = ("bmc:kv_cache_peak_bytes", "bmc:kv_cache_running_peak_bytes", "bmc:prefix_cache_usage_bytes",
-             "bmc:prefix_cache_hits_total",
-             "bmc:prefix_cache_queries_total")
+             "bmc:prefix_cache_hits_total", "bmc:prefix_cache_queries_total",
+             "bmc:request_queue_time_seconds_sum", "bmc:request_queue_time_seconds_count")
     out: dict[str, float] = {}
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
@@ -341,7 +344,13 @@ def bmc_kv_metrics(url: str) -> dict[str, float]:
     for line in text.splitlines():
         name = line.split("{")[0].split(" ")[0]
         if name in names:
-            out[name.removeprefix("bmc:")] = float(line.rsplit(" ", 1)[1])
+            key = name.removeprefix("bmc:")
+            instance = line.split('instance="', 1)[1].split('"', 1)[0] if 'instance="' in line else "all"
+            if instance != "all":
+                if "request_queue_time" not in name:
+                    continue
+                key += f"[{instance}]"
+            out[key] = float(line.rsplit(" ", 1)[1])
     return out
 
 
