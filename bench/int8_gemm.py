@@ -12,23 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from bf16_prefill import best_s  # bench/ is the script's own folder: the same best-of timing
 
 SHAPES = {"qkv": (2048, 2560), "o": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048)}  # K x N
-
-
-def best_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def cpu_flags() -> list[str]:
