@@ -161,12 +161,11 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
     fused_ar = getattr(net, "tp_allreduce", None)
     if fused_ar is not None and (MODE != "triton" or glue.int8_rows or not fused_ar.fits(x)):
         fused_ar = None
-    row_gemm = glue.gemm
-    after_sum = glue.norm
+    row_gemm, after_sum, last_sum = glue.gemm, glue.norm, final_norm
     if fused_ar is not None:
         fused_ar.begin_step()
         row_gemm = lambda lin, inp: lin.partial(inp)  # noqa: E731
-        after_sum = fused_ar.add_norm
+        after_sum = last_sum = fused_ar.add_norm
     x, a = glue.norm(x, None, layers[0].ln1, eps)  # a: the next GEMM's input (a tensor, or its int8 rows)
     for i, L in enumerate(layers):
         kv = cache.kv[i]
@@ -180,6 +179,5 @@ def decode_layers(net: "LlamaModel", x: torch.Tensor, rope: tuple[torch.Tensor, 
         x, a = after_sum(x, o, L.ln2, eps)
         m = row_gemm(L.down, glue.act(glue.gemm(L.gate_up, a)))
         last = i + 1 == len(layers)
-        x, a = (after_sum if fused_ar is not None else final_norm if last else glue.norm)(
-            x, m, net.norm if last else layers[i + 1].ln1, eps)
+        x, a = (last_sum if last else after_sum)(x, m, net.norm if last else layers[i + 1].ln1, eps)
     return a
